@@ -1,0 +1,46 @@
+"""Build Poseidon: the planning package, the runtime, and the Cython core (every cython_core/*.pyx)."""
+
+import glob
+import os
+
+from setuptools import Extension, find_packages, setup
+
+try:
+    from Cython.Build import cythonize
+except ImportError as exc:  # Cython is a build requirement (pyproject.toml); say so plainly
+    raise SystemExit("building Poseidon needs Cython: pip install 'Cython>=3.0' (or pip install .)") from exc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+os.chdir(HERE)
+
+extensions = [
+    Extension(f"cython_core.{os.path.splitext(os.path.basename(pyx))[0]}", [pyx],
+              extra_compile_args=["-O3"])
+    for pyx in sorted(glob.glob("cython_core/*.pyx"))
+]
+
+setup(
+    name="poseidon-plugin",
+    version="0.1.0",
+    description="Heterogeneity-aware parallelism planning and launching for Megatron-LM / MindSpeed-LLM",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["poseidon_plugin", "poseidon_plugin.*", "cython_core", "patches",
+                                    "patches.*"]),
+    package_data={"poseidon_plugin": ["specs/presets/*.yaml", "specs/presets/*.json"],
+                  "cython_core": ["*.pxd", "*.pyx"]},
+    ext_modules=cythonize(extensions, compiler_directives={"language_level": "3"}, include_path=[HERE]),
+    install_requires=["PyYAML>=5.4"],
+    extras_require={
+        # the CPU stack the distributed tests and the CPU demo run on (pinned: see README)
+        "cpu": ["torch==2.13.0", "megatron-core==0.16.1", "numpy", "packaging"],
+        "test": ["pytest>=7", "hypothesis>=6", "torch==2.13.0", "megatron-core==0.16.1", "numpy",
+                 "packaging"],
+    },
+    entry_points={"console_scripts": [
+        "poseidon = poseidon_plugin.cli:main",
+        "poseidon-run = poseidon_plugin.runtime.launcher:main",
+    ]},
+    zip_safe=False,
+)
