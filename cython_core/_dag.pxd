@@ -1,6 +1,15 @@
 # Compiled longest-path kernel over a frozen poseidon_plugin.simulator.graph.Graph.
 # Other Cython modules (the search loop) cimport DagKernel and call run() without the GIL.
 
+ctypedef struct Node2:
+    # a node with at most two predecessors (the common case): finish = w + max(0, f[a] + wa, f[b] + wb);
+    # a missing predecessor points at the dummy node n_nodes (finish 0) with weight index 0
+    int a
+    int b
+    int wa
+    int wb
+    int w
+
 cdef class DagKernel:
     cdef readonly int n_nodes
     cdef readonly int n_params
@@ -14,6 +23,9 @@ cdef class DagKernel:
     cdef int* ew
     cdef int* sinks
     cdef double* finish
+    cdef Node2* nodes2     # packed two-predecessor form, NULL when some node has more predecessors
 
     # Longest path for the parameter vector params[0:n_params]; params[0] must be 0.
     cdef double run(self, const double* params) noexcept nogil
+    cdef double _max_sink(self) noexcept nogil
+    cdef _pack(self)

@@ -21,6 +21,7 @@ cdef class DagKernel:
     def __cinit__(self, graph):
         self.weight = self.ptr = self.src = self.ew = self.sinks = NULL
         self.finish = NULL
+        self.nodes2 = NULL
         self.n_nodes = graph.n_nodes
         self.n_edges = graph.n_edges
         self.n_sinks = len(graph.sinks)
@@ -32,13 +33,40 @@ cdef class DagKernel:
         self.src = _copy_ints(graph.pred_src)
         self.ew = _copy_ints(graph.pred_weight)
         self.sinks = _copy_ints(graph.sinks)
-        self.finish = <double*> malloc((self.n_nodes if self.n_nodes > 0 else 1) * sizeof(double))
+        # one extra slot: the dummy predecessor (finish 0) of the packed form
+        self.finish = <double*> malloc((self.n_nodes + 1) * sizeof(double))
         if self.finish == NULL:
             raise MemoryError()
+        self.finish[self.n_nodes] = 0.0
+        self._pack()
+
+    cdef _pack(self):
+        cdef int v, k, e
+        for v in range(self.n_nodes):
+            if self.ptr[v + 1] - self.ptr[v] > 2:
+                return
+        self.nodes2 = <Node2*> malloc((self.n_nodes if self.n_nodes > 0 else 1) * sizeof(Node2))
+        if self.nodes2 == NULL:
+            raise MemoryError()
+        for v in range(self.n_nodes):
+            self.nodes2[v].a = self.n_nodes
+            self.nodes2[v].b = self.n_nodes
+            self.nodes2[v].wa = 0
+            self.nodes2[v].wb = 0
+            self.nodes2[v].w = self.weight[v]
+            k = 0
+            for e in range(self.ptr[v], self.ptr[v + 1]):
+                if k == 0:
+                    self.nodes2[v].a = self.src[e]
+                    self.nodes2[v].wa = self.ew[e]
+                else:
+                    self.nodes2[v].b = self.src[e]
+                    self.nodes2[v].wb = self.ew[e]
+                k += 1
 
     def __dealloc__(self):
         free(self.weight); free(self.ptr); free(self.src); free(self.ew); free(self.sinks)
-        free(self.finish)
+        free(self.finish); free(self.nodes2)
 
     cdef double run(self, const double* params) noexcept nogil:
         cdef int v, e, e_end
@@ -48,6 +76,16 @@ cdef class DagKernel:
         cdef const int* src = self.src
         cdef const int* ew = self.ew
         cdef const int* weight = self.weight
+        cdef const Node2* nd = self.nodes2
+        cdef double ta, tb
+        if nd != NULL:
+            for v in range(self.n_nodes):
+                ta = finish[nd[v].a] + params[nd[v].wa]
+                tb = finish[nd[v].b] + params[nd[v].wb]
+                if tb > ta:
+                    ta = tb
+                finish[v] = ta + params[nd[v].w]
+            return self._max_sink()
         e = 0
         for v in range(self.n_nodes):
             best = 0.0
@@ -58,9 +96,13 @@ cdef class DagKernel:
                     best = t
                 e += 1
             finish[v] = best + params[weight[v]]
-        best = 0.0
+        return self._max_sink()
+
+    cdef inline double _max_sink(self) noexcept nogil:
+        cdef int v
+        cdef double t, best = 0.0
         for v in range(self.n_sinks):
-            t = finish[self.sinks[v]]
+            t = self.finish[self.sinks[v]]
             if t > best:
                 best = t
         return best
