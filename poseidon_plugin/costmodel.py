@@ -1,0 +1,537 @@
+"""Cost model: specs + profile -> per-stage times, memory and the simulator's stage-level input.
+
+Pure Python, no torch. Built once per planning run; the search then reads precomputed records::
+
+    cm = CostModel(cluster, model)                       # analytic profile when profile is None
+    gc = cm.group("A2-2", tp=8, mbs=1, dp=2)             # GroupCosts: O(1) after the first call
+    gc.forward_ms * layers + gc.first_forward_ms         # stage forward of a first stage
+    cm.max_layers("A2-4", 8, 1, 2, live=4, first=True)   # memory-feasible layer count
+    cand = Candidate(tp=8, pp=4, dp=2, mbs=1, stage_types=("A2-2",) * 4, layers=(20,) * 4)
+    doc = cm.stage_input(cand)                           # simulator stage-level dict
+    cm.memory_per_stage(cand); cm.iteration_ms(cand); cm.make_plan(cand)
+
+Model (docs/SPECS.md has the formulas and constants):
+* stage forward/backward = per-layer time x layers (+ embedding on the first, output layer + loss on
+  the last virtual stage);
+* ``send_ms`` = activation bytes / (link bandwidth x link_efficiency) + latency, over the link the two
+  stage groups actually share: same node, same device type on different nodes, or different types;
+* DP gradient sync per layer over the slowest link of the stage's DP group, as a ring: all-reduce
+  ``2(dp-1)/dp x grad bytes / bw + 2(dp-1) x latency``; with the distributed optimizer a reduce-scatter
+  of gradients plus an all-gather of parameters;
+* memory = parameters x (weight + grad + optimizer bytes, the optimizer part / DP with the distributed
+  optimizer) + activations x the simulator's peak live (chunk, micro-batch) count for the rank.
+
+Placement: every stage's ``dp x tp`` devices are of one type; stages take devices of their type in
+pipeline order, in the cluster's enumeration order (:meth:`CostModel.placement`). Device index ``i``
+inside a stage is ``dp_rank x tp + tp_rank`` (Megatron's tp-fastest rank order), so TP groups are
+contiguous and stay inside a node when TP divides the node size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Mapping, Sequence
+
+from .errors import InputError
+from .specs import (GIB, LINK_CROSS_TYPE, LINK_INTER_NODE, LINK_INTRA_NODE, ClusterSpec,
+                    CostConstants, Device, ModelSpec, ProfileSpec, analytic_profile, constants_for,
+                    valid_tp_degrees)
+from .specs.analytic import DEFAULT_MICRO_BATCH_SIZES
+
+SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    """A complete plan candidate, as the search builds it.
+
+    ``layers`` has ``pp x virtual_stages`` entries in Megatron's virtual-stage-major order: virtual
+    stage ``vs = chunk x pp + rank`` holds ``layers[vs]`` layers, and global layers are numbered in
+    ``vs`` order. With ``virtual_stages == 1`` it is simply the layers per pipeline stage.
+    """
+
+    tp: int
+    pp: int
+    dp: int
+    mbs: int
+    stage_types: tuple[str, ...]      # device type of each pipeline stage, len pp
+    layers: tuple[int, ...]           # layers per virtual stage, len pp * virtual_stages
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    devices: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    """Optional explicit placement: per stage, ``dp x tp`` ``(node, local)`` pairs in rank order.
+    ``None`` uses the deterministic :meth:`CostModel.placement`."""
+
+    def chunk_layers(self, rank: int) -> tuple[int, ...]:
+        """Layers of each chunk (virtual stage) of pipeline rank ``rank``."""
+        return tuple(self.layers[c * self.pp + rank] for c in range(self.virtual_stages))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupCosts:
+    """Costs of one stage group: ``dp`` replicas of a TP group of ``tp`` devices of one type.
+
+    Times are per micro-batch (forward/backward) or per iteration (all-reduce), in ms; sizes in bytes
+    per device. ``*_allreduce_ms`` are indexed by the DP group's slowest link kind
+    (``LINK_INTRA_NODE`` or ``LINK_INTER_NODE``); ``send_ms`` by ``LINK_*`` (intra, inter, cross).
+    """
+
+    device_type: str
+    tp: int
+    mbs: int
+    dp: int
+    forward_ms: float                 # one layer
+    backward_ms: float
+    first_forward_ms: float           # extra on the first virtual stage (embedding)
+    first_backward_ms: float
+    last_forward_ms: float            # extra on the last virtual stage (output layer + loss)
+    last_backward_ms: float
+    allreduce_ms: tuple[float, float]        # DP gradient sync of one layer
+    first_allreduce_ms: tuple[float, float]  # of the embedding
+    last_allreduce_ms: tuple[float, float]   # of the output layer
+    send_ms: tuple[float, float, float]      # activation (and gradient) transfer out of this group
+    layer_state_bytes: float          # weights + grads + optimizer states of one layer
+    first_state_bytes: float
+    last_state_bytes: float
+    layer_activation_bytes: float     # kept per live micro-batch by one layer
+    first_activation_bytes: float
+    last_activation_bytes: float
+    usable_bytes: float               # device memory minus reserves
+
+    def stage_memory(self, layers: int, live: int, first: bool = False, last: bool = False) -> float:
+        """Peak bytes of a (non-interleaved) stage with ``layers`` layers and ``live`` micro-batches."""
+        state = layers * self.layer_state_bytes
+        act = layers * self.layer_activation_bytes
+        if first:
+            state += self.first_state_bytes
+            act += self.first_activation_bytes
+        if last:
+            state += self.last_state_bytes
+            act += self.last_activation_bytes
+        return state + live * act
+
+    def max_layers(self, live: int, first: bool = False, last: bool = False) -> int:
+        """Most layers a stage can hold within ``usable_bytes`` (may be < 0 when even 0 do not fit)."""
+        room = self.usable_bytes - self.stage_memory(0, live, first, last)
+        per_layer = self.layer_state_bytes + live * self.layer_activation_bytes
+        if room < 0:
+            return -1
+        return int(room // per_layer)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placement:
+    """Where a candidate's stages run and which links they use."""
+
+    stage_devices: tuple[tuple[Device, ...], ...]  # per stage, dp*tp devices in rank order
+    send_link: tuple[int, ...]        # per rank r: LINK_* of r -> r+1 (r = pp-1: wrap to 0); -1 if pp=1
+    dp_link: tuple[int, ...]          # per rank: slowest LINK_* inside its DP group (-1 if dp = 1)
+
+
+def _ring_sync_ms(params: float, dp: int, grad_bytes: float, param_bytes: float, distributed: bool,
+                  bytes_per_ms: float, latency_ms: float) -> float:
+    if dp <= 1:
+        return 0.0
+    share = (dp - 1) / dp
+    if distributed:   # reduce-scatter of gradients + all-gather of updated parameters
+        return share * params * (grad_bytes + param_bytes) / bytes_per_ms + 2 * (dp - 1) * latency_ms
+    return 2 * share * params * grad_bytes / bytes_per_ms + 2 * (dp - 1) * latency_ms
+
+
+class CostModel:
+    """Per-group costs, placement and simulator input for one (cluster, model, profile)."""
+
+    def __init__(self, cluster: ClusterSpec, model: ModelSpec, profile: ProfileSpec | None = None,
+                 constants: Mapping[str, Any] | CostConstants | None = None, *,
+                 micro_batch_sizes: Sequence[int] = DEFAULT_MICRO_BATCH_SIZES) -> None:
+        """``profile=None`` derives an analytic profile for ``micro_batch_sizes``."""
+        self.cluster = cluster
+        self.model = model
+        self.constants = constants_for(cluster, model, constants)
+        if profile is None:
+            profile = analytic_profile(cluster, model, micro_batch_sizes=micro_batch_sizes,
+                                       constants=self.constants)
+        else:
+            self._check_profile(profile)
+        self.profile = profile
+        self.device_types = tuple(t for t in cluster.type_names if t in profile.device_types())
+        if not self.device_types:
+            raise InputError(f"profile {profile.origin} has no entry for any device type of cluster "
+                             f"{cluster.name!r} ({', '.join(cluster.type_names)}); profile those types")
+        c = self.constants
+        dtype = model.dtype
+        self.param_bytes = float(model.dtype_bytes)
+        grad_fp32 = c.grad_reduce_in_fp32 if c.grad_reduce_in_fp32 is not None else dtype != "fp16"
+        self.grad_bytes = 4.0 if grad_fp32 else float(model.dtype_bytes)
+        # Adam moments, plus an fp32 master copy of low-precision weights, plus an fp32 copy of
+        # low-precision gradients (Megatron's mixed-precision optimizer); sharded with the dist. optim.
+        self.optimizer_bytes = (c.adam_state_bytes + (4.0 if dtype != "fp32" else 0.0)
+                                + (4.0 if self.grad_bytes < 4.0 else 0.0))
+        self._devices = {t: cluster.devices_of_type(t) for t in cluster.type_names}
+        self._groups: dict[tuple[str, int, int, int], GroupCosts] = {}
+        self._slots: dict[tuple[str, int, int], tuple] = {}
+        self._links: dict[tuple, int] = {}
+        self._simulators: dict[tuple, Any] = {}
+
+    def _check_profile(self, profile: ProfileSpec) -> None:
+        m = self.model
+        for attr, flag in (("model", "--model"), ("seq_length", "--seq-length"), ("dtype", "dtype")):
+            have = getattr(profile, attr)
+            want = m.name if attr == "model" else getattr(m, attr)
+            if have != want:
+                raise InputError(f"profile {profile.origin} has {attr}={have!r} but the job has "
+                                 f"{want!r} ({flag}); re-profile for this job or drop --profile to use "
+                                 "the analytic profile")
+
+    # --- options the search enumerates --------------------------------------------------------
+
+    def tp_degrees(self, device_type: str) -> tuple[int, ...]:
+        """TP degrees the profile covers for ``device_type`` that Megatron can run on its nodes."""
+        allowed = valid_tp_degrees(self.cluster, self.model, device_type)
+        return tuple(t for t in self.profile.tp_degrees(device_type) if t in allowed)
+
+    def micro_batch_sizes(self) -> tuple[int, ...]:
+        """Micro-batch sizes the profile covers."""
+        return self.profile.micro_batch_sizes()
+
+    def num_devices(self, device_type: str) -> int:
+        """Devices of one type."""
+        return len(self._devices[device_type])
+
+    def max_stages(self, device_type: str, tp: int, dp: int) -> int:
+        """How many stages of ``dp x tp`` devices the devices of one type can host."""
+        return len(self._devices[device_type]) // (tp * dp)
+
+    def micro_batches(self, dp: int, mbs: int) -> int | None:
+        """``M = GBS / (dp x mbs)``, or ``None`` when it does not divide."""
+        q, r = divmod(self.model.global_batch_size, dp * mbs)
+        return q if r == 0 and q > 0 else None
+
+    # --- per-group records --------------------------------------------------------------------
+
+    def group(self, device_type: str, tp: int, mbs: int, dp: int) -> GroupCosts:
+        """The :class:`GroupCosts` of ``(device_type, tp, mbs, dp)`` (computed once, then cached)."""
+        key = (device_type, tp, mbs, dp)
+        gc = self._groups.get(key)
+        if gc is None:
+            gc = self._groups[key] = self._make_group(device_type, tp, mbs, dp)
+        return gc
+
+    def _make_group(self, device_type: str, tp: int, mbs: int, dp: int) -> GroupCosts:
+        e = self.profile.lookup(device_type, tp, mbs)
+        c = self.constants
+        cl = self.cluster
+        dist = self.model.distributed_optimizer
+        per_param = self.param_bytes + self.grad_bytes + self.optimizer_bytes / (dp if dist else 1)
+
+        def sync(params: float) -> tuple[float, float]:
+            out = []
+            for kind in (LINK_INTRA_NODE, LINK_INTER_NODE):
+                link = cl.link(device_type, kind)
+                out.append(_ring_sync_ms(params, dp, self.grad_bytes, self.param_bytes, dist,
+                                         link.bytes_per_ms * c.link_efficiency, link.latency_ms))
+            return out[0], out[1]
+
+        sends = []
+        for kind in (LINK_INTRA_NODE, LINK_INTER_NODE, LINK_CROSS_TYPE):
+            link = cl.link(device_type, kind)
+            sends.append(e.send_bytes / (link.bytes_per_ms * c.link_efficiency) + link.latency_ms)
+        usable = self.usable_bytes(device_type)
+        return GroupCosts(
+            device_type=device_type, tp=tp, mbs=mbs, dp=dp,
+            forward_ms=e.forward_ms, backward_ms=e.backward_ms,
+            first_forward_ms=e.embedding_forward_ms, first_backward_ms=e.embedding_backward_ms,
+            last_forward_ms=e.head_forward_ms, last_backward_ms=e.head_backward_ms,
+            allreduce_ms=sync(e.layer_params), first_allreduce_ms=sync(e.embedding_params),
+            last_allreduce_ms=sync(e.head_params), send_ms=(sends[0], sends[1], sends[2]),
+            layer_state_bytes=e.layer_params * per_param,
+            first_state_bytes=e.embedding_params * per_param,
+            last_state_bytes=e.head_params * per_param,
+            layer_activation_bytes=float(e.activation_bytes),
+            first_activation_bytes=float(e.embedding_activation_bytes),
+            last_activation_bytes=float(e.head_activation_bytes),
+            usable_bytes=usable)
+
+    def max_layers(self, device_type: str, tp: int, mbs: int, dp: int, live: int,
+                   first: bool = False, last: bool = False) -> int:
+        """Most layers a non-interleaved stage of this group can hold with ``live`` micro-batches."""
+        return self.group(device_type, tp, mbs, dp).max_layers(live, first, last)
+
+    def stage_max_layers(self, device_type: str, tp: int, mbs: int, dp: int, schedule: str, pp: int,
+                         rank: int) -> int:
+        """Most layers pipeline rank ``rank`` (V = 1) can hold on this group under ``schedule``."""
+        m = self.micro_batches(dp, mbs)
+        if m is None:
+            raise InputError(f"global_batch_size = {self.model.global_batch_size} is not a multiple of "
+                             f"dp x mbs = {dp} x {mbs}")
+        live = self.peak_live(schedule, pp, m, 1)[rank]
+        return self.group(device_type, tp, mbs, dp).max_layers(live, rank == 0, rank == pp - 1)
+
+    @staticmethod
+    def peak_live(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> tuple[int, ...]:
+        """Per rank, peak live (chunk, micro-batch) activations (the simulator's schedules; cached)."""
+        return _peak_live(schedule, pp, micro_batches, virtual_stages)
+
+    # --- placement ----------------------------------------------------------------------------
+
+    def slot(self, device_type: str, tp: int, dp: int, j: int) -> tuple[tuple[int, ...], bool]:
+        """The ``j``-th stage slot of a type: (node of each DP replica's TP group, spans > 1 node)."""
+        key = (device_type, tp * dp, tp)
+        slots = self._slots.get(key)
+        if slots is None:
+            slots = self._slots[key] = self._make_slots(device_type, tp, dp)
+        if j >= len(slots):
+            raise InputError(f"{j + 1} stages of {dp}x{tp} {device_type} devices need "
+                             f"{(j + 1) * dp * tp} devices; the cluster has "
+                             f"{len(self._devices[device_type])}")
+        return slots[j]
+
+    def _make_slots(self, device_type: str, tp: int, dp: int) -> tuple:
+        devs = self._devices[device_type]
+        size = tp * dp
+        out = []
+        for start in range(0, len(devs) - size + 1, size):
+            nodes = []
+            for r in range(dp):
+                group = devs[start + r * tp: start + (r + 1) * tp]
+                if len({d.node for d in group}) != 1:
+                    raise InputError(f"tp={tp} does not fit the nodes of {device_type}: a TP group would "
+                                     "span two nodes; choose a TP degree that divides every node size")
+                nodes.append(group[0].node)
+            out.append((tuple(nodes), len(set(nodes)) > 1))
+        return tuple(out)
+
+    def link_between(self, type_a: str, j_a: int, type_b: str, j_b: int, tp: int, dp: int) -> int:
+        """``LINK_*`` between slot ``j_a`` of ``type_a`` and slot ``j_b`` of ``type_b`` (slowest pair)."""
+        if type_a != type_b:
+            return LINK_CROSS_TYPE
+        key = (type_a, j_a, j_b, tp, dp)
+        kind = self._links.get(key)
+        if kind is None:
+            na, _ = self.slot(type_a, tp, dp, j_a)
+            nb, _ = self.slot(type_b, tp, dp, j_b)
+            kind = LINK_INTER_NODE if any(x != y for x, y in zip(na, nb)) else LINK_INTRA_NODE
+            self._links[key] = kind
+        return kind
+
+    def slot_indices(self, stage_types: Sequence[str]) -> tuple[int, ...]:
+        """For each stage, its index among the earlier stages of the same type (its slot ``j``)."""
+        seen: dict[str, int] = {}
+        out = []
+        for t in stage_types:
+            j = seen.get(t, 0)
+            out.append(j)
+            seen[t] = j + 1
+        return tuple(out)
+
+    def placement(self, cand: Candidate) -> Placement:
+        """Physical devices of each stage and the link kinds the candidate uses."""
+        self._check_types(cand)
+        pp, tp, dp = cand.pp, cand.tp, cand.dp
+        if cand.devices is not None:
+            return self._explicit_placement(cand)
+        js = self.slot_indices(cand.stage_types)
+        stage_devices = []
+        dp_link = []
+        for t, j in zip(cand.stage_types, js):
+            _nodes, spans = self.slot(t, tp, dp, j)
+            start = j * tp * dp
+            stage_devices.append(self._devices[t][start:start + tp * dp])
+            dp_link.append(-1 if dp == 1 else (LINK_INTER_NODE if spans else LINK_INTRA_NODE))
+        send = []
+        for r in range(pp):
+            n = (r + 1) % pp
+            send.append(-1 if pp == 1 else self.link_between(cand.stage_types[r], js[r],
+                                                            cand.stage_types[n], js[n], tp, dp))
+        return Placement(stage_devices=tuple(stage_devices), send_link=tuple(send),
+                         dp_link=tuple(dp_link))
+
+    def _explicit_placement(self, cand: Candidate) -> Placement:
+        by_pos = {(d.node, d.local): d for d in self.cluster.devices()}
+        used: set = set()
+        stages = []
+        for s, devs in enumerate(cand.devices or ()):
+            if len(devs) != cand.dp * cand.tp:
+                raise InputError(f"candidate devices[{s}] has {len(devs)} devices; need dp*tp = "
+                                 f"{cand.dp * cand.tp}")
+            group = []
+            for pos in devs:
+                d = by_pos.get(tuple(pos))
+                if d is None or d.device_type != cand.stage_types[s] or d.index in used:
+                    raise InputError(f"candidate devices[{s}]: {tuple(pos)} is not a free "
+                                     f"{cand.stage_types[s]} device of the cluster")
+                used.add(d.index)
+                group.append(d)
+            stages.append(tuple(group))
+        if len(stages) != cand.pp:
+            raise InputError(f"candidate devices has {len(stages)} stages; pp = {cand.pp}")
+        tp, dp = cand.tp, cand.dp
+        for s, g in enumerate(stages):
+            for r in range(dp):
+                if len({d.node for d in g[r * tp:(r + 1) * tp]}) != 1:
+                    raise InputError(f"candidate devices[{s}]: TP group {r} spans several nodes")
+        dp_link = tuple(-1 if dp == 1 else (LINK_INTER_NODE if len({d.node for d in g}) > 1
+                                            else LINK_INTRA_NODE) for g in stages)
+        send = []
+        for r in range(cand.pp):
+            a, b = stages[r], stages[(r + 1) % cand.pp]
+            if cand.pp == 1:
+                send.append(-1)
+            elif a[0].device_type != b[0].device_type:
+                send.append(LINK_CROSS_TYPE)
+            else:
+                send.append(max(LINK_INTER_NODE if x.node != y.node else LINK_INTRA_NODE
+                                for x, y in zip(a, b)))
+        return Placement(stage_devices=tuple(stages), send_link=tuple(send), dp_link=dp_link)
+
+    # --- whole candidates ---------------------------------------------------------------------
+
+    def _check_types(self, cand: Candidate) -> None:
+        if cand.schedule not in SCHEDULES:
+            raise InputError(f"candidate schedule {cand.schedule!r} is unknown; allowed: "
+                             f"{', '.join(SCHEDULES)}")
+        if len(cand.stage_types) != cand.pp:
+            raise InputError(f"candidate has {len(cand.stage_types)} stage types; pp = {cand.pp}")
+        if len(cand.layers) != cand.pp * cand.virtual_stages:
+            raise InputError(f"candidate has {len(cand.layers)} layer counts; need pp * virtual_stages"
+                             f" = {cand.pp * cand.virtual_stages}")
+        if sum(cand.layers) != self.model.num_layers or min(cand.layers) < 1:
+            raise InputError(f"candidate layers {list(cand.layers)} must be >= 1 each and sum to "
+                             f"num_layers = {self.model.num_layers}")
+        for t in cand.stage_types:
+            if t not in self.device_types:
+                raise InputError(f"candidate stage type {t!r} is not profiled; known: "
+                                 f"{', '.join(self.device_types)}")
+
+    def _m(self, cand: Candidate) -> int:
+        m = self.micro_batches(cand.dp, cand.mbs)
+        if m is None:
+            raise InputError(f"global_batch_size = {self.model.global_batch_size} is not a multiple of "
+                             f"dp x mbs = {cand.dp} x {cand.mbs}")
+        return m
+
+    def stage_times(self, cand: Candidate, place: Placement | None = None):
+        """Flat vectors ``(forward_ms, backward_ms, send_ms, allreduce_ms)`` as the simulator takes them
+        (forward/backward indexed ``rank * V + chunk``)."""
+        place = place or self.placement(cand)
+        pp, v = cand.pp, cand.virtual_stages
+        fwd, bwd, send, ar = [], [], [], []
+        for r in range(pp):
+            gc = self.group(cand.stage_types[r], cand.tp, cand.mbs, cand.dp)
+            kind = place.dp_link[r]
+            total_ar = 0.0
+            for c in range(v):
+                n = cand.layers[c * pp + r]
+                f, b = n * gc.forward_ms, n * gc.backward_ms
+                if kind >= 0:
+                    total_ar += n * gc.allreduce_ms[kind]
+                if c == 0 and r == 0:
+                    f += gc.first_forward_ms
+                    b += gc.first_backward_ms
+                    total_ar += gc.first_allreduce_ms[kind] if kind >= 0 else 0.0
+                if c == v - 1 and r == pp - 1:
+                    f += gc.last_forward_ms
+                    b += gc.last_backward_ms
+                    total_ar += gc.last_allreduce_ms[kind] if kind >= 0 else 0.0
+                fwd.append(f)
+                bwd.append(b)
+            link = place.send_link[r]
+            # the wrap link (last rank -> rank 0) only carries data with virtual stages
+            send.append(0.0 if link < 0 or (r == pp - 1 and v == 1) else gc.send_ms[link])
+            ar.append(total_ar)
+        return fwd, bwd, send, ar
+
+    def stage_input(self, cand: Candidate) -> dict[str, Any]:
+        """The simulator's stage-level document for ``cand`` (see the simulator README)."""
+        m = self._m(cand)
+        fwd, bwd, send, ar = self.stage_times(cand)
+        v = cand.virtual_stages
+        stages = [{"forward_ms": fwd[r * v:(r + 1) * v], "backward_ms": bwd[r * v:(r + 1) * v],
+                   "send_ms": send[r], "allreduce_ms": ar[r]} for r in range(cand.pp)]
+        return {"schedule": cand.schedule, "micro_batches": m, "virtual_stages": v,
+                "data_parallel": cand.dp, "stages": stages}
+
+    def memory_per_stage(self, cand: Candidate) -> list[float]:
+        """Peak bytes per device of each pipeline rank (states + activations x peak live units)."""
+        self._check_types(cand)
+        pp, v = cand.pp, cand.virtual_stages
+        live = self.peak_live(cand.schedule, pp, self._m(cand), v)
+        out = []
+        for r in range(pp):
+            gc = self.group(cand.stage_types[r], cand.tp, cand.mbs, cand.dp)
+            state = 0.0
+            chunk_act = 0.0
+            for c in range(v):
+                n = cand.layers[c * pp + r]
+                s = n * gc.layer_state_bytes
+                a = n * gc.layer_activation_bytes
+                if c == 0 and r == 0:
+                    s += gc.first_state_bytes
+                    a += gc.first_activation_bytes
+                if c == v - 1 and r == pp - 1:
+                    s += gc.last_state_bytes
+                    a += gc.last_activation_bytes
+                state += s
+                # a live unit holds one chunk's activations; take the largest chunk (conservative)
+                chunk_act = max(chunk_act, a)
+            out.append(state + live[r] * chunk_act)
+        return out
+
+    def usable_bytes(self, device_type: str) -> float:
+        """Device memory available to the model: memory x (1 - reserve fraction) - reserve GiB."""
+        c = self.constants
+        mem = self.cluster.device_type(device_type).memory_gb * GIB
+        return mem * (1.0 - c.memory_reserve_fraction) - c.memory_reserve_gb * GIB
+
+    def memory_violations(self, cand: Candidate) -> list[tuple[int, float, float]]:
+        """``(rank, needed bytes, usable bytes)`` of every stage that does not fit."""
+        mem = self.memory_per_stage(cand)
+        out = []
+        for r, need in enumerate(mem):
+            usable = self.group(cand.stage_types[r], cand.tp, cand.mbs, cand.dp).usable_bytes
+            if need > usable:
+                out.append((r, need, usable))
+        return out
+
+    def fits(self, cand: Candidate) -> bool:
+        """Every stage fits its devices' usable memory."""
+        return not self.memory_violations(cand)
+
+    def iteration_ms(self, cand: Candidate) -> float:
+        """Simulated iteration time of ``cand`` (DAG comm model)."""
+        from .simulator import Simulator
+        m = self._m(cand)
+        key = (cand.schedule, cand.pp, m, cand.virtual_stages)
+        sim = self._simulators.get(key)
+        if sim is None:
+            sim = self._simulators[key] = Simulator(cand.schedule, cand.pp, m, cand.virtual_stages)
+        return sim.iteration_time(*self.stage_times(cand))
+
+    def tokens_per_s(self, iteration_ms: float) -> float:
+        """Training throughput for an iteration time."""
+        return self.model.tokens_per_iteration / (iteration_ms / 1e3) if iteration_ms > 0 else 0.0
+
+    def make_plan(self, cand: Candidate, iteration_ms: float | None = None, *,
+                  alternatives: Sequence[Any] = (), search_stats: Mapping[str, Any] | None = None):
+        """The :class:`~poseidon_plugin.plan.Plan` of ``cand`` (simulates it when ``iteration_ms`` is None)."""
+        from .plan import build_plan
+        if iteration_ms is None:
+            iteration_ms = self.iteration_ms(cand)
+        return build_plan(self, cand, iteration_ms, alternatives=alternatives,
+                          search_stats=search_stats)
+
+    def summarize(self, cand: Candidate, iteration_ms: float):
+        """A light :class:`~poseidon_plugin.plan.PlanSummary` (for a plan's top-k alternatives)."""
+        from .plan import PlanSummary
+        return PlanSummary(tp=cand.tp, pp=cand.pp, dp=cand.dp, micro_batch_size=cand.mbs,
+                           schedule=cand.schedule, virtual_stages=cand.virtual_stages,
+                           stage_types=tuple(cand.stage_types), layers=tuple(cand.layers),
+                           predicted_iteration_ms=float(iteration_ms),
+                           tokens_per_s=self.tokens_per_s(iteration_ms))
+
+
+@lru_cache(maxsize=4096)
+def _peak_live(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> tuple[int, ...]:
+    from .simulator.schedules import peak_live_microbatches
+    return tuple(peak_live_microbatches(schedule, pp, micro_batches, virtual_stages))

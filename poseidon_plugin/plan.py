@@ -1,0 +1,541 @@
+"""The plan: one frozen, versioned schema that the search returns and the launcher applies.
+
+``Plan`` -> JSON (``to_json``/``from_json``, exact round trip, validated on load), a content hash
+(``plan_hash``) every rank compares, and renderers: Megatron flags (``--pipeline-model-parallel-layout``
+in megatron-core's layout grammar), MindSpeed-LLM flags (``--num-layer-list``), parsers back from flags,
+and a text table for people.
+
+Layers: ``Plan.layers`` lists the layers of each *virtual* stage in Megatron's virtual-stage-major
+order, ``vs = chunk x pp + rank``; global layers are numbered in ``vs`` order. With one chunk per rank
+(V = 1) it is the layers per pipeline stage. Ranks: Megatron's default order (TP fastest, then DP, then
+PP): stage ``s`` holds global ranks ``s x dp x tp .. (s+1) x dp x tp - 1`` and ``devices[i]`` hosts
+``ranks[i]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
+
+from .errors import InputError, PoseidonError
+from .specs.fields import read_document, write_json_atomic
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .costmodel import Candidate, CostModel
+
+PLAN_SCHEMA_VERSION = 1
+PLAN_FORMAT = "poseidon-plan"
+SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b")
+MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanStage:
+    """One pipeline rank (stage) of the plan: where it runs and what it holds."""
+
+    index: int                         # pipeline rank
+    device_type: str
+    ranks: tuple[int, ...]             # global ranks, dp x tp, TP fastest
+    devices: tuple[tuple[int, int], ...]  # (node, local index) hosting ranks[i]
+    tp: int
+    dp: int
+    layers: tuple[int, ...]            # layers of each chunk (virtual stage chunk x pp + index)
+    first_layers: tuple[int, ...]      # first global layer (0-based) of each chunk
+    forward_ms: tuple[float, ...]      # per chunk, per micro-batch (incl. embedding / head)
+    backward_ms: tuple[float, ...]
+    send_ms: float                     # to the next rank (last rank: the wrap link, interleaved only)
+    allreduce_ms: float                # DP gradient sync per iteration
+    memory_bytes: int                  # predicted peak per device
+    usable_bytes: int                  # device memory minus reserves
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanSummary:
+    """A lighter record of a runner-up plan (top-k alternatives)."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    schedule: str
+    virtual_stages: int
+    stage_types: tuple[str, ...]
+    layers: tuple[int, ...]            # per virtual stage, vs = chunk x pp + rank
+    predicted_iteration_ms: float
+    tokens_per_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """A complete parallel training plan (validated on construction)."""
+
+    model: str
+    cluster: str
+    seq_length: int
+    global_batch_size: int
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    micro_batches: int                 # M = global_batch_size / (dp x micro_batch_size)
+    schedule: str
+    virtual_stages: int
+    layers: tuple[int, ...]            # per virtual stage, len pp x V, vs = chunk x pp + rank
+    stages: tuple[PlanStage, ...]
+    predicted_iteration_ms: float
+    tokens_per_s: float
+    profile_source: str = "analytic"   # analytic | measured: what the prediction rests on
+    alternatives: tuple[PlanSummary, ...] = ()
+    search_stats: Mapping[str, Any] = field(default_factory=dict)  # not part of plan_hash
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def num_layers(self) -> int:
+        """Transformer layers in the model."""
+        return sum(self.layers)
+
+    @property
+    def world_size(self) -> int:
+        """Devices the plan uses (``tp x dp x pp``)."""
+        return self.tp * self.dp * self.pp
+
+    @property
+    def stage_types(self) -> tuple[str, ...]:
+        """Device type per pipeline rank."""
+        return tuple(s.device_type for s in self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready document (lists for tuples)."""
+        doc = _plain(self)
+        doc["format"] = PLAN_FORMAT
+        return doc
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """JSON text; ``Plan.from_json(p.to_json()) == p``."""
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, doc: Any, where: str = "plan") -> "Plan":
+        """Validate and build a plan from a plain document."""
+        return _plan_from_dict(doc, where)
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "plan") -> "Plan":
+        """Parse and validate JSON text."""
+        try:
+            doc = json.loads(text, parse_constant=_reject_constant)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{where}: malformed JSON: {exc}") from None
+        return _plan_from_dict(doc, where)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the plan JSON atomically."""
+        write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        """Read and validate a plan JSON file."""
+        return _plan_from_dict(read_document(path, "plan"), str(path))
+
+    def plan_hash(self) -> str:
+        """SHA-256 (hex) of the canonical JSON without ``search_stats`` (which differ run to run)."""
+        doc = self.to_dict()
+        doc.pop("search_stats", None)
+        text = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+# --- validation and (de)serialisation --------------------------------------------------------
+
+def _reject_constant(name: str):
+    raise InputError(f"plan: {name} is not allowed in a plan file")
+
+
+def _plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (tuple, list)):
+        return [_plain(x) for x in obj]
+    if isinstance(obj, Mapping):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    return obj
+
+
+def _bad(where: str, name: str, value: Any, allowed: str) -> InputError:
+    return InputError(f"{where}: {name} = {value!r} is invalid: must be {allowed}")
+
+
+def _pos_int(where: str, name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _bad(where, name, value, f"an integer >= {minimum}")
+
+
+def _time(where: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0:
+        raise _bad(where, name, value, "a finite number >= 0")
+
+
+def _validate(p: Plan) -> None:
+    w = "plan"
+    if p.schema_version != PLAN_SCHEMA_VERSION:
+        raise InputError(f"{w}: schema_version = {p.schema_version!r} is not supported: this Poseidon "
+                         f"reads version {PLAN_SCHEMA_VERSION}; re-run `poseidon plan`")
+    for name in ("seq_length", "global_batch_size", "tp", "pp", "dp", "micro_batch_size",
+                 "micro_batches", "virtual_stages"):
+        _pos_int(w, name, getattr(p, name))
+    if p.schedule not in SCHEDULES:
+        raise _bad(w, "schedule", p.schedule, "one of " + ", ".join(SCHEDULES))
+    if (p.virtual_stages > 1) != (p.schedule == "interleaved-1f1b"):
+        raise InputError(f"{w}: virtual_stages = {p.virtual_stages} does not match schedule = "
+                         f"{p.schedule!r}: only 'interleaved-1f1b' has (and needs) virtual_stages >= 2")
+    if p.micro_batches * p.dp * p.micro_batch_size != p.global_batch_size:
+        raise InputError(f"{w}: micro_batches x dp x micro_batch_size = {p.micro_batches} x {p.dp} x "
+                         f"{p.micro_batch_size} must equal global_batch_size = {p.global_batch_size}")
+    if len(p.layers) != p.pp * p.virtual_stages:
+        raise InputError(f"{w}: layers has {len(p.layers)} entries; need pp x virtual_stages = "
+                         f"{p.pp * p.virtual_stages} (one per virtual stage)")
+    for i, n in enumerate(p.layers):
+        _pos_int(w, f"layers[{i}]", n)
+    _time(w, "predicted_iteration_ms", p.predicted_iteration_ms)
+    _time(w, "tokens_per_s", p.tokens_per_s)
+    if p.profile_source not in ("analytic", "measured"):
+        raise _bad(w, "profile_source", p.profile_source, "'analytic' or 'measured'")
+    if len(p.stages) != p.pp:
+        raise InputError(f"{w}: stages has {len(p.stages)} entries; need pp = {p.pp}")
+    firsts = [sum(p.layers[:vs]) for vs in range(len(p.layers))]
+    size = p.dp * p.tp
+    seen: set = set()
+    for r, s in enumerate(p.stages):
+        ws = f"{w}: stages[{r}]"
+        if s.index != r:
+            raise _bad(ws, "index", s.index, str(r))
+        if (s.tp, s.dp) != (p.tp, p.dp):
+            raise InputError(f"{ws}: tp, dp = {s.tp}, {s.dp} must equal the plan's {p.tp}, {p.dp}")
+        if not isinstance(s.device_type, str) or not s.device_type:
+            raise _bad(ws, "device_type", s.device_type, "a non-empty string")
+        want = tuple(range(r * size, (r + 1) * size))
+        if tuple(s.ranks) != want:
+            raise InputError(f"{ws}: ranks = {list(s.ranks)} must be {want[0]}..{want[-1]} "
+                             "(Megatron rank order: TP fastest, then DP, then PP)")
+        if len(s.devices) != size:
+            raise InputError(f"{ws}: devices has {len(s.devices)} entries; need dp x tp = {size}")
+        for d in s.devices:
+            if (not isinstance(d, tuple) or len(d) != 2
+                    or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in d)):
+                raise _bad(ws, "devices entry", d, "a [node, local] pair of integers >= 0")
+            if d in seen:
+                raise InputError(f"{ws}: device {list(d)} is used by two ranks")
+            seen.add(d)
+        chunks = tuple(p.layers[c * p.pp + r] for c in range(p.virtual_stages))
+        if tuple(s.layers) != chunks:
+            raise InputError(f"{ws}: layers = {list(s.layers)} disagrees with the plan's per-virtual-"
+                             f"stage layers {list(chunks)}")
+        fl = tuple(firsts[c * p.pp + r] for c in range(p.virtual_stages))
+        if tuple(s.first_layers) != fl:
+            raise InputError(f"{ws}: first_layers = {list(s.first_layers)} must be {list(fl)}")
+        for name in ("forward_ms", "backward_ms"):
+            vals = getattr(s, name)
+            if len(vals) != p.virtual_stages:
+                raise InputError(f"{ws}: {name} needs one value per chunk ({p.virtual_stages})")
+            for x in vals:
+                _time(ws, name, x)
+        _time(ws, "send_ms", s.send_ms)
+        _time(ws, "allreduce_ms", s.allreduce_ms)
+        _pos_int(ws, "memory_bytes", s.memory_bytes, 0)
+        _pos_int(ws, "usable_bytes", s.usable_bytes, 0)
+    if not isinstance(p.search_stats, Mapping):
+        raise _bad(w, "search_stats", p.search_stats, "a mapping")
+
+
+def _take(doc: Any, where: str, cls: type, tuples: Mapping[str, Any]) -> Any:
+    if not isinstance(doc, Mapping):
+        raise InputError(f"{where}: must be an object, got {type(doc).__name__}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for key in doc:
+        if key not in names:
+            raise InputError(f"{where}: unknown field {key!r}; allowed: {', '.join(names)}")
+    for key in required:
+        if key not in doc:
+            raise InputError(f"{where}: missing required field {key!r}")
+    values = dict(doc)
+    for key, conv in tuples.items():
+        if key in values:
+            if not isinstance(values[key], list):
+                raise _bad(where, key, values[key], "a list")
+            values[key] = conv(values[key])
+    return values
+
+
+def _pairs(items: list) -> tuple:
+    return tuple(tuple(x) if isinstance(x, list) else x for x in items)
+
+
+def _plan_from_dict(doc: Any, where: str) -> Plan:
+    if isinstance(doc, Mapping):
+        doc = dict(doc)
+        fmt = doc.pop("format", PLAN_FORMAT)
+        if fmt != PLAN_FORMAT:
+            raise InputError(f"{where}: format = {fmt!r} is invalid: must be {PLAN_FORMAT!r}")
+        if "schema_version" in doc and doc["schema_version"] != PLAN_SCHEMA_VERSION:
+            raise InputError(f"{where}: schema_version = {doc['schema_version']!r} is not supported: "
+                             f"this Poseidon reads version {PLAN_SCHEMA_VERSION}; re-run `poseidon plan`")
+    values = _take(doc, where, Plan, {"layers": tuple, "stages": list, "alternatives": list})
+    stages = []
+    for i, s in enumerate(values.get("stages", ())):
+        sv = _take(s, f"{where}: stages[{i}]", PlanStage,
+                   {"ranks": tuple, "devices": _pairs, "layers": tuple, "first_layers": tuple,
+                    "forward_ms": tuple, "backward_ms": tuple})
+        stages.append(PlanStage(**sv))
+    values["stages"] = tuple(stages)
+    alts = []
+    for i, a in enumerate(values.get("alternatives", ())):
+        av = _take(a, f"{where}: alternatives[{i}]", PlanSummary,
+                   {"stage_types": tuple, "layers": tuple})
+        alts.append(PlanSummary(**av))
+    values["alternatives"] = tuple(alts)
+    try:
+        return Plan(**values)
+    except InputError as exc:
+        raise InputError(str(exc).replace("plan:", f"{where}:", 1)) from None
+    except TypeError as exc:  # a wrong type that the checks above did not name
+        raise InputError(f"{where}: {exc}") from None
+
+
+# --- building from a candidate ---------------------------------------------------------------
+
+def build_plan(cm: "CostModel", cand: "Candidate", iteration_ms: float, *,
+               alternatives: Sequence[PlanSummary] = (),
+               search_stats: Mapping[str, Any] | None = None) -> Plan:
+    """The :class:`Plan` of a candidate under a cost model (placement, times and memory filled in)."""
+    place = cm.placement(cand)
+    fwd, bwd, send, ar = cm.stage_times(cand, place)
+    mem = cm.memory_per_stage(cand)
+    pp, v, size = cand.pp, cand.virtual_stages, cand.dp * cand.tp
+    firsts = [sum(cand.layers[:vs]) for vs in range(pp * v)]
+    stages = []
+    for r in range(pp):
+        stages.append(PlanStage(
+            index=r, device_type=cand.stage_types[r], ranks=tuple(range(r * size, (r + 1) * size)),
+            devices=tuple((d.node, d.local) for d in place.stage_devices[r]), tp=cand.tp, dp=cand.dp,
+            layers=cand.chunk_layers(r), first_layers=tuple(firsts[c * pp + r] for c in range(v)),
+            forward_ms=tuple(fwd[r * v:(r + 1) * v]), backward_ms=tuple(bwd[r * v:(r + 1) * v]),
+            send_ms=send[r], allreduce_ms=ar[r], memory_bytes=int(math.ceil(mem[r])),
+            usable_bytes=int(cm.usable_bytes(cand.stage_types[r]))))
+    model = cm.model
+    return Plan(model=model.name, cluster=cm.cluster.name, seq_length=model.seq_length,
+                global_batch_size=model.global_batch_size, tp=cand.tp, pp=pp, dp=cand.dp,
+                micro_batch_size=cand.mbs, micro_batches=model.global_batch_size // (cand.dp * cand.mbs),
+                schedule=cand.schedule, virtual_stages=v, layers=tuple(cand.layers),
+                stages=tuple(stages), predicted_iteration_ms=float(iteration_ms),
+                tokens_per_s=cm.tokens_per_s(iteration_ms),
+                profile_source="analytic" if cm.profile.source == "analytic" else "measured",
+                alternatives=tuple(alternatives),
+                # normalised through JSON so that to_json/from_json round-trips it exactly
+                search_stats=json.loads(json.dumps(dict(search_stats or {}), allow_nan=False)))
+
+
+# --- flag renderers and parsers --------------------------------------------------------------
+
+class ParallelFlags(NamedTuple):
+    """What the flag parsers recover: enough to compare with a plan."""
+
+    tp: int
+    pp: int
+    layers: tuple[int, ...]   # per virtual stage, vs = chunk x pp + rank
+    mbs: int
+
+
+def megatron_layout(layers: Sequence[int]) -> str:
+    """megatron-core layout string for per-virtual-stage layer counts: ``Et*3|t*5|t*2L``.
+
+    ``E`` (embedding) opens virtual stage 0, ``L`` (loss) closes the last one, ``|`` separates virtual
+    stages in virtual-stage-major order.
+    """
+    parts = []
+    for vs, n in enumerate(layers):
+        body = "" if n == 0 else ("t" if n == 1 else f"t*{n}")
+        parts.append(("E" if vs == 0 else "") + body + ("L" if vs == len(layers) - 1 else ""))
+    return "|".join(parts)
+
+
+_REPEAT_GROUP = re.compile(r"\(([^()]*)\)\*(\d+)")
+_REPEAT_CHAR = re.compile(r"(.)\*(\d+)")
+
+
+def parse_megatron_layout(layout: str, pp: int) -> tuple[int, ...]:
+    """Per-virtual-stage decoder-layer counts of a layout string (``E``/``t``/``L``, ``x*n``, ``(..)*n``)."""
+    text = layout.replace(",", "")
+    text = _REPEAT_GROUP.sub(lambda m: m.group(1) * int(m.group(2)), text)
+    text = _REPEAT_CHAR.sub(lambda m: m.group(1) * int(m.group(2)), text)
+    stages = text.split("|")
+    if len(stages) % pp:
+        raise InputError(f"--pipeline-model-parallel-layout {layout!r} has {len(stages)} stages, not a "
+                         f"multiple of --pipeline-model-parallel-size {pp}")
+    for i, st in enumerate(stages):
+        bad = set(st) - {"E", "t", "L"}
+        if bad:
+            raise InputError(f"--pipeline-model-parallel-layout {layout!r}: stage {i} has "
+                             f"{sorted(bad)[0]!r}; allowed: E (embedding), t (layer), L (loss)")
+    flat = "".join(stages)
+    if not stages[0].startswith("E") or flat.count("E") != 1:
+        raise InputError(f"--pipeline-model-parallel-layout {layout!r}: E must open stage 0, once")
+    if not stages[-1].endswith("L") or flat.count("L") != 1:
+        raise InputError(f"--pipeline-model-parallel-layout {layout!r}: L must close the last stage, once")
+    return tuple(st.count("t") for st in stages)
+
+
+def megatron_args(plan: Plan) -> list[str]:
+    """Megatron-LM / megatron-core flags that apply the plan's parallel layout."""
+    if plan.schedule not in MEGATRON_SCHEDULES:
+        raise PoseidonError(f"schedule {plan.schedule!r} has no Megatron equivalent (Megatron runs "
+                            f"{', '.join(MEGATRON_SCHEDULES)}); re-plan with --schedules 1f1b,"
+                            "interleaved-1f1b")
+    return ["--tensor-model-parallel-size", str(plan.tp),
+            "--pipeline-model-parallel-size", str(plan.pp),
+            "--pipeline-model-parallel-layout", megatron_layout(plan.layers),
+            "--micro-batch-size", str(plan.micro_batch_size)]
+
+
+def mindspeed_args(plan: Plan) -> list[str]:
+    """MindSpeed-LLM flags (``--num-layer-list``); only for one chunk per rank."""
+    if plan.virtual_stages != 1 or plan.schedule != "1f1b":
+        raise PoseidonError(f"MindSpeed-LLM's --num-layer-list cannot express virtual_stages = "
+                            f"{plan.virtual_stages} / schedule {plan.schedule!r}; re-plan with "
+                            "--schedules 1f1b for MindSpeed-LLM")
+    return ["--tensor-model-parallel-size", str(plan.tp),
+            "--pipeline-model-parallel-size", str(plan.pp),
+            "--num-layer-list", ",".join(str(n) for n in plan.layers),
+            "--micro-batch-size", str(plan.micro_batch_size)]
+
+
+def _flag_values(argv: Sequence[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    it = iter(range(len(argv)))
+    for i in it:
+        a = argv[i]
+        if not a.startswith("--"):
+            continue
+        if "=" in a:
+            k, v = a.split("=", 1)
+            out[k] = v
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out[a] = argv[i + 1]
+            next(it, None)
+    return out
+
+
+def _int_flag(flags: Mapping[str, str], name: str, default: int | None = None) -> int:
+    if name not in flags:
+        if default is not None:
+            return default
+        raise InputError(f"{name} is missing")
+    try:
+        value = int(flags[name])
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise InputError(f"{name} {flags[name]!r} is invalid: must be an integer >= 1")
+    return value
+
+
+def parse_megatron_args(argv: Sequence[str]) -> ParallelFlags:
+    """Recover (tp, pp, layers per virtual stage, mbs) from Megatron flags."""
+    f = _flag_values(argv)
+    pp = _int_flag(f, "--pipeline-model-parallel-size", 1)
+    if "--pipeline-model-parallel-layout" not in f:
+        raise InputError("--pipeline-model-parallel-layout is missing")
+    return ParallelFlags(tp=_int_flag(f, "--tensor-model-parallel-size", 1), pp=pp,
+                         layers=parse_megatron_layout(f["--pipeline-model-parallel-layout"], pp),
+                         mbs=_int_flag(f, "--micro-batch-size", 1))
+
+
+def parse_mindspeed_args(argv: Sequence[str]) -> ParallelFlags:
+    """Recover (tp, pp, layers per stage, mbs) from MindSpeed-LLM flags."""
+    f = _flag_values(argv)
+    pp = _int_flag(f, "--pipeline-model-parallel-size", 1)
+    raw = f.get("--num-layer-list")
+    if raw is None:
+        raise InputError("--num-layer-list is missing")
+    try:
+        layers = tuple(int(x) for x in raw.split(","))
+    except ValueError:
+        raise InputError(f"--num-layer-list {raw!r} is invalid: must be comma-separated integers") \
+            from None
+    if len(layers) != pp or min(layers) < 1:
+        raise InputError(f"--num-layer-list {raw!r} must list {pp} integers >= 1 (one per stage)")
+    return ParallelFlags(tp=_int_flag(f, "--tensor-model-parallel-size", 1), pp=pp, layers=layers,
+                         mbs=_int_flag(f, "--micro-batch-size", 1))
+
+
+# --- human-readable table --------------------------------------------------------------------
+
+def _ranges(values: Sequence[int]) -> str:
+    vals = sorted(set(values))
+    out = []
+    start = prev = vals[0]
+    for x in vals[1:] + [None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ",".join(out)
+
+
+def render_table(plan: Plan, max_alternatives: int = 5) -> str:
+    """The plan as a text table (what ``poseidon plan`` prints)."""
+    gb = float(1 << 30)
+    lines = [
+        f"Poseidon plan: {plan.model} on {plan.cluster}  (schema {plan.schema_version}, "
+        f"hash {plan.plan_hash()[:12]})",
+        f"TP {plan.tp}  PP {plan.pp}  DP {plan.dp}  V {plan.virtual_stages}  schedule {plan.schedule}  "
+        f"mbs {plan.micro_batch_size}  M {plan.micro_batches}  GBS {plan.global_batch_size}  "
+        f"seq {plan.seq_length}  devices {plan.world_size}",
+        f"predicted iteration {plan.predicted_iteration_ms:,.1f} ms   throughput "
+        f"{plan.tokens_per_s:,.0f} tokens/s   ({plan.profile_source} profile)",
+        "",
+    ]
+    header = ("stage", "type", "ranks", "nodes", "layers", "first", "fwd ms", "bwd ms", "send ms",
+              "dp-sync ms", "memory GiB")
+    rows = [header]
+    for s in plan.stages:
+        rows.append((str(s.index), s.device_type, _ranges(s.ranks), _ranges([d[0] for d in s.devices]),
+                     "+".join(map(str, s.layers)), ",".join(map(str, s.first_layers)),
+                     "+".join(f"{x:.2f}" for x in s.forward_ms), "+".join(f"{x:.2f}" for x in s.backward_ms),
+                     f"{s.send_ms:.3f}", f"{s.allreduce_ms:.2f}",
+                     f"{s.memory_bytes / gb:.1f} / {s.usable_bytes / gb:.1f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    lines.append("")
+    try:
+        lines.append("Megatron:      " + " ".join(megatron_args(plan)))
+    except PoseidonError as exc:
+        lines.append(f"Megatron:      n/a ({exc})")
+    try:
+        lines.append("MindSpeed-LLM: " + " ".join(mindspeed_args(plan)))
+    except PoseidonError:
+        lines.append("MindSpeed-LLM: n/a (needs schedule 1f1b and one chunk per rank)")
+    if plan.alternatives:
+        lines += ["", "alternatives:"]
+        for a in plan.alternatives[:max_alternatives]:
+            lines.append(f"  {a.predicted_iteration_ms:,.1f} ms  TP {a.tp} PP {a.pp} DP {a.dp} "
+                         f"mbs {a.micro_batch_size} {a.schedule} V {a.virtual_stages}  "
+                         f"types {'/'.join(a.stage_types)}  layers {'/'.join(map(str, a.layers))}")
+    if plan.search_stats:
+        stats = ", ".join(f"{k}={v}" for k, v in sorted(plan.search_stats.items()))
+        lines += ["", f"search: {stats}"]
+    return "\n".join(lines)

@@ -1,0 +1,298 @@
+"""Cluster spec: device types, homogeneous nodes, and the three link classes between devices.
+
+A cluster is a list of node groups; every node holds devices of one type. Devices are enumerated in
+file order (node group, node, local index), which is how a plan names physical devices.
+
+Links: a transfer between two devices uses one of three link classes, each with a bandwidth (Gbps) and
+a latency (µs): ``intra_node`` (same node), ``inter_node`` (different nodes of the same device type) and
+``cross_type`` (nodes of different device types: different clusters in the paper's setting). A device
+type may override ``intra_node`` / ``inter_node`` for its own nodes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import InputError
+from .fields import (check_keys, get_float, get_int, get_list, get_mapping, get_str,
+                     read_document)
+
+LINK_INTRA_NODE = 0
+LINK_INTER_NODE = 1
+LINK_CROSS_TYPE = 2
+LINK_NAMES = ("intra_node", "inter_node", "cross_type")
+
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkSpec:
+    """One link class."""
+
+    bandwidth_gbps: float  # nominal bandwidth per direction, 1e9 bit/s
+    latency_us: float      # per-message latency (one hop), microseconds
+
+    @property
+    def bytes_per_ms(self) -> float:
+        """Nominal bandwidth in bytes per millisecond."""
+        return self.bandwidth_gbps * 1e9 / 8.0 / 1e3
+
+    @property
+    def latency_ms(self) -> float:
+        """Latency in milliseconds."""
+        return self.latency_us * 1e-3
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceType:
+    """An accelerator model."""
+
+    name: str                       # e.g. "A2-2"; stage device types in plans use this name
+    memory_gb: float                # device memory, GiB
+    peak_tflops: float              # peak dense TFLOP/s in the training dtype (bf16/fp16)
+    efficiency: float | None = None  # overrides CostConstants.compute_efficiency for this type
+    intra_node: LinkSpec | None = None  # overrides the cluster's intra_node link for these nodes
+    inter_node: LinkSpec | None = None  # overrides the cluster's inter_node link for these nodes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeGroup:
+    """``count`` identical nodes with ``devices_per_node`` devices of one type."""
+
+    device_type: str
+    count: int
+    devices_per_node: int = 8
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Device:
+    """One physical device."""
+
+    index: int        # position in the cluster's enumeration (0-based)
+    node: int         # global node index (0-based, file order)
+    local: int        # index inside its node (the local rank / visible-device index)
+    device_type: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterSpec:
+    """A heterogeneous cluster: device types, node groups and link classes."""
+
+    name: str
+    device_types: tuple[DeviceType, ...]
+    nodes: tuple[NodeGroup, ...]
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+    cross_type: LinkSpec
+    constants: Mapping[str, Any] | None = None  # cost-model constant overrides (CostConstants names)
+    description: str = ""
+    source: str = field(default="<memory>", compare=False)  # file or preset it was read from
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.device_types]
+        if len(set(names)) != len(names):
+            raise InputError(f"{self.source}: device_types: duplicate name in {names}")
+        for i, group in enumerate(self.nodes):
+            if group.device_type not in names:
+                raise InputError(f"{self.source}: nodes[{i}].device_type = {group.device_type!r} is "
+                                 f"not a declared device type; declared: {', '.join(names)}")
+        used = {g.device_type for g in self.nodes}
+        for name in names:
+            if name not in used:
+                raise InputError(f"{self.source}: device type {name!r} has no nodes; add a nodes entry "
+                                 f"with device_type: {name} or remove it from device_types")
+
+    @property
+    def type_names(self) -> tuple[str, ...]:
+        """Device type names in declaration order."""
+        return tuple(t.name for t in self.device_types)
+
+    def device_type(self, name: str) -> DeviceType:
+        """The device type called ``name``."""
+        for t in self.device_types:
+            if t.name == name:
+                return t
+        raise InputError(f"device type {name!r} is not in cluster {self.name!r}; "
+                         f"known: {', '.join(self.type_names)}")
+
+    def devices(self) -> tuple[Device, ...]:
+        """Every device, in enumeration order (node group, node, local index)."""
+        out: list[Device] = []
+        node = 0
+        for group in self.nodes:
+            for _ in range(group.count):
+                for local in range(group.devices_per_node):
+                    out.append(Device(index=len(out), node=node, local=local,
+                                      device_type=group.device_type))
+                node += 1
+        return tuple(out)
+
+    def devices_of_type(self, name: str) -> tuple[Device, ...]:
+        """The devices of one type, in enumeration order."""
+        self.device_type(name)
+        return tuple(d for d in self.devices() if d.device_type == name)
+
+    @property
+    def num_devices(self) -> int:
+        """Total number of devices."""
+        return sum(g.count * g.devices_per_node for g in self.nodes)
+
+    def num_devices_of_type(self, name: str) -> int:
+        """Number of devices of one type."""
+        return sum(g.count * g.devices_per_node for g in self.nodes if g.device_type == name)
+
+    def devices_per_node(self, name: str) -> int:
+        """The smallest node size among nodes of this type (a TP group must fit in any of them)."""
+        self.device_type(name)
+        return min(g.devices_per_node for g in self.nodes if g.device_type == name)
+
+    def link(self, name: str, kind: int) -> LinkSpec:
+        """The link of class ``kind`` (``LINK_*``) as seen by devices of type ``name``."""
+        t = self.device_type(name)
+        if kind == LINK_INTRA_NODE:
+            return t.intra_node or self.intra_node
+        if kind == LINK_INTER_NODE:
+            return t.inter_node or self.inter_node
+        if kind == LINK_CROSS_TYPE:
+            return self.cross_type
+        raise ValueError(f"unknown link kind {kind}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain document that :func:`parse_cluster` reads back to an equal spec."""
+        def link(ls: LinkSpec) -> dict[str, float]:
+            return {"bandwidth_gbps": ls.bandwidth_gbps, "latency_us": ls.latency_us}
+
+        types = []
+        for t in self.device_types:
+            d: dict[str, Any] = {"name": t.name, "memory_gb": t.memory_gb, "peak_tflops": t.peak_tflops}
+            if t.efficiency is not None:
+                d["efficiency"] = t.efficiency
+            links = {k: link(v) for k, v in (("intra_node", t.intra_node), ("inter_node", t.inter_node))
+                     if v is not None}
+            if links:
+                d["links"] = links
+            types.append(d)
+        doc: dict[str, Any] = {
+            "name": self.name,
+            "device_types": types,
+            "nodes": [{"device_type": g.device_type, "count": g.count,
+                       "devices_per_node": g.devices_per_node} for g in self.nodes],
+            "links": {"intra_node": link(self.intra_node), "inter_node": link(self.inter_node),
+                      "cross_type": link(self.cross_type)},
+        }
+        if self.constants:
+            doc["constants"] = dict(self.constants)
+        if self.description:
+            doc["description"] = self.description
+        return doc
+
+
+# --- parsing -------------------------------------------------------------------------------------
+
+def _device_presets() -> tuple[dict, dict]:
+    doc = read_document(PRESET_DIR / "devices.yaml", "device preset")
+    return doc["device_types"], doc["link_presets"]
+
+
+def _parse_link(doc: Any, where: str) -> LinkSpec:
+    get_mapping(doc, where, "a mapping with bandwidth_gbps and latency_us")
+    check_keys(doc, where, ("bandwidth_gbps", "latency_us"), ("bandwidth_gbps",))
+    w = where
+    return LinkSpec(bandwidth_gbps=get_float(doc, "bandwidth_gbps", w, minimum=0.0, strict=True),
+                    latency_us=get_float(doc, "latency_us", w, minimum=0.0, default=0.0))
+
+
+def _parse_links(doc: Any, where: str, kinds: tuple[str, ...], link_presets: Mapping) -> dict:
+    if isinstance(doc, str):
+        if doc not in link_presets:
+            raise InputError(f"{where} = {doc!r} is not a link preset; presets: "
+                             f"{', '.join(link_presets)}; or give a mapping with {', '.join(kinds)}")
+        doc = link_presets[doc]
+    get_mapping(doc, where, f"a link preset name ({', '.join(link_presets)}) or a mapping")
+    check_keys(doc, where, kinds)
+    return {k: _parse_link(doc[k], f"{where}.{k}") for k in kinds if k in doc}
+
+
+def _parse_device_type(doc: Any, where: str, presets: Mapping, link_presets: Mapping) -> DeviceType:
+    if isinstance(doc, str):
+        if doc not in presets:
+            raise InputError(f"{where} = {doc!r} is not a device preset; presets: {', '.join(presets)}; "
+                             "or give a mapping with name, memory_gb, peak_tflops")
+        doc = {"name": doc}
+    get_mapping(doc, where, "a device preset name or a mapping")
+    check_keys(doc, where, ("name", "memory_gb", "peak_tflops", "efficiency", "links"), ("name",))
+    name = get_str(doc, "name", where)
+    base = {k: v for k, v in presets.get(name, {}).items() if k in ("memory_gb", "peak_tflops")}
+    merged = {**base, **doc}
+    links = _parse_links(doc["links"], where + ".links", ("intra_node", "inter_node"), link_presets) \
+        if "links" in doc else {}
+    eff = merged.get("efficiency")
+    return DeviceType(
+        name=name,
+        memory_gb=get_float(merged, "memory_gb", where, minimum=0.0, strict=True),
+        peak_tflops=get_float(merged, "peak_tflops", where, minimum=0.0, strict=True),
+        efficiency=None if eff is None else get_float(merged, "efficiency", where, minimum=0.0,
+                                                      strict=True, maximum=1.0),
+        intra_node=links.get("intra_node"), inter_node=links.get("inter_node"))
+
+
+def parse_cluster(doc: Any, source: str = "<cluster>") -> ClusterSpec:
+    """Validate a cluster document (as loaded from YAML/JSON) into a :class:`ClusterSpec`."""
+    root = f"{source}: "
+    get_mapping(doc, root, "a mapping with name, device_types, nodes, links")
+    check_keys(doc, root, ("name", "description", "device_types", "nodes", "links", "constants"),
+               ("device_types", "nodes", "links"))
+    presets, link_presets = _device_presets()
+    types = tuple(_parse_device_type(d, f"{source}: device_types[{i}]", presets, link_presets)
+                  for i, d in enumerate(get_list(doc, "device_types", root)))
+    nodes = []
+    for i, nd in enumerate(get_list(doc, "nodes", root)):
+        w = f"{source}: nodes[{i}]"
+        get_mapping(nd, w, "a mapping with device_type, count, devices_per_node")
+        check_keys(nd, w, ("device_type", "count", "devices_per_node"), ("device_type",))
+        nodes.append(NodeGroup(device_type=get_str(nd, "device_type", w),
+                               count=get_int(nd, "count", w, default=1),
+                               devices_per_node=get_int(nd, "devices_per_node", w, default=8)))
+    links = _parse_links(doc["links"], f"{source}: links", LINK_NAMES, link_presets)
+    for k in LINK_NAMES:
+        if k not in links:
+            raise InputError(f"{source}: links.{k}: missing required field (bandwidth_gbps, latency_us)")
+    constants = doc.get("constants")
+    if constants is not None:
+        get_mapping(constants, f"{source}: constants")
+        from .constants import DEFAULT_CONSTANTS  # validate names and values now, not at first use
+        DEFAULT_CONSTANTS.override(constants, f"{source}: constants")
+    description = doc.get("description") or ""
+    if not isinstance(description, str):
+        raise InputError(f"{source}: description = {description!r} is invalid: must be a string")
+    return ClusterSpec(
+        name=get_str(doc, "name", root, default=Path(source).stem), description=description,
+        device_types=types, nodes=tuple(nodes), constants=constants,
+        intra_node=links["intra_node"], inter_node=links["inter_node"], cross_type=links["cross_type"],
+        source=source)
+
+
+def cluster_presets() -> tuple[str, ...]:
+    """Names of the built-in clusters."""
+    return tuple(sorted(p.name[:-len(".cluster.yaml")] for p in PRESET_DIR.glob("*.cluster.yaml")))
+
+
+def device_presets() -> tuple[str, ...]:
+    """Names of the built-in device types."""
+    return tuple(_device_presets()[0])
+
+
+def load_cluster(name_or_path: str | os.PathLike) -> ClusterSpec:
+    """A cluster from a YAML/JSON file, or a built-in preset by name (``paper-setting-3``)."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return parse_cluster(read_document(p, "cluster"), str(p))
+    name = str(name_or_path)
+    preset = PRESET_DIR / f"{name}.cluster.yaml"
+    if preset.is_file() and os.sep not in name:
+        return parse_cluster(read_document(preset, "cluster preset"), f"preset {name}")
+    raise InputError(f"--cluster {name!r} is neither a file nor a preset; presets: "
+                     f"{', '.join(cluster_presets())}")

@@ -1,0 +1,149 @@
+"""Typed field readers for spec documents (YAML/JSON mappings), with errors that name the place.
+
+Every reader takes the mapping, the key, and ``where`` (``"cluster.yaml: nodes[1]"``) and raises
+:class:`~poseidon_plugin.errors.InputError` whose message names the file, the field, the bad value and
+what is allowed. Spec files are data: they are read with ``yaml.safe_load`` / ``json.loads`` only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from ..errors import InputError
+
+_MISSING = object()
+
+
+def field_name(where: str, key: str) -> str:
+    """``where`` + ``.key`` (``where`` ends in ``:`` for the document root)."""
+    return f"{where}{key}" if where.endswith(": ") else f"{where}.{key}"
+
+
+def _fail(where: str, key: str, value: Any, allowed: str, fix: str = "") -> InputError:
+    tail = f"; {fix}" if fix else ""
+    return InputError(f"{field_name(where, key)} = {value!r} is invalid: must be {allowed}{tail}")
+
+
+def check_keys(doc: Mapping, where: str, allowed: Iterable[str], required: Iterable[str] = ()) -> None:
+    """Reject unknown keys (typos) and missing required keys."""
+    allowed = tuple(allowed)
+    for key in doc:
+        if key not in allowed:
+            raise InputError(f"{field_name(where, str(key))}: unknown field; allowed fields: "
+                             f"{', '.join(allowed)}")
+    for key in required:
+        if key not in doc:
+            raise InputError(f"{field_name(where, key)}: missing required field")
+
+
+def get_mapping(doc: Any, where: str, what: str = "a mapping") -> Mapping:
+    """``doc`` itself, checked to be a mapping."""
+    if not isinstance(doc, Mapping):
+        raise InputError(f"{where.rstrip(': ')}: must be {what}, got {type(doc).__name__}")
+    return doc
+
+
+def get_int(doc: Mapping, key: str, where: str, *, minimum: int = 1, default: Any = _MISSING) -> int:
+    """An integer field >= ``minimum`` (booleans are rejected: YAML ``yes`` is not a count)."""
+    value = doc.get(key, default)
+    if value is _MISSING:
+        raise InputError(f"{field_name(where, key)}: missing required field (an integer >= {minimum})")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _fail(where, key, value, f"an integer >= {minimum}")
+    return value
+
+
+def get_float(doc: Mapping, key: str, where: str, *, minimum: float = 0.0, strict: bool = False,
+              maximum: float | None = None, default: Any = _MISSING) -> float:
+    """A finite number field; ``strict`` makes ``minimum`` exclusive."""
+    value = doc.get(key, default)
+    cmp = ">" if strict else ">="
+    allowed = f"a finite number {cmp} {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+    if value is _MISSING:
+        raise InputError(f"{field_name(where, key)}: missing required field ({allowed})")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _fail(where, key, value, allowed)
+    if value < minimum or (strict and value == minimum) or (maximum is not None and value > maximum):
+        raise _fail(where, key, value, allowed)
+    return float(value)
+
+
+def get_str(doc: Mapping, key: str, where: str, *, choices: Iterable[str] | None = None,
+            default: Any = _MISSING) -> str:
+    """A non-empty string field, optionally one of ``choices``."""
+    value = doc.get(key, default)
+    if value is _MISSING:
+        raise InputError(f"{field_name(where, key)}: missing required field (a string)")
+    if choices is not None:
+        choices = tuple(choices)
+        if value not in choices:
+            raise _fail(where, key, value, "one of " + ", ".join(choices))
+    elif not isinstance(value, str) or not value:
+        raise _fail(where, key, value, "a non-empty string")
+    return value
+
+
+def get_bool(doc: Mapping, key: str, where: str, *, default: Any = _MISSING) -> bool:
+    """A boolean field (YAML ``true``/``false``)."""
+    value = doc.get(key, default)
+    if value is _MISSING:
+        raise InputError(f"{field_name(where, key)}: missing required field (true or false)")
+    if not isinstance(value, bool):
+        raise _fail(where, key, value, "true or false")
+    return value
+
+
+def get_list(doc: Mapping, key: str, where: str, *, nonempty: bool = True,
+             default: Any = _MISSING) -> list:
+    """A list field."""
+    value = doc.get(key, default)
+    if value is _MISSING:
+        raise InputError(f"{field_name(where, key)}: missing required field (a list)")
+    if not isinstance(value, list) or (nonempty and not value):
+        raise _fail(where, key, value, "a non-empty list" if nonempty else "a list")
+    return value
+
+
+def read_document(path: str | os.PathLike, what: str) -> Any:
+    """Parse a YAML (``.yaml``/``.yml``) or JSON file as plain data; errors name the file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"cannot read {what} file {str(p)!r}: {exc.strerror}") from None
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            return yaml.safe_load(text)
+        return json.loads(text, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        kind = "YAML" if p.suffix in (".yaml", ".yml") else "JSON"
+        raise InputError(f"{p}: malformed {kind}: {str(exc).splitlines()[0]}") from None
+
+
+def _reject_constant(name: str):
+    raise InputError(f"{name} is not allowed in spec files; use finite numbers")
+
+
+def write_json_atomic(path: str | os.PathLike, doc: Any) -> None:
+    """Write ``doc`` as JSON to ``path`` atomically (temp file in the same folder, then ``os.replace``)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=2, sort_keys=True, allow_nan=False)
+            fh.write("\n")
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

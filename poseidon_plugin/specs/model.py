@@ -1,0 +1,152 @@
+"""Model + job spec: the transformer's architecture and the training job's batch settings.
+
+One document holds both because the planner needs both together and the CLI overrides job fields
+(``--global-batch-size``, ``--seq-length``) with :meth:`ModelSpec.with_overrides`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import InputError
+from .fields import (check_keys, get_bool, get_int, get_mapping, get_str, read_document)
+
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """A decoder-only (LLaMA-style) transformer and the job that trains it."""
+
+    name: str
+    num_layers: int            # transformer (decoder) layers
+    hidden_size: int
+    ffn_hidden_size: int       # intermediate size of the (SwiGLU) MLP, per expert for MoE
+    num_attention_heads: int
+    num_query_groups: int      # KV heads (GQA groups); == num_attention_heads for plain MHA
+    vocab_size: int
+    seq_length: int            # tokens per sample
+    global_batch_size: int     # samples per iteration (fixed by the user; M = GBS / (DP * mbs))
+    dtype: str = "bf16"        # training dtype: bf16 | fp16 | fp32 (mixed precision with fp32 master)
+    num_experts: int = 0       # MoE experts per layer; 0 = dense MLP
+    moe_top_k: int = 0         # experts each token is routed to (MoE only)
+    swiglu: bool = True        # gated MLP with 3 weight matrices (LLaMA); false = 2-matrix GELU MLP
+    tie_embeddings: bool = False   # output layer shares the embedding weights
+    distributed_optimizer: bool = True  # optimizer states (and fp32 master) sharded over DP (ZeRO-1)
+    sequence_parallel: bool = True      # Megatron --sequence-parallel when TP > 1
+    constants: Mapping[str, Any] | None = None  # cost-model constant overrides
+    source: str = field(default="<memory>", compare=False)
+
+    def __post_init__(self) -> None:
+        where = f"{self.source}: "
+        if self.dtype not in DTYPE_BYTES:
+            raise InputError(f"{where}dtype = {self.dtype!r} is invalid: must be one of "
+                             f"{', '.join(DTYPE_BYTES)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise InputError(f"{where}hidden_size = {self.hidden_size} is invalid: must be a multiple of "
+                             f"num_attention_heads = {self.num_attention_heads}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise InputError(f"{where}num_query_groups = {self.num_query_groups} is invalid: must divide "
+                             f"num_attention_heads = {self.num_attention_heads}")
+        if self.num_experts == 1 or (self.num_experts == 0) != (self.moe_top_k == 0):
+            raise InputError(f"{where}num_experts = {self.num_experts}, moe_top_k = {self.moe_top_k} is "
+                             "invalid: a dense model has both 0; an MoE model has num_experts >= 2 and "
+                             "1 <= moe_top_k <= num_experts")
+        if self.moe_top_k > self.num_experts:
+            raise InputError(f"{where}moe_top_k = {self.moe_top_k} is invalid: must be <= num_experts = "
+                             f"{self.num_experts}")
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per element of the training dtype."""
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def head_dim(self) -> int:
+        """Hidden size per attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the K (and of the V) projection: query groups x head_dim."""
+        return self.num_query_groups * self.head_dim
+
+    @property
+    def tokens_per_iteration(self) -> int:
+        """Tokens processed per iteration (global batch x sequence length)."""
+        return self.global_batch_size * self.seq_length
+
+    def with_overrides(self, *, global_batch_size: int | None = None,
+                       seq_length: int | None = None) -> "ModelSpec":
+        """A copy with job fields replaced (``None`` keeps the file's value); validates the values."""
+        changes = {}
+        for key, value in (("global_batch_size", global_batch_size), ("seq_length", seq_length)):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                flag = "--" + key.replace("_", "-")
+                raise InputError(f"{flag} {value!r} is invalid: must be an integer >= 1")
+            changes[key] = value
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain document that :func:`parse_model` reads back to an equal spec."""
+        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("source", "constants")}
+        if self.constants:
+            doc["constants"] = dict(self.constants)
+        return doc
+
+
+_INT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",
+               "seq_length", "global_batch_size")
+_BOOL_FIELDS = ("swiglu", "tie_embeddings", "distributed_optimizer", "sequence_parallel")
+_ALL_FIELDS = ("name", *_INT_FIELDS, "num_query_groups", "dtype", "num_experts", "moe_top_k",
+               *_BOOL_FIELDS, "constants", "description")
+
+
+def parse_model(doc: Any, source: str = "<model>") -> ModelSpec:
+    """Validate a model document (as loaded from YAML/JSON) into a :class:`ModelSpec`."""
+    root = f"{source}: "
+    get_mapping(doc, root, "a mapping with num_layers, hidden_size, ...")
+    check_keys(doc, root, _ALL_FIELDS, _INT_FIELDS)
+    values: dict[str, Any] = {k: get_int(doc, k, root) for k in _INT_FIELDS}
+    values["num_query_groups"] = get_int(doc, "num_query_groups", root,
+                                         default=values["num_attention_heads"])
+    values["num_experts"] = get_int(doc, "num_experts", root, minimum=0, default=0)
+    values["moe_top_k"] = get_int(doc, "moe_top_k", root, minimum=0, default=0)
+    values["dtype"] = get_str(doc, "dtype", root, choices=DTYPE_BYTES, default="bf16")
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelSpec)}
+    for k in _BOOL_FIELDS:
+        values[k] = get_bool(doc, k, root, default=defaults[k])
+    constants = doc.get("constants")
+    if constants is not None:
+        from .constants import DEFAULT_CONSTANTS
+        DEFAULT_CONSTANTS.override(get_mapping(constants, f"{source}: constants"),
+                                   f"{source}: constants")
+    return ModelSpec(name=get_str(doc, "name", root, default=Path(source).stem),
+                     constants=constants, source=source, **values)
+
+
+def model_presets() -> tuple[str, ...]:
+    """Names of the built-in models."""
+    return tuple(sorted(p.name[:-len(".model.yaml")] for p in PRESET_DIR.glob("*.model.yaml")))
+
+
+def load_model(name_or_path: str | os.PathLike) -> ModelSpec:
+    """A model from a YAML/JSON file, or a built-in preset by name (``llama3-70b``)."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return parse_model(read_document(p, "model"), str(p))
+    name = str(name_or_path)
+    preset = PRESET_DIR / f"{name}.model.yaml"
+    if preset.is_file() and os.sep not in name:
+        return parse_model(read_document(preset, "model preset"), f"preset {name}")
+    raise InputError(f"--model {name!r} is neither a file nor a preset; presets: "
+                     f"{', '.join(model_presets())}")
