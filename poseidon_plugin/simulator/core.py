@@ -10,7 +10,7 @@ from functools import lru_cache
 
 from ..errors import InputError
 from . import _pydag
-from .graph import ALLREDUCE, Graph, build_graph, extra_params
+from .graph import ALLREDUCE, JOIN, Graph, build_graph, extra_params
 from .schedules import FORWARD, peak_live_microbatches
 
 _PURE_ENV = "POSEIDON_PURE_PYTHON"
@@ -148,7 +148,8 @@ class Simulator:
                                       peak_live_microbatches=peaks[r]))
         path = self.critical_path(finish)
         return SimResult(iteration_ms=iteration, stages=tuple(stages),
-                         critical_path=tuple(node_name(g.labels[n], v) for n in path),
+                         critical_path=tuple(node_name(g.labels[n], v) for n in path
+                                             if g.labels[n][0] != JOIN),
                          kernel=self.kernel_name)
 
     def critical_path(self, finish) -> list[int]:

@@ -18,7 +18,8 @@ Parameter layout (``ParamLayout``)::
     1 + 2*pp*V + pp + r       DP all-reduce ms of rank r
     1 + 2*pp*V + 2*pp + i     extra scalar i declared by the communication model (``EXTRA_PARAMS``)
 
-Nodes are stored in a topological order; node ``v`` has predecessors
+Nodes are stored in a topological order; a node has at most two predecessors (``GraphBuilder``
+chains extra ones through zero-weight join nodes); node ``v`` has predecessors
 ``pred_src[pred_ptr[v]:pred_ptr[v+1]]`` with edge weights ``params[pred_weight[...]]``. A node's finish
 time is ``params[node_weight[v]] + max(0, max over predecessors (finish[u] + edge weight))``; the
 iteration time is the largest finish time over ``sinks``.
@@ -40,6 +41,7 @@ from .schedules import BACKWARD, FORWARD, rank_order, validate_shape
 COMM_MODELS = ("dag", "megatron")
 
 ALLREDUCE = "AR"
+JOIN = "join"  # bookkeeping node added by GraphBuilder._binarize; not shown in critical paths
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,8 +131,26 @@ class GraphBuilder:
         """``dst`` may start only ``params[weight]`` after ``src`` finishes."""
         self.preds[dst].append((src, weight))
 
+    def _binarize(self) -> None:
+        """Give every node at most two predecessors by chaining zero-weight join nodes.
+
+        ``max(a, b, c)`` becomes ``max(max(a, b), c)``: the same value bit for bit (adding the join's
+        zero weight is exact), and the compiled kernel keeps its packed two-predecessor form.
+        """
+        for node in range(len(self.labels)):
+            plist = self.preds[node]
+            if len(plist) <= 2:
+                continue
+            acc = plist[0]
+            for k, nxt in enumerate(plist[1:-1]):
+                join = self.add_node((JOIN, node, k, -1), 0, -1)
+                self.preds[join] = [acc, nxt]
+                acc = (join, 0)
+            self.preds[node] = [acc, plist[-1]]
+
     def freeze(self, shape: Shape) -> "Graph":
         """Topologically order the nodes (Kahn) and pack them into flat arrays."""
+        self._binarize()
         n = len(self.labels)
         succs: list[list[int]] = [[] for _ in range(n)]
         indeg = [0] * n
