@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from ..errors import InputError
 from .schedules import BACKWARD, FORWARD, rank_order, validate_shape
 
-COMM_MODELS = ("dag", "megatron")
+COMM_MODELS = ("dag", "megatron", "megatron-overlap")
 
 ALLREDUCE = "AR"
 JOIN = "join"  # bookkeeping node added by GraphBuilder._binarize; not shown in critical paths
@@ -275,7 +275,8 @@ def comm_module(comm_model: str):
     if comm_model not in COMM_MODELS:
         raise InputError(f"comm_model={comm_model!r} is unknown; allowed: {', '.join(COMM_MODELS)}")
     try:
-        return importlib.import_module(f"{__package__}.comm_{comm_model}")
+        # "megatron-overlap" (overlap_p2p_comm=True) is a variant built by the same module
+        return importlib.import_module(f"{__package__}.comm_{comm_model.split('-')[0]}")
     except ModuleNotFoundError as exc:
         raise InputError(f"comm_model={comm_model!r} is not available in this build ({exc})") from None
 

@@ -247,3 +247,24 @@ def test_trace_events_function():
     tr = trace_events(sim, [1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0])
     names = {e["name"] for e in tr["traceEvents"] if e["ph"] == "X"}
     assert names == {"F mb0", "F mb1", "B mb0", "B mb1"}  # zero-length all-reduce slices are omitted
+
+
+def test_megatron_overlap_is_a_registered_comm_model(pure_python):
+    from array import array
+
+    from poseidon_plugin.simulator import comm_megatron
+    from poseidon_plugin.simulator.core import make_kernel
+    from poseidon_plugin.simulator.graph import GraphBuilder, make_shape
+
+    fwd, bwd, send, ar = [1.0, 2.0, 1.5, 1.0, 1.2, 0.8], [2.0, 4.0, 3.0, 2.0, 2.5, 1.5], [0.3] * 3, [1.0] * 3
+    sim = Simulator("interleaved-1f1b", 3, 6, 2, comm_model="megatron-overlap", pure_python=pure_python)
+    shape = make_shape("interleaved-1f1b", 3, 6, 2, "megatron")
+    builder = GraphBuilder(layout=shape.layout)
+    comm_megatron.build_overlap(builder, shape)
+    direct = make_kernel(builder.freeze(shape), pure_python)
+    expected = direct.evaluate(array("d", [0.0]) * shape.layout.size, fwd, bwd, send, ar)
+    assert sim.iteration_time(fwd, bwd, send, ar) == expected
+    d = doc("interleaved-1f1b", fwd, bwd, send, ar, m=6, v=2, comm_model="megatron-overlap", p2p_call_ms=0.05)
+    dag = doc("interleaved-1f1b", fwd, bwd, send, ar, m=6, v=2)
+    assert (simulate(d, pure_python=pure_python).iteration_ms
+            >= simulate(dag, pure_python=pure_python).iteration_ms)
