@@ -19,11 +19,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from array import array  # noqa: E402
+
 from poseidon_plugin.simulator import Simulator, kernel_name  # noqa: E402
+from poseidon_plugin.simulator.core import make_kernel  # noqa: E402
 from poseidon_plugin.simulator.graph import build_graph  # noqa: E402
 
-CONFIGS = [("1f1b", 8, 32, 1), ("1f1b", 16, 64, 1), ("1f1b", 32, 128, 1), ("interleaved-1f1b", 8, 32, 2),
-           ("interleaved-1f1b", 16, 64, 2)]
+CONFIGS = [("1f1b", 8, 32, 1, "dag"), ("1f1b", 16, 64, 1, "dag"), ("1f1b", 32, 128, 1, "dag"),
+           ("interleaved-1f1b", 8, 32, 2, "dag"), ("interleaved-1f1b", 16, 64, 2, "dag"),
+           ("1f1b", 8, 32, 1, "megatron"), ("interleaved-1f1b", 8, 32, 2, "megatron")]
 
 
 def per_call_us(fn, rounds: int, budget_s: float) -> float:
@@ -56,14 +60,14 @@ def main(argv=None) -> int:
         print("the compiled core is not built (or POSEIDON_PURE_PYTHON is set): "
               "run `pip install -e .` first", file=sys.stderr)
         return 1
-    header = (f"{"config":<34} {'nodes':>6} {'compiled µs':>11} {'µs/1k nodes':>11} {'kernel µs':>9} "
+    header = (f"{'config':<44} {'nodes':>6} {'compiled µs':>11} {'µs/1k nodes':>11} {'kernel µs':>9} "
               f"{'no-reuse µs':>11} {'pure µs':>9} {'pure no-reuse':>13} {'speed-up':>8}")
     print(header)
     print("-" * len(header))
-    for schedule, pp, m, v in CONFIGS:
+    for schedule, pp, m, v, comm in CONFIGS:
         t = times_for(pp, v)
-        comp = Simulator(schedule, pp, m, v, pure_python=False)
-        pure = Simulator(schedule, pp, m, v, pure_python=True)
+        comp = Simulator(schedule, pp, m, v, comm, pure_python=False)
+        pure = Simulator(schedule, pp, m, v, comm, pure_python=True)
         assert comp.iteration_time(*t) == pure.iteration_time(*t)
         n = comp.graph.n_nodes
         c_reuse = per_call_us(lambda: comp.iteration_time(*t), args.rounds, args.budget)
@@ -71,16 +75,14 @@ def main(argv=None) -> int:
         p_reuse = per_call_us(lambda: pure.iteration_time(*t), 3, args.budget)
 
         def fresh(pure_python):
-            from poseidon_plugin.simulator.core import make_kernel
-            from array import array
-            g = build_graph(schedule, pp, m, v)
+            g = build_graph(schedule, pp, m, v, comm)
             k = make_kernel(g, pure_python)
             return k.evaluate(array("d", [0.0]) * g.shape.layout.size, *t)
 
         c_fresh = per_call_us(lambda: fresh(False), 3, args.budget)
         p_fresh = per_call_us(lambda: fresh(True), 3, args.budget)
-        name = f"{schedule} pp={pp} M={m}" + (f" V={v}" if v > 1 else "")
-        print(f"{name:<34} {n:>6} {c_reuse:>11.2f} {c_reuse / n * 1000:>11.2f} {c_kernel:>9.2f} "
+        name = f"{schedule} pp={pp} M={m}" + (f" V={v}" if v > 1 else "") + (f" [{comm}]" if comm != "dag" else "")
+        print(f"{name:<44} {n:>6} {c_reuse:>11.2f} {c_reuse / n * 1000:>11.2f} {c_kernel:>9.2f} "
               f"{c_fresh:>11.0f} {p_reuse:>9.0f} {p_fresh:>13.0f} {p_reuse / c_reuse:>7.0f}x")
     print("\ncompiled µs = Simulator.iteration_time (write times + longest path, graph re-used); "
           "kernel µs = longest path on weights in place;\nno-reuse = build graph + kernel each time; "
