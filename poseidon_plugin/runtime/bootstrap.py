@@ -1,0 +1,328 @@
+"""Per-rank bootstrap: what ``poseidon-run`` starts in each training process, before the user's script.
+
+``python -m poseidon_plugin.runtime.bootstrap SCRIPT ARGS...`` (torchrun environment, options in
+``POSEIDON_*``): inventory -> link probing -> profiling -> search on rank 0 -> plan agreement -> apply
+(flags, patches, placement) -> the script itself, in this process (``runpy``), on the process group
+created here. Every phase runs under ``collectives.Phases``: a failure anywhere ends every rank with the
+same one-line message (exit 2 for a user mistake, 1 otherwise), never a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import runpy
+import signal
+import sys
+import time
+from typing import Any
+
+from poseidon_plugin.errors import PoseidonError
+from poseidon_plugin.runtime import options as runtime_options
+from poseidon_plugin.runtime.collectives import Phases, PhaseFailed, parse_fault
+
+
+class Log:
+    """``poseidon[rank N]: ...`` on every rank, ``poseidon: ...`` for rank 0's job-wide lines."""
+
+    def __init__(self, rank: int, leader: bool) -> None:
+        self.rank = rank
+        self.leader = leader
+
+    def rank_line(self, message: str) -> None:
+        _write(sys.stdout, f"poseidon[rank {self.rank}]: {message}")
+
+    def job_line(self, message: str) -> None:
+        if self.leader:
+            for line in message.splitlines() or [""]:
+                _write(sys.stdout, f"poseidon: {line}")
+
+    def error(self, message: str) -> None:
+        _write(sys.stderr, f"poseidon[rank {self.rank}]: error: {message}")
+
+
+def _write(stream, line: str) -> None:
+    """One write per line: ranks share the launcher's pipes, and print() writes the text and the newline
+    separately on an unbuffered stderr, so two ranks' lines could interleave."""
+    stream.write(line + "\n")
+    stream.flush()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of each rank; never returns normally when the job fails."""
+    argv = sys.argv[1:] if argv is None else argv
+    rank = int(os.environ.get("RANK", "0"))
+    log = Log(rank, leader=rank == 0)
+    if not argv:
+        log.error("no training script given (usage: python -m poseidon_plugin.runtime.bootstrap SCRIPT ARGS...)")
+        _exit(2)
+    # torchrun stops every rank when one dies; say why instead of vanishing (restored before the script runs).
+    signal.signal(signal.SIGTERM, lambda signum, frame: _stopped(log))
+    try:
+        exit_code = _run(argv, rank, log)
+    except PhaseFailed as exc:
+        log.error(str(exc))
+        _exit(2 if exc.user_error else 1)
+    except PoseidonError as exc:
+        log.error(str(exc))
+        _exit(2)
+    sys.exit(exit_code)
+
+
+# The running Phases, for the SIGTERM handler (set once the process group exists).
+_state: dict = {"phases": None}
+
+
+def _stopped(log: Log) -> None:
+    """torchrun stops the other ranks when one fails: report the recorded failure if there is one."""
+    phases = _state["phases"]
+    if phases is not None and phases.failing:
+        return  # already reporting its own failure and about to exit
+    recorded = phases.recorded_failure() if phases is not None else None
+    if recorded is not None:
+        log.error(str(recorded))
+        _exit(2 if recorded.user_error else 1)
+    log.error("stopped by the launcher: another rank failed during Poseidon's start-up (see its message)")
+    _exit(1)
+
+
+def _exit(code: int) -> None:
+    """Leave at once: a process group with a failed peer may block in its destructor."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Job:
+    """What this rank was started with: the options, the script and what its flags say."""
+
+    opts: runtime_options.RuntimeOptions
+    script: str
+    script_args: list[str]
+    is_module: bool
+    rank: int
+    local_rank: int
+    world_size: int
+    flags: Any  # job_flags.JobFlags
+    global_batch: int
+
+
+def _run(argv: list[str], rank: int, log: Log) -> int | None:
+    """All phases, then the script; the script's exit code (None for success)."""
+    import torch.distributed as dist
+
+    from poseidon_plugin.runtime import job_flags
+
+    started = time.perf_counter()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    flags = job_flags.read_job(argv[0], argv[1:])
+    job = _Job(opts=runtime_options.resolve({}, os.environ), script=argv[0], script_args=argv[1:],
+               is_module=os.environ.get(runtime_options.ENV_SCRIPT_IS_MODULE) == "1", rank=rank,
+               local_rank=int(os.environ.get("LOCAL_RANK", "0")), world_size=world_size, flags=flags,
+               global_batch=job_flags.effective_global_batch(flags, world_size))
+    declared = _declared_cluster(job)
+    device, declared_entry = _device(job, declared)
+
+    dist.init_process_group(device.backend, timeout=datetime.timedelta(seconds=job.opts.timeout))
+    phases = Phases(device=device.torch_device, rank=rank, store=dist.distributed_c10d._get_default_store(),
+                    fault=parse_fault(os.environ.get(runtime_options.ENV_INJECT_FAULT)))
+    _state["phases"] = phases
+    phases.seconds["start-up"] = time.perf_counter() - started
+
+    world = phases.run("inventory", lambda: _inventory(job, device, declared, declared_entry))
+    me = world.ranks[rank]
+    log.rank_line(f"{me.device_type} ({device.kind}) on {me.host}, local rank {me.local_rank}"
+                  + (f", compute stretched x{device.slowdown():.2f}" if device.slowdown() > 1.0 else ""))
+    plan = _plan(job, phases, world, device, declared, log)
+    return _apply_and_run(job, phases, world, device, plan, log)
+
+
+def _declared_cluster(job: _Job) -> Any:
+    """The cluster ``--poseidon-cluster`` or ``--poseidon-emulate`` declares (None: detect)."""
+    from poseidon_plugin.runtime import emulation
+    from poseidon_plugin.specs import device_presets, load_cluster, parse_cluster
+
+    if job.opts.cluster:
+        return load_cluster(job.opts.cluster)
+    if not job.opts.emulate:
+        return None
+    nodes = emulation.parse_emulate(job.opts.emulate, device_presets())
+    emulation.check_world(nodes, job.world_size)
+    return parse_cluster({
+        "name": "emulated",
+        "device_types": sorted({n.device_type for n in nodes}),
+        "nodes": [{"device_type": n.device_type, "count": 1, "devices_per_node": n.devices} for n in nodes],
+        "links": "npu",  # placeholder: the links of an emulated cluster are measured (emulation.py)
+    }, f"{emulation.FLAG} {job.opts.emulate}")
+
+
+def _device(job: _Job, declared: Any) -> tuple[Any, Any]:
+    """This rank's device (emulated on CPU when a cluster is declared), with the CPU shim and emulation
+    patches in place; and this rank's declared cluster device (None when detected)."""
+    from poseidon_plugin.runtime import devices, emulation
+
+    device = devices.detect(job.local_rank)
+    entry = None
+    if declared is not None:
+        if job.rank >= declared.num_devices:
+            raise PoseidonError(f"{declared.source} declares {declared.num_devices} devices but the job has "
+                                f"{job.world_size} ranks; declare one device per rank")
+        entry = declared.devices()[job.rank]
+        if device.kind == "cpu":
+            factors = emulation.slowdown_factors({t.name: t.peak_tflops for t in declared.device_types})
+            memory = int(declared.device_type(entry.device_type).memory_gb * devices.GIB)
+            device = devices.EmulatedDevice(job.local_rank, type_name=entry.device_type, memory_bytes=memory,
+                                            factor=factors[entry.device_type])
+        elif job.opts.emulate:
+            raise PoseidonError(f"{emulation.FLAG} emulates devices on CPU ranks, but this rank has a {device.kind} "
+                                f"device; declare the cluster with --poseidon-cluster FILE instead")
+    if device.torch_device.type == "cpu":
+        from poseidon_plugin.runtime import cpu_shim
+
+        cpu_shim.install()
+    if device.slowdown() > 1.0:
+        from patches import emulation as emulation_patch
+
+        emulation_patch.set_factor(device.slowdown())
+        emulation_patch.TABLE.apply()
+    return device, entry
+
+
+def _inventory(job: _Job, device: Any, declared: Any, entry: Any) -> Any:
+    """Every rank's RankInfo, arranged as the cluster's nodes (the declared ones for a cluster file)."""
+    from poseidon_plugin.runtime import inventory
+    from poseidon_plugin.runtime.devices import GIB
+
+    info = inventory.local_info(
+        job.rank, job.local_rank, device,
+        declared_type=entry.device_type if entry is not None else None,
+        declared_memory=int(declared.device_type(entry.device_type).memory_gb * GIB) if entry is not None else None,
+        node_tag=f"declared-node-{entry.node}" if entry is not None else None)
+    world = inventory.gather_world(info, device.torch_device)
+    return inventory.world_from_declared(declared, world.ranks) if job.opts.cluster else world
+
+
+def _plan(job: _Job, phases: Phases, world: Any, device: Any, declared: Any, log: Log) -> Any:
+    """A saved plan checked against the world, or: probe links, profile, search on rank 0, share."""
+    from poseidon_plugin.costmodel import CostModel
+    from poseidon_plugin.plan import Plan
+    from poseidon_plugin.runtime import apply, inventory, planning, profiler
+    from poseidon_plugin.specs import write_profile
+
+    opts = job.opts
+    if opts.plan:
+        def check() -> Plan:
+            plan = Plan.load(opts.plan)
+            planning.check_plan_fits(plan, world, job.flags, job.global_batch, f"--poseidon-plan {opts.plan}")
+            return plan
+
+        return phases.run("plan check", check)
+    if opts.cluster:
+        cluster = declared
+        phases.notes["inventory"] = "links from --poseidon-cluster"
+    else:
+        probe = phases.run("probing", lambda: inventory.probe_links(world, job.rank, device))
+        cluster = inventory.cluster_from_world(world, inventory.link_specs(probe["links"]), declared)
+        log.job_line(_links_line(probe))
+    model = planning.model_spec(job.flags, global_batch_size=job.global_batch,
+                                name=planning.job_name(job.script, job.flags))
+    cache_dir = runtime_options.profile_cache_dir(opts)
+
+    def profile() -> Any:
+        requests = profiler.candidate_requests(cluster, model, job.flags, micro_batch_sizes=opts.micro_batch_sizes,
+                                               keep=opts.keep)
+        return profiler.profile_world(world=world, rank=job.rank, device=device, job=job.flags, model=model,
+                                      requests=requests, cache_dir=cache_dir, warmup=opts.profile_warmup,
+                                      iters=opts.profile_iters)
+
+    outcome = phases.run("profiling", profile)
+    phases.notes["profiling"] = f"cache: reused {outcome.reused} of {outcome.reused + outcome.measured} configurations"
+    merged = os.path.join(cache_dir, f"{model.name}-profile.json")
+    if job.rank == 0:  # the job's whole profile, for `poseidon plan --profile` later
+        write_profile(merged, outcome.profile)
+    log.job_line(f"profile: {phases.notes['profiling']} in {cache_dir}; written to {merged}")
+    schedules = opts.schedules or apply.allowed_schedules(apply.resolve_style(opts.flag_style))
+
+    def search() -> Plan:
+        found = planning.plan_on_rank0(CostModel(cluster, model, outcome.profile), schedules=schedules,
+                                       keep=job.flags if opts.keep else None, time_limit_s=opts.timeout / 2)
+        planning.check_plan_fits(found, world, job.flags, job.global_batch, "the searched plan")
+        return found
+
+    return phases.run("search", lambda: planning.share_plan(search, job.rank, device.torch_device))
+
+
+def _apply_and_run(job: _Job, phases: Phases, world: Any, device: Any, plan: Any, log: Log) -> int | None:
+    """Rewrite the flags, patch, renumber the ranks, then run the script in this process."""
+    import torch.distributed as dist
+
+    from poseidon_plugin.plan import render_table
+    from poseidon_plugin.runtime import apply, job_flags, placement
+    from poseidon_plugin.runtime.watch import Watch
+
+    opts = job.opts
+    style = apply.resolve_style(opts.flag_style)
+    new_args = phases.run("apply", lambda: job_flags.rewrite(job.script_args,
+                                                             apply.planned_flags(plan, style, job.global_batch)))
+    log.job_line(render_table(plan))
+    log.job_line("command: " + job_flags.command_line(job.script, new_args))
+    if job.rank == 0 and opts.save_plan:
+        plan.save(opts.save_plan)
+        log.job_line(f"plan saved to {opts.save_plan}")
+    if opts.dry_run:
+        log.job_line("dry run: stopping before training")
+        log.job_line("overhead: " + phases.summary())
+        dist.destroy_process_group()
+        return None
+
+    layer_table = apply.layer_patches(plan, style)
+    if layer_table is not None:
+        phases.run("apply", layer_table.apply)
+    new_rank = placement.planned_ranks(plan, world).get(job.rank)
+    regroup_start = time.perf_counter()
+    placement.regroup(new_rank, plan.world_size, device.backend, opts.timeout)
+    phases.seconds["apply"] += time.perf_counter() - regroup_start
+    me = world.ranks[job.rank]
+    if new_rank is None:
+        log.rank_line(f"{me.device_type} device is not used by the plan; leaving")
+        return None
+    stage = placement.stage_of(plan, new_rank)
+    log.rank_line(f"now global rank {new_rank}: pipeline stage {stage} on {plan.stages[stage].device_type}")
+    log = Log(job.rank, leader=new_rank == 0)  # job-wide lines now come from the planned rank 0
+    watch = Watch(plan=plan, global_rank=new_rank, stage=stage, device=device, iterations=opts.watch_iterations,
+                  log=log.rank_line, log_rank0=log.job_line)
+    if opts.watch_iterations:
+        watch.install()
+    log.job_line("overhead: " + phases.summary())
+    code = _run_script(job, new_args)
+    if opts.watch_iterations and len(watch.measured_ms) < opts.watch_iterations:
+        watch.summarize()
+    return code
+
+
+def _run_script(job: _Job, args: list[str]) -> int | None:
+    """The user's script as ``__main__`` in this process, with the rewritten argv; its exit code."""
+    sys.argv = [job.script, *args]
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        if job.is_module:
+            runpy.run_module(job.script, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(job.script)))
+            runpy.run_path(job.script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            return exc.code if isinstance(exc.code, int) else 1
+    return None
+
+
+def _links_line(probe: dict) -> str:
+    parts = [f"{name} {m['bandwidth_gbps']:.2f} Gbps / {m['latency_us']:.0f} us (ranks {m['pair'][0]}-{m['pair'][1]})"
+             for name, m in probe["links"].items()]
+    return "links: " + ("; ".join(parts) or "none to probe") + f"; all-reduce bus {probe['allreduce_gbps']:.2f} Gbps"
+
+
+if __name__ == "__main__":
+    main()

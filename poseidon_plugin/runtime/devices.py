@@ -1,0 +1,188 @@
+"""One small device interface for CUDA, Ascend (torch_npu) and CPU, plus the emulated device.
+
+Everything Poseidon asks of an accelerator goes through :class:`Device`: which process-group backend to
+use, the device's name and memory, timing events, peak-memory statistics. Profiling and the watch are then
+written once. The Ascend code follows torch_npu's documented API (``torch.npu.Event(enable_timing=True)``,
+``torch.npu.synchronize()``, ``max_memory_allocated``, ``reset_peak_memory_stats``, ``mem_get_info``,
+``get_device_properties(i).total_memory``, ``get_device_name()`` after ``set_device``); it cannot be run
+on this project's machines.
+
+An :class:`EmulatedDevice` wraps the CPU device: it reports an emulated device type (name, memory) and
+tells the emulation patches (``patches/emulation.py``) how much to slow compute down, see
+``runtime/emulation.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+GIB = 1 << 30
+
+
+class Device:
+    """CPU: gloo, wall clock, host memory. Subclasses override what their runtime offers."""
+
+    kind = "cpu"
+    backend = "gloo"
+
+    def __init__(self, local_rank: int) -> None:
+        self.local_rank = local_rank
+
+    @property
+    def torch_device(self) -> torch.device:
+        """Where tensors of this rank live."""
+        return torch.device("cpu")
+
+    def name(self) -> str:
+        """The device model as the runtime names it (``NVIDIA H100 80GB HBM3``, ``Ascend910B3``, ``cpu``)."""
+        return "cpu"
+
+    def total_memory(self) -> int:
+        """Bytes of device memory (CPU: the host's physical memory shared by the local ranks)."""
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return 0
+
+    def synchronize(self) -> None:
+        """Wait for queued work on this device (CPU work is synchronous)."""
+
+    def reset_peak_memory(self) -> None:
+        """Start a new peak-memory measurement window."""
+
+    def peak_memory(self) -> int | None:
+        """Peak bytes allocated since :meth:`reset_peak_memory`; None where the runtime cannot tell (CPU)."""
+        return None
+
+    def mark(self) -> Any:
+        """A timing mark recorded on the device's current stream (an event; the wall clock on CPU)."""
+        return time.perf_counter()
+
+    def ms_between(self, start: Any, stop: Any) -> float:
+        """Milliseconds between two marks; call :meth:`synchronize` first."""
+        return (stop - start) * 1e3
+
+    def slowdown(self) -> float:
+        """Factor by which compute on this rank is stretched (1.0 except on emulated devices)."""
+        return 1.0
+
+
+class CudaDevice(Device):
+    """An NVIDIA GPU through torch.cuda (nccl)."""
+
+    kind = "cuda"
+    backend = "nccl"
+
+    def __init__(self, local_rank: int) -> None:
+        super().__init__(local_rank)
+        torch.cuda.set_device(local_rank)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cuda", self.local_rank)
+
+    def name(self) -> str:
+        return torch.cuda.get_device_name(self.local_rank)
+
+    def total_memory(self) -> int:
+        return int(torch.cuda.get_device_properties(self.local_rank).total_memory)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def reset_peak_memory(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+    def peak_memory(self) -> int | None:
+        return int(torch.cuda.max_memory_allocated())
+
+    def mark(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ms_between(self, start: Any, stop: Any) -> float:
+        return float(start.elapsed_time(stop))
+
+
+class NpuDevice(Device):
+    """An Ascend NPU through torch_npu (hccl). Written against torch_npu's API; not runnable here."""
+
+    kind = "npu"
+    backend = "hccl"
+
+    def __init__(self, local_rank: int) -> None:
+        super().__init__(local_rank)
+        self._npu = torch.npu  # type: ignore[attr-defined]  # present once torch_npu is imported
+        # get_device_name() and the memory queries refer to the *current* device.
+        self._npu.set_device(local_rank)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("npu", self.local_rank)
+
+    def name(self) -> str:
+        return str(self._npu.get_device_name())
+
+    def total_memory(self) -> int:
+        return int(self._npu.get_device_properties(self.local_rank).total_memory)
+
+    def synchronize(self) -> None:
+        self._npu.synchronize()
+
+    def reset_peak_memory(self) -> None:
+        self._npu.reset_peak_memory_stats()
+
+    def peak_memory(self) -> int | None:
+        return int(self._npu.max_memory_allocated())
+
+    def mark(self) -> Any:
+        event = self._npu.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ms_between(self, start: Any, stop: Any) -> float:
+        return float(start.elapsed_time(stop))
+
+
+class EmulatedDevice(Device):
+    """The CPU, reporting an emulated device type and stretching compute by ``factor`` (see emulation.py)."""
+
+    kind = "emulated"
+
+    def __init__(self, local_rank: int, *, type_name: str, memory_bytes: int, factor: float) -> None:
+        super().__init__(local_rank)
+        self.type_name = type_name
+        self.memory_bytes = memory_bytes
+        self.factor = factor
+
+    def name(self) -> str:
+        return self.type_name
+
+    def total_memory(self) -> int:
+        return self.memory_bytes
+
+    def slowdown(self) -> float:
+        return self.factor
+
+
+def detect(local_rank: int) -> Device:
+    """The real device of this process: Ascend if torch_npu is importable and sees NPUs, then CUDA, then CPU."""
+    if _npu_available():
+        return NpuDevice(local_rank)
+    if torch.cuda.is_available():
+        return CudaDevice(local_rank)
+    return Device(local_rank)
+
+
+def _npu_available() -> bool:
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except ImportError:
+        return False
+    npu = getattr(torch, "npu", None)
+    return bool(npu is not None and npu.is_available())

@@ -1,0 +1,239 @@
+"""The training script's Megatron flags: read the job (model shape, batch, parallelism) and rewrite them.
+
+Torch-free. Poseidon never asks the user to describe the model twice: the flags they already pass to
+Megatron-LM's ``pretrain_gpt.py`` (or MindSpeed-LLM's) *are* the job description. After planning, the
+parallelism flags are replaced by the plan's and everything else is passed through untouched, in order.
+
+Flag names are Megatron-LM's (``megatron/training/arguments.py``); both ``--flag value`` and
+``--flag=value`` are understood, as argparse does.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from poseidon_plugin.errors import PoseidonError
+
+# Parallelism / layer-split flags the plan decides. Each takes one value unless listed in _SWITCHES.
+# Older spellings are included so that a stale flag cannot contradict the plan.
+PLANNED_FLAGS: tuple[str, ...] = (
+    "--tensor-model-parallel-size",
+    "--pipeline-model-parallel-size",
+    "--pipeline-model-parallel-layout",
+    "--micro-batch-size",
+    "--num-layers-per-virtual-pipeline-stage",
+    "--num-virtual-stages-per-pipeline-rank",
+    "--virtual-pipeline-model-parallel-size",
+    "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers",
+    "--pipeline-model-parallel-split-rank",
+    "--num-layer-list",
+    "--account-for-embedding-in-pipeline-split",
+    "--account-for-loss-in-pipeline-split",
+    "--standalone-embedding-stage",
+)
+_SWITCHES = frozenset(
+    {
+        "--account-for-embedding-in-pipeline-split",
+        "--account-for-loss-in-pipeline-split",
+        "--standalone-embedding-stage",
+        "--group-query-attention",
+        "--swiglu",
+        "--bf16",
+        "--fp16",
+        "--use-distributed-optimizer",
+        "--untie-embeddings-and-output-weights",
+        "--sequence-parallel",
+        "--disable-bias-linear",
+        "--use-cpu-initialization",
+    }
+)
+# Without these, there is no transformer layer to profile and no model to plan.
+REQUIRED_FLAGS: tuple[str, ...] = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
+DEFAULT_VOCAB_SIZE = 32000
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobFlags:
+    """What the job's Megatron flags say about the model, the batch and the user's own parallelism."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    """KV groups (``--num-query-groups`` with ``--group-query-attention``, else the head count)."""
+    ffn_hidden_size: int
+    """``--ffn-hidden-size``, or Megatron's default (4h, or the SwiGLU 8h/3 rounded down to 64)."""
+    seq_length: int
+    vocab_size: int
+    """``--vocab-size`` (before padding); :data:`DEFAULT_VOCAB_SIZE` when the tokenizer decides it."""
+    vocab_size_given: bool
+    micro_batch_size: int
+    global_batch_size: int | None
+    """None when the user left it to Megatron (then it is mbs x the user's DP; see :func:`effective_global_batch`)."""
+    tensor_parallel: int
+    pipeline_parallel: int
+    dtype: str
+    """``bf16``, ``fp16`` or ``fp32``."""
+    swiglu: bool
+    distributed_optimizer: bool
+    num_experts: int
+    moe_router_topk: int
+    untie_embeddings: bool
+    sequence_parallel: bool
+    train_iters: int | None
+    normalization: str
+    """``LayerNorm`` or ``RMSNorm``."""
+    position_embedding_type: str
+    """``learned_absolute`` or ``rope``."""
+    max_position_embeddings: int
+    add_bias_linear: bool
+    hidden_dropout: float
+    attention_dropout: float
+
+
+def flag_values(args: Sequence[str]) -> dict[str, str]:
+    """``{flag: value}`` for every ``--flag`` in ``args`` (switches map to ``""``; the last occurrence wins)."""
+    values: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        token = args[i]
+        i += 1
+        if not token.startswith("--"):
+            continue
+        flag, has_inline, inline = token.partition("=")
+        if has_inline:
+            values[flag] = inline
+        elif flag in _SWITCHES or i >= len(args) or args[i].startswith("--"):
+            values[flag] = ""
+        else:
+            values[flag] = args[i]
+            i += 1
+    return values
+
+
+def read_job(script: str, args: Sequence[str]) -> JobFlags:
+    """Read the job from the training script's arguments; PoseidonError if they are not Megatron-shaped."""
+    values = flag_values(args)
+    missing = [flag for flag in REQUIRED_FLAGS if flag not in values]
+    if missing:
+        raise PoseidonError(
+            f"{script} is not Megatron-shaped: its arguments lack {', '.join(missing)}; poseidon-run reads the "
+            f"model from Megatron-LM's flags (e.g. --num-layers 8 --hidden-size 256 --num-attention-heads 8 "
+            f"--seq-length 128); add them, or set POSEIDON_DISABLE=1 to run the script with plain torchrun"
+        )
+
+    def integer(flag: str, default: int | None = None, minimum: int = 1) -> int | None:
+        if flag not in values:
+            return default
+        raw = values[flag]
+        try:
+            number = int(raw)
+        except ValueError:
+            raise PoseidonError(f"{flag} {raw!r} is not an integer (in the arguments of {script})") from None
+        if number < minimum:
+            raise PoseidonError(f"{flag} {number} must be >= {minimum} (in the arguments of {script})")
+        return number
+
+    hidden = integer("--hidden-size")
+    heads = integer("--num-attention-heads")
+    swiglu = "--swiglu" in values
+    if hidden % heads:
+        raise PoseidonError(f"--hidden-size {hidden} is not divisible by --num-attention-heads {heads}")
+    groups = integer("--num-query-groups", heads) if "--group-query-attention" in values else heads
+    if heads % groups:
+        raise PoseidonError(f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}")
+    default_ffn = int(4 * hidden * 2 / 3 / 64) * 64 if swiglu else 4 * hidden
+
+    def choice(flag: str, default: str, allowed: tuple[str, ...]) -> str:
+        value = values.get(flag, default)
+        if value not in allowed:
+            raise PoseidonError(f"{flag} {value!r} is not supported; use one of {', '.join(allowed)}")
+        return value
+
+    def fraction(flag: str, default: float) -> float:
+        raw = values.get(flag)
+        try:
+            value = default if raw is None else float(raw)
+        except ValueError:
+            raise PoseidonError(f"{flag} {raw!r} is not a number (in the arguments of {script})") from None
+        if not 0.0 <= value < 1.0:
+            raise PoseidonError(f"{flag} {value} must be in [0, 1)")
+        return value
+
+    seq_length = integer("--seq-length")
+    dtype = "bf16" if "--bf16" in values else "fp16" if "--fp16" in values else "fp32"
+    return JobFlags(
+        num_layers=integer("--num-layers"),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        ffn_hidden_size=integer("--ffn-hidden-size", default_ffn or 4 * hidden),
+        seq_length=seq_length,
+        vocab_size=integer("--vocab-size", DEFAULT_VOCAB_SIZE),
+        vocab_size_given="--vocab-size" in values,
+        micro_batch_size=integer("--micro-batch-size", 1),
+        global_batch_size=integer("--global-batch-size"),
+        tensor_parallel=integer("--tensor-model-parallel-size", 1),
+        pipeline_parallel=integer("--pipeline-model-parallel-size", 1),
+        dtype=dtype,
+        swiglu=swiglu,
+        distributed_optimizer="--use-distributed-optimizer" in values,
+        num_experts=integer("--num-experts", 0, minimum=0),
+        moe_router_topk=integer("--moe-router-topk", 2),
+        untie_embeddings="--untie-embeddings-and-output-weights" in values,
+        sequence_parallel="--sequence-parallel" in values,
+        train_iters=integer("--train-iters"),
+        normalization=choice("--normalization", "LayerNorm", ("LayerNorm", "RMSNorm")),
+        position_embedding_type=choice("--position-embedding-type", "learned_absolute", ("learned_absolute", "rope")),
+        max_position_embeddings=integer("--max-position-embeddings", seq_length),
+        add_bias_linear="--disable-bias-linear" not in values,
+        hidden_dropout=fraction("--hidden-dropout", 0.1),
+        attention_dropout=fraction("--attention-dropout", 0.1),
+    )
+
+
+def effective_global_batch(job: JobFlags, world_size: int) -> int:
+    """The global batch the user's job trains with: theirs, or Megatron's default mbs x DP for their TP/PP.
+
+    Poseidon never changes it (a different plan must not change the optimisation), so it is pinned
+    explicitly in the rewritten flags.
+    """
+    if job.global_batch_size is not None:
+        return job.global_batch_size
+    model_parallel = job.tensor_parallel * job.pipeline_parallel
+    if world_size % model_parallel:
+        raise PoseidonError(
+            f"--tensor-model-parallel-size {job.tensor_parallel} x --pipeline-model-parallel-size "
+            f"{job.pipeline_parallel} does not divide the world size {world_size}, so the global batch is "
+            f"undefined; pass --global-batch-size"
+        )
+    return job.micro_batch_size * (world_size // model_parallel)
+
+
+def rewrite(args: Sequence[str], planned: Sequence[str]) -> list[str]:
+    """``args`` without any :data:`PLANNED_FLAGS` (and without a ``--global-batch-size``, when ``planned``
+    has one), followed by ``planned``. Every other token is kept, in order.
+    """
+    drop = set(PLANNED_FLAGS)
+    drop.update(token.partition("=")[0] for token in planned if token.startswith("--"))
+    kept: list[str] = []
+    i = 0
+    while i < len(args):
+        token = args[i]
+        i += 1
+        flag, has_inline, _ = token.partition("=")
+        if token.startswith("--") and flag in drop:
+            takes_value = not has_inline and flag not in _SWITCHES
+            if takes_value and i < len(args) and not args[i].startswith("--"):
+                i += 1
+            continue
+        kept.append(token)
+    return kept + list(planned)
+
+
+def command_line(script: str, args: Sequence[str]) -> str:
+    """A shell-quoted one-line rendering of ``script args`` (for the log)."""
+    return shlex.join([script, *args])

@@ -1,0 +1,140 @@
+"""``poseidon-run``: torchrun with a planner in front of the training script.
+
+    poseidon-run [torchrun options] SCRIPT [script args] [--poseidon-* options]
+
+Every torchrun option is accepted and passed through (torch.distributed.run's own parser reads them).
+``--poseidon-*`` options (or their ``POSEIDON_*`` variables, see ``options.py``) are taken out wherever they
+stand, validated here before any process starts, and handed to the ranks through the environment. Each
+rank runs ``poseidon_plugin.runtime.bootstrap`` with the script and its arguments; the bootstrap plans,
+rewrites the flags and then runs the script in that same process. With ``POSEIDON_DISABLE=1`` this is
+exactly torchrun (the ``--poseidon-*`` options are dropped).
+
+Mistakes are one line naming the flag, and exit code 2; a failed job exits with its ranks' exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from poseidon_plugin.errors import PoseidonError
+from poseidon_plugin.runtime import options as runtime_options
+
+BOOTSTRAP_MODULE = "poseidon_plugin.runtime.bootstrap"
+_MODULE_FLAGS = ("-m", "--module")
+# Set for the ranks unless the user set them. Megatron-LM refuses tensor parallelism on pre-Blackwell GPUs
+# without CUDA_DEVICE_MAX_CONNECTIONS=1; a user who ran TP 1 never needed it, but the plan may choose TP > 1,
+# and CUDA reads it when the context is created, before the plan exists.
+RANK_ENV_DEFAULTS = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, validate, launch; returns the exit code (0, 2 for a usage mistake, else the ranks')."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        opts, rest = runtime_options.parse(argv)
+        if opts.disable:
+            from torch.distributed import run as torchrun
+
+            torchrun.main(rest)
+            return 0
+        torchrun_args, env = prepare(opts, rest)
+    except PoseidonError as exc:
+        print(f"poseidon-run: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    os.environ.update(env)
+    return launch(torchrun_args)
+
+
+def prepare(opts: runtime_options.RuntimeOptions, rest: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The torchrun argv that starts the bootstrap, and the environment for the ranks; PoseidonError on mistakes."""
+    from torch.distributed import run as torchrun
+
+    parser = torchrun.get_args_parser()
+    args = parser.parse_args(rest)  # torchrun's own errors: usage + exit 2, as torchrun
+    if args.no_python:
+        raise PoseidonError("--no-python cannot be used with poseidon-run: the script must be Python, run "
+                            "in-process after planning; set POSEIDON_DISABLE=1 to launch it with plain torchrun")
+    if args.run_path:
+        raise PoseidonError("--run-path cannot be used with poseidon-run (it runs the script in the launcher "
+                            "process); drop it")
+    script, script_args = args.training_script, list(args.training_script_args)
+    if not args.module and not os.path.isfile(script):
+        raise PoseidonError(f"training script {script!r} does not exist; give the path of a Python script "
+                            f"(e.g. scripts/pretrain_gpt.py)")
+    validate(opts, script, script_args, _static_world_size(args))
+    options_part = rest[: len(rest) - len(script_args) - 1]
+    options_part = [token for token in options_part if token not in _MODULE_FLAGS]
+    env = runtime_options.to_env(opts)
+    env[runtime_options.ENV_SCRIPT_IS_MODULE] = "1" if args.module else "0"
+    env.update({key: value for key, value in RANK_ENV_DEFAULTS.items() if key not in os.environ})
+    return [*options_part, "--module", BOOTSTRAP_MODULE, script, *script_args], env
+
+
+def validate(opts: runtime_options.RuntimeOptions, script: str, script_args: list[str],
+             world_size: int | None) -> None:
+    """Checks that need no process: the job is Megatron-shaped, files parse, options fit together."""
+    from poseidon_plugin.plan import MEGATRON_SCHEDULES, SCHEDULES, Plan
+    from poseidon_plugin.runtime import emulation
+    from poseidon_plugin.runtime.job_flags import read_job
+    from poseidon_plugin.specs import device_presets, load_cluster
+
+    read_job(script, script_args)
+    if opts.emulate and opts.cluster:
+        raise PoseidonError("--poseidon-emulate conflicts with --poseidon-cluster: both declare the devices; "
+                            "use one (a cluster file is emulated on CPU ranks too)")
+    if opts.cluster:
+        cluster = load_cluster(opts.cluster)
+        if world_size is not None and cluster.num_devices != world_size:
+            raise PoseidonError(f"--poseidon-cluster {opts.cluster} declares {cluster.num_devices} devices but "
+                                f"the launch starts {world_size} ranks; declare one device per rank")
+    if opts.emulate:
+        nodes = emulation.parse_emulate(opts.emulate, device_presets())
+        if world_size is not None:
+            emulation.check_world(nodes, world_size)
+    if opts.plan:
+        plan = Plan.load(opts.plan)
+        if world_size is not None and plan.world_size > world_size:
+            raise PoseidonError(f"--poseidon-plan {opts.plan} needs {plan.world_size} devices (tp {plan.tp} x dp "
+                                f"{plan.dp} x pp {plan.pp}) but the launch starts {world_size} ranks")
+    for schedule in opts.schedules:
+        if schedule not in SCHEDULES:
+            raise PoseidonError(f"--poseidon-schedules: unknown schedule {schedule!r}; choose from "
+                                f"{', '.join(MEGATRON_SCHEDULES)}")
+        if schedule not in MEGATRON_SCHEDULES:
+            raise PoseidonError(f"--poseidon-schedules: Megatron cannot run {schedule!r}; choose from "
+                                f"{', '.join(MEGATRON_SCHEDULES)}")
+
+
+def _static_world_size(args) -> int | None:
+    """``nnodes x nproc_per_node`` when both are fixed numbers (elastic ranges and 'gpu'/'auto' are not)."""
+    low, _, high = str(args.nnodes).partition(":")
+    try:
+        nnodes, nproc = int(low), int(args.nproc_per_node)
+        if high and int(high) != nnodes:
+            return None
+    except (TypeError, ValueError):
+        return None
+    return nnodes * nproc
+
+
+def launch(torchrun_args: list[str]) -> int:
+    """Run torchrun; on failure one summary line (each rank already printed its own message)."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        torchrun.run(torchrun.parse_args(torchrun_args))
+    except ChildFailedError as exc:
+        ranks = sorted(exc.failures)
+        _, first = exc.get_first_failure()
+        codes = [first.exitcode] + [f.exitcode for f in exc.failures.values()]
+        print(f"poseidon-run: {len(ranks)} rank(s) failed (ranks {ranks}, first exit code {first.exitcode}); "
+              f"each rank's message is above", file=sys.stderr, flush=True)
+        return next((code for code in codes if code > 0), 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

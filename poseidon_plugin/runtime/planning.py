@@ -1,0 +1,137 @@
+"""From the job and the world to one plan that every rank holds: specs, cost model, search, agreement.
+
+Rank 0 alone searches (the search is deterministic but a single source removes any doubt); the plan
+crosses to the other ranks as JSON and every rank compares its SHA-256 (``Plan.plan_hash``) with rank 0's.
+The search is called in exactly one place, :func:`plan_on_rank0`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+from poseidon_plugin.costmodel import Candidate, CostModel
+from poseidon_plugin.errors import PoseidonError
+from poseidon_plugin.plan import Plan
+from poseidon_plugin.runtime.collectives import PhaseFailed, all_gather_json, broadcast_json
+from poseidon_plugin.runtime.inventory import World
+from poseidon_plugin.runtime.job_flags import JobFlags
+from poseidon_plugin.specs import ModelSpec
+
+
+def model_spec(job: JobFlags, *, global_batch_size: int, name: str) -> ModelSpec:
+    """The planner's ModelSpec of the job (``global_batch_size`` pinned: plans never change it)."""
+    return ModelSpec(
+        name=name,
+        num_layers=job.num_layers,
+        hidden_size=job.hidden_size,
+        ffn_hidden_size=job.ffn_hidden_size,
+        num_attention_heads=job.num_attention_heads,
+        num_query_groups=job.num_query_groups,
+        vocab_size=job.vocab_size,
+        seq_length=job.seq_length,
+        global_batch_size=global_batch_size,
+        dtype=job.dtype,
+        num_experts=job.num_experts,
+        moe_top_k=job.moe_router_topk if job.num_experts else 0,
+        swiglu=job.swiglu,
+        tie_embeddings=not job.untie_embeddings,
+        distributed_optimizer=job.distributed_optimizer,
+        sequence_parallel=job.sequence_parallel,
+        source="job flags",
+    )
+
+
+def job_name(script: str, job: JobFlags) -> str:
+    """A readable model name for plans and logs: ``pretrain_gpt-8l-h64``."""
+    stem = os.path.splitext(os.path.basename(script))[0] or "job"
+    return f"{stem}-{job.num_layers}l-h{job.hidden_size}"
+
+
+def plan_on_rank0(cost_model: CostModel, *, schedules: Sequence[str], keep: JobFlags | None,
+                  time_limit_s: float) -> Plan:
+    """The one call into the search: best plan for the cost model (NoFeasiblePlanError when none fits).
+
+    ``keep`` (``--poseidon-keep``) pins TP and mbs to the job's and caps PP at the job's; as the search has no
+    exact-PP option, the best plan with exactly the job's PP is taken from the runners-up (each the best of
+    its parallel structure). ``time_limit_s`` keeps the search shorter than the other ranks' wait for it.
+    """
+    from poseidon_plugin.search import SearchOptions, search
+
+    options: dict = {"schedules": tuple(schedules), "time_limit_s": time_limit_s}
+    if keep is None:
+        return search(cost_model, SearchOptions(**options)).plan
+    options.update(tp_degrees=(keep.tensor_parallel,), micro_batch_sizes=(keep.micro_batch_size,),
+                   max_pipeline_stages=keep.pipeline_parallel, top_k=_KEEP_TOP_K)
+    result = search(cost_model, SearchOptions(**options))
+    if result.plan.pp == keep.pipeline_parallel:
+        return result.plan
+    for summary in result.alternatives:
+        if summary.pp == keep.pipeline_parallel:
+            return cost_model.make_plan(Candidate(
+                tp=summary.tp, pp=summary.pp, dp=summary.dp, mbs=summary.micro_batch_size,
+                stage_types=summary.stage_types, layers=summary.layers, schedule=summary.schedule,
+                virtual_stages=summary.virtual_stages))
+    raise PoseidonError(
+        f"--poseidon-keep: no plan keeps --tensor-model-parallel-size {keep.tensor_parallel}, "
+        f"--pipeline-model-parallel-size {keep.pipeline_parallel} and --micro-batch-size {keep.micro_batch_size} "
+        f"on this cluster (memory or divisibility); drop --poseidon-keep to let Poseidon choose"
+    )
+
+
+# Runners-up asked for under --poseidon-keep: enough to hold every (dp, schedule, V) with the kept TP and mbs.
+_KEEP_TOP_K = 64
+
+
+def share_plan(search: Callable[[], Plan] | None, rank: int, device: torch.device) -> Plan:
+    """Rank 0 runs ``search`` and broadcasts the plan, or its error, so that all ranks go on or fail together.
+
+    Every rank validates the received plan and compares its hash with the others'.
+    """
+    doc: dict | None = None
+    if rank == 0:
+        try:
+            doc = {"plan": search().to_dict()}
+        except PoseidonError as exc:
+            doc = {"error": str(exc), "user": True}
+        except Exception as exc:  # noqa: BLE001  (every rank must learn that rank 0 failed, and why)
+            doc = {"error": f"{type(exc).__name__}: {exc}", "user": False}
+    doc = broadcast_json(doc, device)
+    if "error" in doc:
+        raise PhaseFailed(f"search failed on rank 0: {doc['error']}", user_error=doc["user"])
+    received = Plan.from_dict(doc["plan"], "plan from rank 0")
+    hashes = all_gather_json(received.plan_hash(), device)
+    if len(set(hashes)) != 1:
+        raise PoseidonError(f"ranks hold different plans (hashes {sorted(set(hashes))}); this is a bug, please report it")
+    return received
+
+
+def check_plan_fits(plan: Plan, world: World, job: JobFlags, global_batch_size: int, source: str) -> None:
+    """A plan (saved or searched) must match this job and this world; PoseidonError naming the mismatch."""
+
+    def fail(reason: str) -> PoseidonError:
+        return PoseidonError(f"{source} does not match this job: {reason}; re-plan (drop --poseidon-plan) or "
+                             f"fix the plan file")
+
+    if plan.num_layers != job.num_layers:
+        raise fail(f"it splits {plan.num_layers} layers but --num-layers is {job.num_layers}")
+    if plan.seq_length != job.seq_length:
+        raise fail(f"seq_length {plan.seq_length} but --seq-length is {job.seq_length}")
+    if plan.global_batch_size != global_batch_size:
+        raise fail(f"global_batch_size {plan.global_batch_size} but the job's global batch is {global_batch_size}")
+    if plan.world_size > len(world.ranks):
+        raise fail(f"it needs {plan.world_size} devices (tp {plan.tp} x dp {plan.dp} x pp {plan.pp}) but the job "
+                   f"has {len(world.ranks)} ranks")
+    if job.num_attention_heads % plan.tp or job.num_query_groups % plan.tp:
+        raise fail(f"tp {plan.tp} does not divide the {job.num_attention_heads} heads / {job.num_query_groups} groups")
+    for stage in plan.stages:
+        for node, local in stage.devices:
+            try:
+                world.launcher_rank(node, local)
+            except PoseidonError as exc:
+                raise fail(f"stage {stage.index}: {exc}") from None
+            if world.node_type(node) != stage.device_type:
+                raise fail(f"stage {stage.index} runs on {stage.device_type} but device (node {node}, local {local}) "
+                           f"here is a {world.node_type(node)}")

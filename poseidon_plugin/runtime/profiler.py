@@ -1,0 +1,407 @@
+"""Profiling the job's own layer on every device type, with a disk cache.
+
+For each candidate (TP degree, micro-batch size) of each device type, the ranks of that type build the
+job's GPTModel with one transformer layer (same flags, spec and patches as the training) on a TP group
+inside their node, and run warm-up steps and then timed steps. Times come from device marks (events)
+placed by hooks: forward pre/post hooks on the embedding and on the layer; for backward, tensor hooks on
+the layer's output (its gradient arriving = backward start) and on its input (its gradient complete =
+backward end); the rest of the step is the output layer + loss (forward: after the layer; backward:
+before it) and the embedding's backward (after the layer's). The median over timed steps is kept, then
+the median over the TP groups of the type. Bytes come from autograd's saved-tensor hooks (what each part
+keeps for backward), parameter counts from the modules, the inter-stage message from the layer output.
+
+Cache: one profile file per (device type, TP, mbs), keyed by the device, the emulation factor, the layer
+configuration, sequence length, dtype and software versions (``cache_key``); written atomically. A second
+launch of the same job finds every entry and skips measuring (logged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import statistics
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import poseidon_plugin
+from poseidon_plugin.runtime.collectives import all_gather_json
+from poseidon_plugin.runtime.devices import Device
+from poseidon_plugin.runtime.inventory import World
+from poseidon_plugin.runtime.job_flags import JobFlags
+from poseidon_plugin.runtime.megatron_model import gpt_model, padded_vocab_size, transformer_config
+from poseidon_plugin.specs import ClusterSpec, ModelSpec, ProfileEntry, ProfileSpec, load_profile, valid_tp_degrees
+from poseidon_plugin.specs import write_profile
+from poseidon_plugin.errors import InputError, PoseidonError
+
+DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileRequest:
+    """One configuration to profile."""
+
+    device_type: str
+    tp: int
+    mbs: int
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.device_type, self.tp, self.mbs)
+
+
+def candidate_requests(cluster: ClusterSpec, model: ModelSpec, job: JobFlags, *, micro_batch_sizes: Sequence[int],
+                       keep: bool) -> list[ProfileRequest]:
+    """Every (type, TP, mbs) the search may use: TP degrees valid for the type, mbs dividing the batch.
+
+    ``keep`` (``--poseidon-keep``) restricts both to the user's own TP and micro-batch size.
+    """
+    if keep:
+        sizes: Sequence[int] = (job.micro_batch_size,)
+    else:
+        sizes = micro_batch_sizes or DEFAULT_MICRO_BATCH_SIZES
+    sizes = [m for m in sizes if model.global_batch_size % m == 0]
+    if not sizes:
+        raise PoseidonError(
+            f"no candidate micro-batch size divides the global batch {model.global_batch_size}; pass "
+            f"--poseidon-micro-batch-sizes with divisors of it (e.g. 1)"
+        )
+    requests = []
+    for device_type in cluster.type_names:
+        degrees = valid_tp_degrees(cluster, model, device_type)
+        if keep:
+            if job.tensor_parallel not in degrees:
+                raise PoseidonError(
+                    f"--poseidon-keep keeps --tensor-model-parallel-size {job.tensor_parallel}, which is not "
+                    f"possible on {device_type} (valid: {', '.join(map(str, degrees))}); drop --poseidon-keep"
+                )
+            degrees = (job.tensor_parallel,)
+        requests += [ProfileRequest(device_type=device_type, tp=tp, mbs=mbs) for tp in degrees for mbs in sizes]
+    return requests
+
+
+def software_versions() -> dict[str, str]:
+    """Versions that change layer timings (part of the cache key and of the profile)."""
+    import megatron.core
+
+    return {
+        "torch": torch.__version__,
+        "megatron-core": getattr(megatron.core, "__version__", "unknown"),
+        "poseidon": poseidon_plugin.__version__,
+    }
+
+
+def cache_key(job: JobFlags, request: ProfileRequest, device: Device) -> dict[str, str]:
+    """Everything a cached entry depends on, as strings (stored in the profile's ``software`` field)."""
+    layer = {
+        "hidden": job.hidden_size, "ffn": job.ffn_hidden_size, "heads": job.num_attention_heads,
+        "groups": job.num_query_groups, "swiglu": job.swiglu, "norm": job.normalization,
+        "bias": job.add_bias_linear, "pos": job.position_embedding_type,
+        "vocab": padded_vocab_size(job, request.tp), "experts": job.num_experts, "topk": job.moe_router_topk,
+        "sp": job.sequence_parallel, "untie": job.untie_embeddings, "max_pos": job.max_position_embeddings,
+    }
+    return {
+        "device_type": request.device_type, "device": f"{device.kind}:{device.name()}",
+        "slowdown": f"{device.slowdown():.6g}", "tp": str(request.tp), "mbs": str(request.mbs),
+        "seq": str(job.seq_length), "dtype": job.dtype, "layer": json.dumps(layer, sort_keys=True),
+        **software_versions(),
+    }
+
+
+def cache_path(cache_dir: str, key: dict[str, str]) -> str:
+    """``DIR/<type>-tp<t>-mbs<m>-<hash>.json``."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", key["device_type"])
+    return os.path.join(cache_dir, f"{safe}-tp{key['tp']}-mbs{key['mbs']}-{digest}.json")
+
+
+def load_cached(cache_dir: str, key: dict[str, str], request: ProfileRequest) -> ProfileEntry | None:
+    """The cached entry for ``key``, or None (absent, unreadable or stale files are ignored, not trusted)."""
+    path = cache_path(cache_dir, key)
+    if not os.path.isfile(path):
+        return None
+    try:
+        profile = load_profile(path)
+    except InputError:
+        return None
+    entry = profile.get(*request.key)
+    return entry if entry is not None and dict(profile.software) == key else None
+
+
+def store_cached(cache_dir: str, key: dict[str, str], entry: ProfileEntry, job: JobFlags) -> None:
+    """Write one entry as a one-entry profile file, atomically."""
+    profile = ProfileSpec(model="layer-cache", seq_length=job.seq_length, dtype=job.dtype, entries=(entry,),
+                          source="measured", software=key)
+    write_profile(cache_path(cache_dir, key), profile)
+
+
+# --- measuring ----------------------------------------------------------------------------------
+
+
+class _StepMarks:
+    """Device marks and byte counts of one forward/backward step (filled by :class:`_Hooks`)."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, Any] = {}
+        self.saved = {"embedding": 0, "layer": 0, "head": 0}
+        self.send_bytes = 0
+
+
+class _Hooks:
+    """Forward pre/post hooks on the embedding and the layer; tensor hooks for the layer's backward."""
+
+    def __init__(self, model: torch.nn.Module, device: Device) -> None:
+        self.device = device
+        self.step = _StepMarks()
+        self.region = "embedding"
+        self.accounting = False
+        self._params: set[int] = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._seen: set[int] = set()
+        layer = model.decoder.layers[0]
+        self.handles = [
+            model.embedding.register_forward_pre_hook(lambda m, a: self._mark("embedding_pre")),
+            model.embedding.register_forward_hook(lambda m, a, o: self._mark("embedding_post")),
+            layer.register_forward_pre_hook(self._layer_pre, with_kwargs=True),
+            layer.register_forward_hook(self._layer_post),
+        ]
+
+    def _mark(self, name: str) -> None:
+        self.step.marks[name] = self.device.mark()
+
+    def _layer_pre(self, module: Any, args: tuple, kwargs: dict) -> None:
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(lambda grad: self._mark("layer_in_grad"))
+        self.region = "layer"
+        self._mark("layer_pre")
+
+    def _layer_post(self, module: Any, args: tuple, output: Any) -> None:
+        self._mark("layer_post")
+        self.region = "head"
+        out = output[0] if isinstance(output, tuple) else output
+        self.step.send_bytes = out.numel() * out.element_size()
+        out.register_hook(lambda grad: self._mark("layer_out_grad"))
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """saved_tensors_hooks pack: count each storage once, parameters never."""
+        if self.accounting:
+            ptr = tensor.untyped_storage().data_ptr()
+            if ptr not in self._params and ptr not in self._seen:
+                self._seen.add(ptr)
+                self.step.saved[self.region] += tensor.untyped_storage().nbytes()
+        return tensor
+
+    def new_step(self, accounting: bool) -> _StepMarks:
+        self.step, self.region, self.accounting = _StepMarks(), "embedding", accounting
+        self._seen.clear()
+        return self.step
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _megatron_globals(tp_group: Any) -> Iterator[None]:
+    """Point parallel_state's TP group at ``tp_group`` (the vocab-parallel loss reads it) and give it a
+    global memory buffer, for the duration of profiling; restore both afterwards."""
+    from megatron.core import parallel_state as ps
+
+    saved = (ps._TENSOR_MODEL_PARALLEL_GROUP, ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE, ps._MPU_TENSOR_MODEL_PARALLEL_RANK)
+    own_buffer = ps._GLOBAL_MEMORY_BUFFER is None
+    if own_buffer:
+        ps._set_global_memory_buffer()
+    ps._TENSOR_MODEL_PARALLEL_GROUP = tp_group
+    ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = ps._MPU_TENSOR_MODEL_PARALLEL_RANK = None
+    try:
+        yield
+    finally:
+        (ps._TENSOR_MODEL_PARALLEL_GROUP, ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE,
+         ps._MPU_TENSOR_MODEL_PARALLEL_RANK) = saved
+        if own_buffer:
+            ps.destroy_global_memory_buffer()
+
+
+def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest, *, warmup: int,
+            iters: int) -> dict[str, Any]:
+    """Profile one (TP, mbs) on this rank's TP group; the ProfileEntry fields as a dict."""
+    on_cpu = device.torch_device.type == "cpu"
+    config = transformer_config(job, tensor_parallel=request.tp, num_layers=1, on_cpu=on_cpu)
+    with _megatron_globals(groups.tp):
+        model = gpt_model(job, config, pre_process=True, post_process=True, pg_collection=groups)
+        if not on_cpu:
+            model.to(device.torch_device)
+        hooks = _Hooks(model, device)
+        vocab = job.vocab_size
+        shape = (request.mbs, job.seq_length)
+        generator = torch.Generator().manual_seed(1234)
+        tokens = torch.randint(0, vocab, shape, generator=generator).to(device.torch_device)
+        labels = torch.randint(0, vocab, shape, generator=generator).to(device.torch_device)
+        positions = torch.arange(job.seq_length, device=device.torch_device).unsqueeze(0).expand(shape)
+        steps: list[_StepMarks] = []
+        peak = None
+        try:
+            for index in range(warmup + iters):
+                timed = index >= warmup
+                if index == warmup:
+                    device.reset_peak_memory()
+                step = hooks.new_step(accounting=index == warmup)
+                step.marks["start"] = device.mark()
+                with torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t):
+                    loss = model(tokens, positions, None, labels=labels)
+                step.marks["forward_end"] = device.mark()
+                step.marks["backward_start"] = device.mark()
+                loss.backward(torch.ones_like(loss))
+                step.marks["backward_end"] = device.mark()
+                model.zero_grad(set_to_none=True)
+                if index == warmup:
+                    peak = device.peak_memory()
+                if timed:
+                    steps.append(step)
+            device.synchronize()
+        finally:
+            hooks.remove()
+    layer = model.decoder.layers[0]
+    head_params = padded_vocab_size(job, request.tp) * job.hidden_size // request.tp
+    head_params += sum(p.numel() for p in model.decoder.final_layernorm.parameters())
+
+    def span(start: str, stop: str) -> float:
+        return max(statistics.median(device.ms_between(s.marks[start], s.marks[stop]) for s in steps), 1e-6)
+
+    first = steps[0]
+    return {
+        "device_type": request.device_type, "tp": request.tp, "mbs": request.mbs,
+        "forward_ms": span("layer_pre", "layer_post"),
+        "backward_ms": span("layer_out_grad", "layer_in_grad"),
+        "layer_params": sum(p.numel() for p in layer.parameters()),
+        "activation_bytes": first.saved["layer"],
+        "send_bytes": first.send_bytes,
+        "embedding_forward_ms": span("embedding_pre", "embedding_post"),
+        "embedding_backward_ms": span("layer_in_grad", "backward_end"),
+        "embedding_params": sum(p.numel() for p in model.embedding.parameters()),
+        "embedding_activation_bytes": first.saved["embedding"],
+        "head_forward_ms": span("layer_post", "forward_end"),
+        "head_backward_ms": span("backward_start", "layer_out_grad"),
+        "head_params": head_params,
+        "head_activation_bytes": first.saved["head"],
+        "peak_memory_bytes": peak,
+    }
+
+
+# --- the collective flow --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileOutcome:
+    """The merged profile and what the cache contributed."""
+
+    profile: ProfileSpec
+    reused: int
+    measured: int
+
+
+def _profiling_groups(world: World, requests: Sequence[ProfileRequest], rank: int) -> dict[int, Any]:
+    """``{tp: ProcessGroupCollection}`` for this rank's TP groups; every rank creates every group, in order."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    own = None
+    for r in range(len(world.ranks)):  # singleton pipeline / context groups: the profiled model has one stage
+        group = dist.new_group([r])
+        if r == rank:
+            own = group
+    collections: dict[int, Any] = {}
+    for tp in sorted({req.tp for req in requests}):
+        types = {req.device_type for req in requests if req.tp == tp}
+        for index, node in enumerate(world.nodes):
+            if world.node_type(index) not in types:
+                continue
+            for start in range(0, len(node) - tp + 1, tp):
+                members = list(node[start:start + tp])
+                group = dist.new_group(members)
+                if rank in members:
+                    pgc = ProcessGroupCollection()
+                    pgc.tp, pgc.cp, pgc.pp = group, own, own
+                    pgc.embd = pgc.pos_embd = None
+                    collections[tp] = pgc
+    return collections
+
+
+def profile_world(*, world: World, rank: int, device: Device, job: JobFlags, model: ModelSpec,
+                  requests: Sequence[ProfileRequest], cache_dir: str, warmup: int, iters: int) -> ProfileOutcome:
+    """Collective: cached entries are shared, the missing ones measured by the ranks of their type, merged."""
+    me = world.ranks[rank]
+    keys = {req.key: cache_key(job, req, device) for req in requests if req.device_type == me.device_type}
+    local = {}
+    for req in requests:
+        if req.key in keys:
+            entry = load_cached(cache_dir, keys[req.key], req)
+            if entry is not None:
+                local[req.key] = entry
+    cached: dict[tuple, dict] = {}
+    for part in all_gather_json([_entry_doc(e) for e in local.values()], device.torch_device):
+        for doc in part:
+            cached.setdefault((doc["device_type"], doc["tp"], doc["mbs"]), doc)
+    missing = [req for req in requests if req.key not in cached]
+    measured: list[dict] = []
+    if missing:
+        groups = _profiling_groups(world, missing, rank)
+        for req in missing:
+            if req.device_type == me.device_type and req.tp in groups:
+                measured.append(measure(job, device, groups[req.tp], req, warmup=warmup, iters=iters))
+    merged = dict(cached)
+    if missing:
+        by_key: dict[tuple, list[dict]] = {}
+        for part in all_gather_json(measured, device.torch_device):
+            for doc in part:
+                by_key.setdefault((doc["device_type"], doc["tp"], doc["mbs"]), []).append(doc)
+        for req in missing:
+            docs = by_key.get(req.key)
+            if not docs:
+                raise PoseidonError(
+                    f"no rank could profile {req.device_type} with TP {req.tp}: its nodes hold fewer than "
+                    f"{req.tp} devices"
+                )
+            merged[req.key] = _median_entry(docs)
+    if _writes_cache(world, rank):
+        for key, cache in keys.items():
+            if key not in local:
+                store_cached(cache_dir, cache, ProfileEntry(**_entry_fields(merged[key])), job)
+    entries = tuple(ProfileEntry(**_entry_fields(merged[req.key])) for req in requests)
+    profile = ProfileSpec(model=model.name, seq_length=model.seq_length, dtype=model.dtype, entries=entries,
+                          source="measured", software=software_versions())
+    return ProfileOutcome(profile=profile, reused=len(requests) - len(missing), measured=len(missing))
+
+
+def _writes_cache(world: World, rank: int) -> bool:
+    """One writer per (host, device type): the lowest launcher rank of the pair."""
+    me = world.ranks[rank]
+    return all(not (r.host == me.host and r.device_type == me.device_type and r.rank < rank) for r in world.ranks)
+
+
+_FIELDS = tuple(ProfileEntry.__dataclass_fields__)
+
+
+def _entry_fields(doc: dict) -> dict:
+    return {name: doc[name] for name in _FIELDS if name in doc}
+
+
+def _entry_doc(entry: ProfileEntry) -> dict:
+    return {name: getattr(entry, name) for name in _FIELDS}
+
+
+def _median_entry(docs: list[dict]) -> dict:
+    """Times: median over the TP groups that measured; sizes: the largest (memory must fit on all)."""
+    out = dict(docs[0])
+    for name in _FIELDS:
+        values = [doc[name] for doc in docs]
+        if name.endswith("_ms"):
+            out[name] = statistics.median(values)
+        elif name not in ("device_type", "tp", "mbs"):
+            out[name] = max(values)
+    return out

@@ -1,0 +1,105 @@
+"""The first iterations under the plan: check the layers each rank built, compare time with the prediction.
+
+Installed just before the training script starts (``patches/watch.py`` does the hooking). On the first
+training step every rank compares the global layer numbers it built with the plan's (and stops the job
+with a clear error if the script did not honour the rewritten flags); the first ``--poseidon-watch-iterations``
+steps are timed, and rank 0 logs each against the simulator's prediction, then the median (the first step,
+which pays one-time allocations, is left out when there are at least two), with a warning past 10 %.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+from patches import watch as watch_patch
+from poseidon_plugin.errors import PoseidonError
+from poseidon_plugin.plan import Plan
+from poseidon_plugin.runtime.devices import Device
+from poseidon_plugin.runtime.placement import planned_layers
+
+WARN_FRACTION = 0.10
+
+
+def ranges(numbers: list[int]) -> str:
+    """``[1, 2, 3, 7]`` -> ``1-3,7`` (``none`` when empty)."""
+    spans: list[list[int]] = []
+    for n in sorted(set(numbers)):
+        if spans and spans[-1][1] == n - 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "none"
+
+
+class Watch:
+    """Receives the schedule's timings (via patches/watch.py) for one rank."""
+
+    def __init__(self, *, plan: Plan, global_rank: int, stage: int, device: Device, iterations: int,
+                 log: Callable[[str], None], log_rank0: Callable[[str], None]) -> None:
+        self.plan = plan
+        self.global_rank = global_rank
+        self.stage = stage
+        self.device = device
+        self.iterations = iterations
+        self.log = log
+        self.log_rank0 = log_rank0
+        self.measured_ms: list[float] = []
+
+    def install(self) -> None:
+        """Apply the watch patches and route their reports here."""
+        watch_patch.built_layers.clear()
+        watch_patch.configure(on_iteration=self.on_iteration, mark=self.device.mark)
+        watch_patch.TABLE.apply()
+
+    def uninstall(self) -> None:
+        """Revert the watch patches."""
+        watch_patch.TABLE.revert()
+
+    def on_iteration(self, index: int, start: object, stop: object) -> None:
+        """Called after each training schedule call."""
+        if index == 1:
+            self.check_layers()
+        if index > self.iterations:
+            return
+        self.device.synchronize()
+        measured = self.device.ms_between(start, stop)
+        self.measured_ms.append(measured)
+        predicted = self.plan.predicted_iteration_ms
+        self.log_rank0(f"iteration {index}: measured {measured:.1f} ms, predicted {predicted:.1f} ms "
+                       f"({_signed(measured, predicted)})")
+        if index == self.iterations:
+            self.summarize()
+
+    def check_layers(self) -> None:
+        """The layers this rank built must be exactly the plan's for its stage (global 1-based numbers)."""
+        built = sorted(watch_patch.built_layers)
+        expected = planned_layers(self.plan, self.stage)
+        device_type = self.plan.stages[self.stage].device_type
+        if built != expected:
+            raise PoseidonError(
+                f"rank {self.global_rank} (stage {self.stage}, {device_type}) built layers {ranges(built)} but the "
+                f"plan assigns {ranges(expected)}: the training script does not apply the rewritten pipeline flags"
+            )
+        self.log(f"stage {self.stage} on {device_type} built layers {ranges(built)} as planned")
+
+    def summarize(self) -> None:
+        """Rank 0: the median measured iteration against the prediction, warning past 10 %."""
+        if not self.measured_ms:
+            return
+        steady = self.measured_ms[1:] if len(self.measured_ms) >= 2 else self.measured_ms
+        measured = statistics.median(steady)
+        predicted = self.plan.predicted_iteration_ms
+        which = f"iterations 2-{len(self.measured_ms)}" if len(self.measured_ms) >= 2 else "iteration 1"
+        self.log_rank0(f"watch: median of {which}: measured {measured:.1f} ms vs predicted {predicted:.1f} ms "
+                       f"({_signed(measured, predicted)})")
+        if predicted > 0 and abs(measured - predicted) > WARN_FRACTION * predicted:
+            self.log_rank0(f"WARNING: measured iteration time is {_signed(measured, predicted)} off the prediction "
+                           f"(more than {WARN_FRACTION:.0%}); the profile may not reflect the training "
+                           f"(contention, other jobs, clock changes)")
+
+
+def _signed(measured: float, predicted: float) -> str:
+    if predicted <= 0:
+        return "n/a"
+    return f"{(measured - predicted) / predicted:+.1%}"

@@ -1,0 +1,226 @@
+"""A small GPT pre-training script on megatron-core, with Megatron-LM's flag names.
+
+Runs under ``torchrun`` (or ``poseidon-run``) on GPUs, or on CPU/gloo through Poseidon's CPU shim::
+
+    torchrun --nproc-per-node 2 scripts/pretrain_gpt.py --num-layers 4 --hidden-size 64 \\
+        --num-attention-heads 4 --seq-length 32 --vocab-size 512 --micro-batch-size 1 \\
+        --global-batch-size 8 --pipeline-model-parallel-size 2 --train-iters 3
+
+It is what Megatron-LM's ``pretrain_gpt.py`` does, cut to the bone: GPTModel (megatron-core local spec),
+the real pipeline schedules from ``get_forward_backward_func()``, DDP + ``finalize_model_grads``, Megatron's
+Adam, synthetic token data (``--mock-data`` is the only data source), and one log line per iteration on the
+last pipeline stage: ``iteration 1/3 | lm loss 6.2431 | 0.52 s``. Uneven and interleaved splits are given
+with ``--pipeline-model-parallel-layout`` exactly as in Megatron-LM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+from poseidon_plugin.runtime import cpu_shim
+from poseidon_plugin.runtime.job_flags import read_job
+from poseidon_plugin.runtime.megatron_model import gpt_model, transformer_config
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Megatron-LM's names for the flags this script understands (unknown flags are an error, exit 2)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    add = p.add_argument
+    # Model (read again, with the same rules as the profiler, by job_flags.read_job).
+    for flag in ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
+                 "--seq-length", "--max-position-embeddings", "--vocab-size", "--num-experts", "--moe-router-topk"):
+        add(flag, type=int)
+    for flag in ("--hidden-dropout", "--attention-dropout"):
+        add(flag, type=float)
+    add("--normalization", choices=("LayerNorm", "RMSNorm"))
+    add("--position-embedding-type", choices=("learned_absolute", "rope"))
+    for flag in ("--group-query-attention", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                 "--bf16", "--fp16", "--use-cpu-initialization", "--mock-data", "--sequence-parallel",
+                 "--use-distributed-optimizer"):
+        add(flag, action="store_true")
+    add("--tokenizer-type", default="NullTokenizer", choices=("NullTokenizer",))
+    add("--transformer-impl", default="local", choices=("local",))
+    # Parallelism and batch.
+    add("--tensor-model-parallel-size", type=int, default=1)
+    add("--pipeline-model-parallel-size", type=int, default=1)
+    add("--pipeline-model-parallel-layout", type=str, default=None)
+    add("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    add("--decoder-first-pipeline-num-layers", type=int, default=None)
+    add("--decoder-last-pipeline-num-layers", type=int, default=None)
+    add("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
+    add("--micro-batch-size", type=int, default=1)
+    add("--global-batch-size", type=int, default=None)
+    # Training.
+    add("--train-iters", type=int, default=10)
+    add("--lr", type=float, default=1e-4)
+    add("--weight-decay", type=float, default=0.01)
+    add("--clip-grad", type=float, default=1.0)
+    add("--seed", type=int, default=1234)
+    add("--log-interval", type=int, default=1)
+    args = p.parse_args(argv)
+    if args.global_batch_size is None:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        args.global_batch_size = args.micro_batch_size * world // (
+            args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    return args
+
+
+def init_distributed() -> torch.device:
+    """Join the job's process group (kept when a launcher already created it) and pick the device."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        cpu_shim.install()
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    return device
+
+
+def build_model(args: argparse.Namespace, job, config) -> list[DistributedDataParallel]:
+    """One DDP-wrapped GPTModel chunk per virtual stage of this rank."""
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = None if vpp is None else vp_stage
+        model = gpt_model(
+            job, config,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            vp_stage=stage,
+        )
+        if torch.cuda.is_available():
+            model.cuda()
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=job.dtype != "fp32", overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=args.use_distributed_optimizer)
+        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
+                                              disable_bucketing=vp_stage > 0))
+    return chunks
+
+
+def synthetic_batches(args: argparse.Namespace, vocab: int, device: torch.device):
+    """Endless deterministic micro-batches of random tokens (same sequence on every chunk of a DP replica)."""
+    generator = torch.Generator().manual_seed(args.seed + 7919 * parallel_state.get_data_parallel_rank())
+    positions = torch.arange(args.seq_length, device=device).unsqueeze(0).expand(args.micro_batch_size, -1)
+    while True:
+        tokens = torch.randint(0, vocab, (args.micro_batch_size, args.seq_length + 1), generator=generator)
+        tokens = tokens.to(device)
+        yield {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "position_ids": positions}
+
+
+def forward_step(data_iterator, model):
+    """Megatron's forward-step contract: (output tensor, loss function of that output)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss, batch["labels"])
+
+
+def _loss(labels: torch.Tensor, per_token_loss: torch.Tensor):
+    loss = per_token_loss.float().mean()
+    # clone: the schedule scales the returned loss in place by 1/num_microbatches.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train ``--train-iters`` iterations; print the loss per iteration on the last pipeline stage."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    job = read_job("pretrain_gpt.py", argv)
+    device = init_distributed()
+    torch.manual_seed(args.seed)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=_virtual_stages(args),
+    )
+    if torch.cuda.is_available():
+        model_parallel_cuda_manual_seed(args.seed)
+    on_cpu = device.type == "cpu"
+    overrides = {}
+    if args.decoder_first_pipeline_num_layers is not None:
+        overrides["num_layers_in_first_pipeline_stage"] = args.decoder_first_pipeline_num_layers
+    if args.decoder_last_pipeline_num_layers is not None:
+        overrides["num_layers_in_last_pipeline_stage"] = args.decoder_last_pipeline_num_layers
+    # As Megatron-LM: p2p overlap exists only in the interleaved schedule.
+    overlap_p2p = args.overlap_p2p_comm and _virtual_stages(args) is not None
+    config = transformer_config(
+        job, tensor_parallel=args.tensor_model_parallel_size, pipeline_parallel=args.pipeline_model_parallel_size,
+        layout=args.pipeline_model_parallel_layout, on_cpu=on_cpu,
+        virtual_pipeline_model_parallel_size=_virtual_stages(args), overlap_p2p_comm=overlap_p2p,
+        batch_p2p_comm=not overlap_p2p, **overrides,
+    )
+    dp = parallel_state.get_data_parallel_world_size()
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise SystemExit(f"--global-batch-size {args.global_batch_size} is not a multiple of "
+                         f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}")
+    num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size, args.micro_batch_size, dp)
+
+    chunks = build_model(args, job, config)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [chunk.no_sync for chunk in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay, bf16=job.dtype == "bf16",
+                        fp16=job.dtype == "fp16", params_dtype=config.params_dtype,
+                        # Megatron's clipping asserts CUDA tensors; on CPU it is off.
+                        clip_grad=0.0 if on_cpu else args.clip_grad,
+                        use_distributed_optimizer=args.use_distributed_optimizer),
+        chunks,
+    )
+    iterators = [synthetic_batches(args, job.vocab_size, device) for _ in chunks]
+    forward_backward = get_forward_backward_func()
+    logging_rank = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+                    and parallel_state.get_tensor_model_parallel_rank() == 0
+                    and parallel_state.get_data_parallel_rank() == 0)
+    for iteration in range(1, args.train_iters + 1):
+        start = time.perf_counter()
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=num_microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=False,
+        )
+        update_ok, _, _ = optimizer.step()
+        if logging_rank and iteration % args.log_interval == 0:
+            loss = torch.stack([entry["lm loss"] for entry in losses]).mean().item()
+            print(f"iteration {iteration}/{args.train_iters} | lm loss {loss:.4f} | "
+                  f"{time.perf_counter() - start:.2f} s{'' if update_ok else ' | skipped'}", flush=True)
+    parallel_state.destroy_model_parallel()
+    return 0
+
+
+def _virtual_stages(args: argparse.Namespace) -> int | None:
+    """Virtual stages per pipeline rank, from the layout (stages / PP) or the explicit flag."""
+    if args.pipeline_model_parallel_layout:
+        stages = PipelineParallelLayerLayout.get_num_stages_from_str(args.pipeline_model_parallel_layout)
+        vpp = stages // args.pipeline_model_parallel_size
+    else:
+        vpp = args.num_virtual_stages_per_pipeline_rank or 1
+    return vpp if vpp > 1 else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

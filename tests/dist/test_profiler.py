@@ -1,0 +1,85 @@
+"""Profiling the job's layer on gloo: measured entries, sizes against an independent count, the disk cache."""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+H, HEADS, SEQ, VOCAB, MAX_POS = 32, 2, 16, 64, 16
+JOB = ["--num-layers", "4", "--hidden-size", str(H), "--num-attention-heads", str(HEADS), "--seq-length", str(SEQ),
+       "--vocab-size", str(VOCAB), "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def _profile(rank: int, world_size: int, cache_dir: str) -> dict:
+    from poseidon_plugin.runtime import cpu_shim, devices
+    from poseidon_plugin.runtime.inventory import RankInfo, World
+    from poseidon_plugin.runtime.job_flags import read_job
+    from poseidon_plugin.runtime.planning import model_spec
+    from poseidon_plugin.runtime.profiler import ProfileRequest, profile_world
+
+    cpu_shim.install()
+    job = read_job("t.py", JOB)
+    model = model_spec(job, global_batch_size=8, name="t")
+    host = socket.gethostname()
+    world = World(ranks=tuple(RankInfo(rank=r, host=host, local_rank=r, device_type="cpu", device_kind="cpu",
+                                       memory_bytes=1 << 34, node_tag="cpu") for r in range(world_size)),
+                  nodes=(tuple(range(world_size)),))
+    requests = [ProfileRequest(device_type="cpu", tp=tp, mbs=mbs) for tp in (1, 2) for mbs in (1, 2)]
+    outcome = profile_world(world=world, rank=rank, device=devices.Device(rank), job=job, model=model,
+                            requests=requests, cache_dir=cache_dir, warmup=1, iters=2)
+    return {"reused": outcome.reused, "measured": outcome.measured,
+            "entries": [{k: getattr(e, k) for k in e.__dataclass_fields__} for e in outcome.profile.entries],
+            "source": outcome.profile.source, "model": outcome.profile.model}
+
+
+def _layer_params(tp: int) -> int:
+    """Megatron local-spec GPT layer with biases, LayerNorm, GELU MLP (ffn = 4h), MHA; per TP rank."""
+    ffn = 4 * H
+    layernorms = 2 * (2 * H)
+    qkv = 3 * H * H // tp + 3 * H // tp          # column-parallel: weight and bias split
+    proj = H * H // tp + H                         # row-parallel: weight split, bias whole
+    fc1 = ffn * H // tp + ffn // tp
+    fc2 = H * ffn // tp + H
+    return layernorms + qkv + proj + fc1 + fc2
+
+
+def test_profile_entries_and_cache(gloo_pool, tmp_path):
+    pool = gloo_pool(2)
+    cache = str(tmp_path / "cache")
+    first = pool.run(_profile, cache, timeout_s=240)
+    assert first[0] == first[1], "ranks disagree on the merged profile"
+    result = first[0]
+    assert (result["reused"], result["measured"]) == (0, 4)
+    assert result["source"] == "measured" and result["model"] == "t"
+    by_key = {(e["tp"], e["mbs"]): e for e in result["entries"]}
+    assert set(by_key) == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    for (tp, mbs), entry in by_key.items():
+        padded = -(-VOCAB // (128 * tp)) * 128 * tp
+        assert entry["layer_params"] == _layer_params(tp)
+        assert entry["embedding_params"] == padded // tp * H + MAX_POS * H
+        assert entry["head_params"] == padded * H // tp + 2 * H
+        assert entry["send_bytes"] == SEQ * mbs * H * 4          # fp32 hidden states to the next stage
+        for name in ("forward_ms", "backward_ms", "embedding_forward_ms", "head_forward_ms", "head_backward_ms"):
+            assert entry[name] > 0, name
+        assert entry["activation_bytes"] > entry["send_bytes"]   # a layer keeps more than its output
+        assert entry["head_activation_bytes"] > 0
+    for tp in (1, 2):  # what a layer keeps for backward grows with the micro-batch
+        assert by_key[(tp, 2)]["activation_bytes"] > by_key[(tp, 1)]["activation_bytes"]
+    files = sorted(os.listdir(cache))
+    assert len(files) == 4 and not [f for f in files if f.endswith(".tmp")]
+
+    second = pool.run(_profile, cache, timeout_s=240)[0]
+    assert (second["reused"], second["measured"]) == (4, 0)
+    assert second["entries"] == result["entries"]
+
+    (corrupt,) = glob.glob(os.path.join(cache, "*tp1-mbs1-*.json"))
+    with open(corrupt, "w") as fh:
+        fh.write("{not json")
+    third = pool.run(_profile, cache, timeout_s=240)[0]  # a corrupt file is re-measured, not trusted
+    assert (third["reused"], third["measured"]) == (3, 1)

@@ -1,0 +1,144 @@
+"""``--poseidon-*`` options: extraction from anywhere on the command line, env fallback, validation, env round trip."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from poseidon_plugin.errors import PoseidonError
+from poseidon_plugin.runtime import options
+from poseidon_plugin.runtime.options import RuntimeOptions, parse, resolve, split_argv, to_env
+
+
+@pytest.mark.parametrize(
+    "argv, flags, rest",
+    [
+        (["--nproc-per-node", "4", "train.py", "--num-layers", "8"], {}, ["--nproc-per-node", "4", "train.py", "--num-layers", "8"]),
+        (["--poseidon-dry-run", "train.py", "--lr", "1"], {"--poseidon-dry-run": "1"}, ["train.py", "--lr", "1"]),
+        (["train.py", "--lr", "1", "--poseidon-emulate", "A2-2:2"], {"--poseidon-emulate": "A2-2:2"}, ["train.py", "--lr", "1"]),
+        (["train.py", "--poseidon-timeout=30", "--x"], {"--poseidon-timeout": "30"}, ["train.py", "--x"]),
+        (["--poseidon-keep=0", "t.py"], {"--poseidon-keep": "0"}, ["t.py"]),
+        (["--poseidon-schedules", "1f1b", "--poseidon-keep", "t.py"], {"--poseidon-schedules": "1f1b", "--poseidon-keep": "1"}, ["t.py"]),
+    ],
+)
+def test_split_takes_poseidon_options_anywhere(argv, flags, rest):
+    assert split_argv(argv) == (flags, rest)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--poseidon-dryrun", "t.py"], r"unknown option --poseidon-dryrun; did you mean --poseidon-dry-run\?"),
+        (["--poseidon-zzzzzz", "t.py"], r"unknown option --poseidon-zzzzzz; known: --poseidon-disable"),
+        (["t.py", "--poseidon-plan"], r"--poseidon-plan needs a value, e.g. --poseidon-plan=FILE.json"),
+        (["--poseidon-timeout", "--poseidon-keep", "t.py"], r"--poseidon-timeout needs a value"),
+        (["--poseidon-keep", "t.py", "--poseidon-keep"], r"--poseidon-keep is given twice"),
+    ],
+)
+def test_split_errors_name_the_flag(argv, match):
+    with pytest.raises(PoseidonError, match=match):
+        split_argv(argv)
+
+
+def test_defaults():
+    opts = resolve({}, {})
+    assert opts == RuntimeOptions()
+    assert opts.timeout == 600.0 and opts.watch_iterations == 3 and not opts.dry_run
+
+
+def test_command_line_wins_over_environment():
+    opts = resolve({"--poseidon-timeout": "20"}, {"POSEIDON_TIMEOUT": "50", "POSEIDON_KEEP": "yes"})
+    assert opts.timeout == 20.0
+    assert opts.keep is True
+
+
+@pytest.mark.parametrize("raw, value", [("1", True), ("true", True), ("ON", True), ("0", False), ("no", False), ("", False)])
+def test_boolean_spellings(raw, value):
+    assert resolve({}, {"POSEIDON_DRY_RUN": raw}).dry_run is value
+
+
+def test_lists_are_parsed_deduplicated():
+    opts = resolve({"--poseidon-micro-batch-sizes": "4,1, 2,1", "--poseidon-schedules": "1f1b, interleaved-1f1b,1f1b"}, {})
+    assert opts.micro_batch_sizes == (1, 2, 4)
+    assert opts.schedules == ("1f1b", "interleaved-1f1b")
+
+
+@pytest.mark.parametrize(
+    "cli, env, match",
+    [
+        ({"--poseidon-dry-run": "maybe"}, {}, r"--poseidon-dry-run='maybe' is not a boolean"),
+        ({}, {"POSEIDON_KEEP": "2"}, r"POSEIDON_KEEP='2' is not a boolean"),
+        ({"--poseidon-timeout": "soon"}, {}, r"--poseidon-timeout='soon' is not a number"),
+        ({"--poseidon-timeout": "0.5"}, {}, r"--poseidon-timeout='0.5' is too small; it must be >= 1"),
+        ({"--poseidon-timeout": "nan"}, {}, r"not a finite number"),
+        ({}, {"POSEIDON_PROFILE_ITERS": "2.5"}, r"POSEIDON_PROFILE_ITERS='2.5' is not an integer"),
+        ({"--poseidon-micro-batch-sizes": "1,0"}, {}, r"every value must be >= 1"),
+        ({"--poseidon-flag-style": "deepspeed"}, {}, r"choose one of auto, megatron, mindspeed, patch"),
+        ({"--poseidon-plan": "/nonexistent/plan.json"}, {}, r"--poseidon-plan='/nonexistent/plan.json': no such file"),
+        ({}, {"POSEIDON_CLUSTER": "/nonexistent.yaml"}, r"POSEIDON_CLUSTER='/nonexistent.yaml': no such file"),
+    ],
+)
+def test_bad_values_name_flag_value_and_rule(cli, env, match):
+    with pytest.raises(PoseidonError, match=match):
+        resolve(cli, env)
+
+
+@pytest.mark.parametrize("other", ["--poseidon-keep", "--poseidon-schedules", "--poseidon-micro-batch-sizes"])
+def test_saved_plan_conflicts_with_search_options(tmp_path, other):
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    value = {"--poseidon-keep": "1", "--poseidon-schedules": "1f1b", "--poseidon-micro-batch-sizes": "1"}[other]
+    with pytest.raises(PoseidonError, match=rf"--poseidon-plan .* conflicts with {other}"):
+        resolve({"--poseidon-plan": str(plan), other: value}, {})
+
+
+def test_save_plan_must_differ_from_plan(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    with pytest.raises(PoseidonError, match="--poseidon-save-plan names the same file"):
+        resolve({"--poseidon-plan": str(plan), "--poseidon-save-plan": str(plan)}, {})
+
+
+@pytest.mark.parametrize(
+    "cli",
+    [
+        {},
+        {"--poseidon-dry-run": "1", "--poseidon-emulate": "A2-2:2,A2-4:2", "--poseidon-timeout": "42.5"},
+        {"--poseidon-schedules": "1f1b", "--poseidon-micro-batch-sizes": "2,1", "--poseidon-keep": "1",
+         "--poseidon-profile-cache": "cache/dir", "--poseidon-flag-style": "mindspeed", "--poseidon-watch-iterations": "0"},
+    ],
+)
+def test_environment_round_trip(cli):
+    """The launcher exports options as POSEIDON_* and every rank reads back the same options."""
+    opts = resolve(cli, {})
+    back = resolve({}, to_env(opts))
+    for field in RuntimeOptions.__dataclass_fields__:
+        if field in ("profile_cache", "save_plan"):
+            continue
+        assert getattr(back, field) == getattr(opts, field), field
+    if opts.profile_cache:  # paths travel absolute: a rank may run elsewhere
+        assert back.profile_cache == os.path.abspath(opts.profile_cache)
+
+
+def test_parse_returns_rest_for_torchrun():
+    opts, rest = parse(["--nnodes", "1", "--poseidon-dry-run", "x.py", "--a", "1"], {})
+    assert opts.dry_run and rest == ["--nnodes", "1", "x.py", "--a", "1"]
+
+
+def test_default_profile_cache_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert options.default_profile_cache() == str(tmp_path / "poseidon" / "profiles")
+    assert options.profile_cache_dir(RuntimeOptions()) == str(tmp_path / "poseidon" / "profiles")
+
+
+def test_torch_free_modules_do_not_import_torch():
+    code = (
+        "import sys\n"
+        "import poseidon_plugin.runtime.options, poseidon_plugin.runtime.job_flags, poseidon_plugin.runtime.emulation\n"
+        "import patches.table\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
