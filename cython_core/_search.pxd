@@ -1,0 +1,93 @@
+# Compiled twin of poseidon_plugin.search.splits.SplitSearch (same algorithm, counters and results).
+# The search loop touches only C arrays and calls the DAG kernel (cython_core._dag) per bound.
+
+from cython_core._dag cimport DagKernel
+
+cdef class SplitSearch:
+    cdef DagKernel kernel
+    cdef object table_ref, shape_ref, type_class_ref
+    cdef int nt, pp, v, nv, stride, num_layers, n_params, n_paths
+    cdef bint ridge, blocks
+    cdef double* params
+    # type table (per type) and slot arrays (per type * stride + slot)
+    cdef double* fwd
+    cdef double* bwd
+    cdef double* emb_fwd
+    cdef double* emb_bwd
+    cdef double* head_fwd
+    cdef double* head_bwd
+    cdef double* send_cross
+    cdef double* st
+    cdef double* ac
+    cdef double* est
+    cdef double* eac
+    cdef double* hst
+    cdef double* hac
+    cdef double* usable
+    cdef double* ar
+    cdef double* ar_emb
+    cdef double* ar_head
+    cdef double* send_same
+    cdef double* send_wrap
+    cdef int* has_ar
+    cdef int* type_class
+    cdef int* live
+    cdef int* cap_rank
+    # bound paths
+    cdef int* coef_f
+    cdef int* coef_b
+    cdef int* coef_s
+    cdef int* coef_ar
+    cdef int* term_ptr
+    cdef int* term_idx
+    cdef int* term_coef
+    # search state
+    cdef int* counts
+    cdef int* remaining
+    cdef int* used
+    cdef int* types
+    cdef int* slot
+    cdef int* layers
+    cdef int* last
+    cdef int* down
+    cdef int* capped
+    cdef int* lbs        # (pp + 1) * nv
+    cdef int* caps       # (pp + 1) * nv
+    cdef int* capts      # (pp + 1) * nv * nt: caps per (stage, type)
+    cdef int* vals       # pp (scratch)
+    cdef int* sl_t       # remaining types and their per-layer slopes (scratch)
+    cdef double* sl_f
+    cdef double* sl_b
+    cdef double* sl_a
+    cdef bint exact_counts
+    cdef int* work       # v (chunk layers scratch)
+    cdef int* order      # nv (knapsack order scratch)
+    cdef double* alpha   # nv
+    cdef double* sf
+    cdef double* sb
+    cdef double* sa
+    cdef double mins[10]
+    cdef long long ctr[9]
+    cdef double tau
+    cdef double shrink
+    cdef double best
+    cdef int* best_types
+    cdef int* best_layers
+    cdef bint have_best
+    cdef double deadline
+    cdef bint aborted
+
+    cdef double _need(self, int t, int r, int* chunks) noexcept nogil
+    cdef int _rank_cap(self, int t, int r) noexcept nogil
+    cdef void _unknown_mins(self) noexcept nogil
+    cdef void _fill(self, int* lb) noexcept nogil
+    cdef double _send_lb(self, int r, double unknown_min) noexcept nogil
+    cdef bint _propagate(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
+    cdef int _type_slopes(self) noexcept nogil
+    cdef int _path_caps(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
+    cdef bint _type_mass(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
+    cdef double _knapsack(self, int k, int extra, int* lb, int* cap) noexcept nogil
+    cdef int _type_allowed(self, int r, int t) noexcept nogil
+    cdef void _node(self, int k, int left) noexcept nogil
+    cdef void _children(self, int k, int left, int t, int* lb, int* cap) noexcept nogil
+    cdef void _root_check(self) noexcept nogil

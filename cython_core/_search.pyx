@@ -1,0 +1,700 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Compiled twin of poseidon_plugin.search.splits.SplitSearch.
+
+Same algorithm, the same floating-point operations in the same order, the same counters: the search
+results of the two are identical (tests run both). Read splits.py for the commented reference; this
+file mirrors it function by function. The hot loop builds no Python objects: it fills a C parameter
+vector and calls the DAG kernel's ``run`` (cython_core._dag).
+"""
+
+from libc.math cimport ceil, INFINITY
+from libc.stdlib cimport free, malloc
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
+
+from cython_core._dag cimport DagKernel
+
+cdef enum:
+    N_MINS = 10
+
+# counter indices: keep in sync with poseidon_plugin.search.splits
+cdef enum:
+    NODES = 0
+    BOUND_EVALS = 1
+    SIM_CALLS = 2
+    PRUNED_BOUND = 3
+    PRUNED_PATH = 4
+    PRUNED_MEMORY = 5
+    PRUNED_RIDGE = 6
+    PRUNED_ORDER = 7
+    IMPROVED = 8
+
+cdef double PATH_SLACK = 1e-9
+cdef long long CLOCK_EVERY = 1024
+
+
+cdef double _monotonic() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+cdef int PROPAGATION_ROUNDS = 3
+
+
+cdef double* _dcopy(object seq) except NULL:
+    cdef Py_ssize_t n = len(seq), i
+    cdef double* out = <double*> malloc((n if n > 0 else 1) * sizeof(double))
+    if out == NULL:
+        raise MemoryError()
+    for i in range(n):
+        out[i] = seq[i]
+    return out
+
+
+cdef int* _icopy(object seq) except NULL:
+    cdef Py_ssize_t n = len(seq), i
+    cdef int* out = <int*> malloc((n if n > 0 else 1) * sizeof(int))
+    if out == NULL:
+        raise MemoryError()
+    for i in range(n):
+        out[i] = seq[i]
+    return out
+
+
+cdef int* _ialloc(Py_ssize_t n) except NULL:
+    cdef int* out = <int*> malloc((n if n > 0 else 1) * sizeof(int))
+    if out == NULL:
+        raise MemoryError()
+    return out
+
+
+cdef class SplitSearch:
+    """Exact (or ridge-pruned) search of one structure; see poseidon_plugin.search.splits."""
+
+    def __cinit__(self, table, shape, int num_layers, *, bint ridge, bint blocks, type_class,
+                  double gap=0.0):
+        cdef int t, r, c
+        self.params = NULL
+        self.fwd = self.bwd = self.emb_fwd = self.emb_bwd = self.head_fwd = self.head_bwd = NULL
+        self.send_cross = self.st = self.ac = self.est = self.eac = self.hst = self.hac = NULL
+        self.usable = self.ar = self.ar_emb = self.ar_head = self.send_same = self.send_wrap = NULL
+        self.has_ar = self.type_class = self.live = self.cap_rank = NULL
+        self.coef_f = self.coef_b = self.coef_s = self.coef_ar = NULL
+        self.term_ptr = self.term_idx = self.term_coef = NULL
+        self.counts = self.remaining = self.used = self.types = self.slot = self.layers = NULL
+        self.last = self.down = self.lbs = self.caps = self.work = self.order = NULL
+        self.alpha = self.sf = self.sb = self.sa = NULL
+        self.capts = self.vals = self.sl_t = NULL
+        self.sl_f = self.sl_b = self.sl_a = NULL
+        self.best_types = self.best_layers = NULL
+        if shape.pure_python:
+            raise TypeError("the compiled search needs the compiled DAG kernel (shape built with "
+                            "pure_python=False)")
+        self.kernel = None      # built on the first full search (root checks need no DAG)
+        self.table_ref, self.shape_ref, self.type_class_ref = table, shape, type_class
+        self.nt = len(table.names)
+        self.pp = shape.pp
+        self.v = shape.virtual_stages
+        self.nv = self.pp * self.v
+        self.stride = table.max_slots
+        self.num_layers = num_layers
+        self.ridge, self.blocks = ridge, blocks
+        self.shrink = 1.0 / (1.0 + gap)
+        self.n_params = shape.n_params
+        self.params = _dcopy([0.0] * self.n_params)
+        self.fwd = _dcopy(table.fwd)
+        self.bwd = _dcopy(table.bwd)
+        self.emb_fwd = _dcopy(table.emb_fwd)
+        self.emb_bwd = _dcopy(table.emb_bwd)
+        self.head_fwd = _dcopy(table.head_fwd)
+        self.head_bwd = _dcopy(table.head_bwd)
+        self.send_cross = _dcopy(table.send_cross)
+        self.st = _dcopy(table.state)
+        self.ac = _dcopy(table.act)
+        self.est = _dcopy(table.emb_state)
+        self.eac = _dcopy(table.emb_act)
+        self.hst = _dcopy(table.head_state)
+        self.hac = _dcopy(table.head_act)
+        self.usable = _dcopy(table.usable)
+        self.ar = _dcopy(table.ar)
+        self.ar_emb = _dcopy(table.ar_emb)
+        self.ar_head = _dcopy(table.ar_head)
+        self.send_same = _dcopy(table.send_same)
+        self.send_wrap = _dcopy(table.send_wrap)
+        self.has_ar = _icopy(table.has_ar)
+        self.type_class = _icopy(type_class)
+        self.live = _icopy(shape.live)
+        paths = shape.paths
+        self.n_paths = paths.count
+        self.coef_f = _icopy(paths.coef_f)
+        self.coef_b = _icopy(paths.coef_b)
+        self.coef_s = _icopy(paths.coef_s)
+        self.coef_ar = _icopy(paths.coef_ar)
+        self.term_ptr = _icopy(paths.term_ptr)
+        self.term_idx = _icopy(paths.term_idx)
+        self.term_coef = _icopy(paths.term_coef)
+        self.counts = _ialloc(self.nt)
+        self.remaining = _ialloc(self.nt)
+        self.used = _ialloc(self.nt)
+        self.types = _ialloc(self.pp)
+        self.slot = _ialloc(self.pp)
+        self.layers = _ialloc(self.nv)
+        self.last = _ialloc(self.nt)
+        self.down = _ialloc(self.nt)
+        self.capped = _ialloc(self.nt)
+        self.lbs = _ialloc((self.pp + 1) * self.nv)
+        self.caps = _ialloc((self.pp + 1) * self.nv)
+        self.capts = _ialloc((self.pp + 1) * self.nv * self.nt)
+        self.vals = _ialloc(self.pp)
+        self.sl_t = _ialloc(self.nt)
+        self.sl_f = _dcopy([0.0] * self.nt)
+        self.sl_b = _dcopy([0.0] * self.nt)
+        self.sl_a = _dcopy([0.0] * self.nt)
+        self.work = _ialloc(self.v)
+        self.order = _ialloc(self.nv)
+        self.alpha = _dcopy([0.0] * self.nv)
+        self.sf = _dcopy([0.0] * self.nv)
+        self.sb = _dcopy([0.0] * self.nv)
+        self.sa = _dcopy([0.0] * self.nv)
+        self.best_types = _ialloc(self.pp)
+        self.best_layers = _ialloc(self.nv)
+        self.cap_rank = _ialloc(self.nt * self.pp)
+        for t in range(self.nt):
+            for r in range(self.pp):
+                self.cap_rank[t * self.pp + r] = self._rank_cap(t, r)
+
+    def __dealloc__(self):
+        free(self.params); free(self.fwd); free(self.bwd); free(self.emb_fwd); free(self.emb_bwd); free(self.head_fwd)
+        free(self.head_bwd); free(self.send_cross); free(self.st); free(self.ac); free(self.est); free(self.eac)
+        free(self.hst); free(self.hac); free(self.usable); free(self.ar); free(self.ar_emb); free(self.ar_head)
+        free(self.send_same); free(self.send_wrap); free(self.has_ar); free(self.type_class); free(self.live); free(self.cap_rank)
+        free(self.coef_f); free(self.coef_b); free(self.coef_s); free(self.coef_ar); free(self.term_ptr); free(self.term_idx); free(self.term_coef); free(self.counts); free(self.remaining)
+        free(self.used); free(self.types); free(self.slot); free(self.layers); free(self.last); free(self.down); free(self.capped)
+        free(self.lbs); free(self.capts); free(self.vals); free(self.sl_t); free(self.sl_f); free(self.sl_b); free(self.sl_a); free(self.caps); free(self.work); free(self.order); free(self.alpha); free(self.sf)
+        free(self.sb); free(self.sa); free(self.best_types); free(self.best_layers)
+
+    # --- memory ---------------------------------------------------------------------------------
+
+    cdef double _need(self, int t, int r, int* chunks) noexcept nogil:
+        cdef double state = 0.0, chunk_act = 0.0, s, a
+        cdef int c, n
+        for c in range(self.v):
+            n = chunks[c]
+            s = n * self.st[t]
+            a = n * self.ac[t]
+            if c == 0 and r == 0:
+                s += self.est[t]
+                a += self.eac[t]
+            if c == self.v - 1 and r == self.pp - 1:
+                s += self.hst[t]
+                a += self.hac[t]
+            state += s
+            if a > chunk_act:
+                chunk_act = a
+        return state + self.live[r] * chunk_act
+
+    cdef int _rank_cap(self, int t, int r) noexcept nogil:
+        cdef int lo = 0, hi = self.num_layers, mid, c, v = self.v
+        cdef double usable = self.usable[t]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            for c in range(v):
+                self.work[c] = (mid + v - 1 - c) // v
+            if self._need(t, r, self.work) > usable:
+                hi = mid - 1
+            else:
+                lo = mid
+        return lo
+
+    # --- bounds ---------------------------------------------------------------------------------
+
+    cdef void _unknown_mins(self) noexcept nogil:
+        cdef int t, j, i
+        cdef double x
+        for i in range(N_MINS):
+            self.mins[i] = INFINITY
+        for t in range(self.nt):
+            if self.remaining[t] <= 0:
+                continue
+            if self.fwd[t] < self.mins[0]:
+                self.mins[0] = self.fwd[t]
+            if self.bwd[t] < self.mins[1]:
+                self.mins[1] = self.bwd[t]
+            if self.emb_fwd[t] < self.mins[2]:
+                self.mins[2] = self.emb_fwd[t]
+            if self.emb_bwd[t] < self.mins[3]:
+                self.mins[3] = self.emb_bwd[t]
+            if self.head_fwd[t] < self.mins[4]:
+                self.mins[4] = self.head_fwd[t]
+            if self.head_bwd[t] < self.mins[5]:
+                self.mins[5] = self.head_bwd[t]
+            if self.send_cross[t] < self.mins[9]:
+                self.mins[9] = self.send_cross[t]
+            for j in range(self.used[t], self.counts[t]):
+                i = t * self.stride + j
+                x = self.ar[i] if self.has_ar[i] else 0.0
+                if x < self.mins[6]:
+                    self.mins[6] = x
+                x = self.ar_emb[i] if self.has_ar[i] else 0.0
+                if x < self.mins[7]:
+                    self.mins[7] = x
+                x = self.ar_head[i] if self.has_ar[i] else 0.0
+                if x < self.mins[8]:
+                    self.mins[8] = x
+                if j + 1 < self.counts[t] and self.send_same[i] < self.mins[9]:
+                    self.mins[9] = self.send_same[i]
+                if j > 0 and self.send_wrap[i] < self.mins[9]:
+                    self.mins[9] = self.send_wrap[i]
+        for i in range(N_MINS):
+            if self.mins[i] == INFINITY:
+                self.mins[i] = 0.0
+
+    cdef void _fill(self, int* lb) noexcept nogil:
+        cdef int pp = self.pp, v = self.v, nv = self.nv, r, t, i, c, vs, n, hasar
+        cdef double total_ar, fw, bw, arr, efw, ebw, ear, hfw, hbw, har, f, b
+        cdef double* p = self.params
+        self._unknown_mins()
+        for r in range(pp):
+            t = self.types[r]
+            total_ar = 0.0
+            if t >= 0:
+                i = t * self.stride + self.slot[r]
+                hasar = self.has_ar[i]
+                fw = self.fwd[t]
+                bw = self.bwd[t]
+                arr = self.ar[i]
+                efw = self.emb_fwd[t]
+                ebw = self.emb_bwd[t]
+                ear = self.ar_emb[i]
+                hfw = self.head_fwd[t]
+                hbw = self.head_bwd[t]
+                har = self.ar_head[i]
+            else:
+                hasar = 1
+                fw = self.mins[0]
+                bw = self.mins[1]
+                arr = self.mins[6]
+                efw = self.mins[2]
+                ebw = self.mins[3]
+                hfw = self.mins[4]
+                hbw = self.mins[5]
+                ear = self.mins[7]
+                har = self.mins[8]
+            for c in range(v):
+                vs = c * pp + r
+                n = self.layers[vs] if self.layers[vs] else lb[vs]
+                f = n * fw
+                b = n * bw
+                if hasar:
+                    total_ar += n * arr
+                if c == 0 and r == 0:
+                    f += efw
+                    b += ebw
+                    if hasar:
+                        total_ar += ear
+                if c == v - 1 and r == pp - 1:
+                    f += hfw
+                    b += hbw
+                    if hasar:
+                        total_ar += har
+                p[1 + r * v + c] = f
+                p[1 + nv + r * v + c] = b
+            p[1 + 2 * nv + pp + r] = total_ar
+            p[1 + 2 * nv + r] = self._send_lb(r, self.mins[9])
+
+    cdef double _send_lb(self, int r, double unknown_min) noexcept nogil:
+        cdef int pp = self.pp, n, t, u, i, x
+        cdef double best
+        cdef bint other
+        if pp == 1 or (self.v == 1 and r == pp - 1):
+            return 0.0
+        n = (r + 1) % pp
+        t = self.types[r]
+        u = self.types[n]
+        if t < 0:
+            return unknown_min
+        i = t * self.stride + self.slot[r]
+        if u >= 0:
+            if t != u:
+                return self.send_cross[t]
+            return self.send_wrap[i] if n == 0 else self.send_same[i]
+        best = INFINITY
+        if self.remaining[t] > 0:
+            best = self.send_same[i]
+        other = False
+        for x in range(self.nt):
+            if x != t and self.remaining[x] > 0:
+                other = True
+                break
+        if other and self.send_cross[t] < best:
+            best = self.send_cross[t]
+        return 0.0 if best == INFINITY else best
+
+    cdef bint _propagate(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil:
+        cdef int pp = self.pp, v = self.v, nt = self.nt, vs, r, x, c, best, rnd, s_cap, s_lb, nl, nc
+        cdef int changed, cr
+        for r in range(k, pp):
+            best = -1
+            for x in range(nt):
+                cr = self.cap_rank[x * pp + r] if self.remaining[x] > 0 else -1
+                # ridge space: once a type's layers have fallen, its later ranks hold at most that
+                if self.ridge and self.down[x] and self.last[x] < cr:
+                    cr = self.last[x]
+                if cr < v:
+                    cr = -1
+                for c in range(v):
+                    capt[(c * pp + r) * nt + x] = (cr + v - 1 - c) // v if cr >= 0 else -1
+                if cr > best:
+                    best = cr
+            if best < v:
+                self.ctr[PRUNED_MEMORY] += 1
+                return False
+            for c in range(v):
+                lb[c * pp + r] = 1
+                cap[c * pp + r] = (best + v - 1 - c) // v
+        for rnd in range(PROPAGATION_ROUNDS):
+            s_cap = 0
+            s_lb = 0
+            for r in range(k, pp):
+                for c in range(v):
+                    s_cap += cap[c * pp + r]
+                    s_lb += lb[c * pp + r]
+            if s_cap < left or s_lb > left:
+                self.ctr[PRUNED_PATH] += 1
+                return False
+            for r in range(k, pp):
+                for c in range(v):
+                    vs = c * pp + r
+                    nl = left - (s_cap - cap[vs])
+                    nc = left - (s_lb - lb[vs])
+                    if nl > lb[vs]:
+                        lb[vs] = nl
+                    if nc < cap[vs]:
+                        cap[vs] = nc
+                    if lb[vs] > cap[vs]:
+                        self.ctr[PRUNED_PATH] += 1
+                        return False
+            if self.tau == INFINITY or k == pp - 1 or rnd == PROPAGATION_ROUNDS - 1:
+                break
+            changed = self._path_caps(k, left, lb, cap, capt)
+            if changed >= 0 and not self._type_mass(k, left, lb, cap, capt):
+                changed = -1
+            if changed < 0:
+                self.ctr[PRUNED_PATH] += 1
+                return False
+            if changed == 0:
+                break
+        return True
+
+    cdef int _type_slopes(self) noexcept nogil:
+        # remaining types with their per-layer forward, backward and cheapest free-slot all-reduce ms
+        cdef int t, j, i, n = 0
+        cdef double ar, x
+        for t in range(self.nt):
+            if self.remaining[t] <= 0:
+                continue
+            ar = INFINITY
+            for j in range(self.used[t], self.counts[t]):
+                i = t * self.stride + j
+                x = self.ar[i] if self.has_ar[i] else 0.0
+                if x < ar:
+                    ar = x
+            self.sl_t[n] = t
+            self.sl_f[n] = self.fwd[t]
+            self.sl_b[n] = self.bwd[t]
+            self.sl_a[n] = 0.0 if ar == INFINITY else ar
+            n += 1
+        return n
+
+    cdef int _path_caps(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil:
+        cdef int pp = self.pp, v = self.v, nv = self.nv, nt = self.nt, vs, r, q, c, cf, cr, arg1
+        cdef int changed = 0, ns, i, t, ct, top, kf, kb, ka
+        cdef int extra = left, e
+        cdef double limit = self.tau * (1.0 + PATH_SLACK), base, a, a1, a2, amax, m, slope, room, x
+        cdef double numer
+        cdef double* p = self.params
+        self._fill(lb)
+        ns = self._type_slopes()
+        for r in range(k, pp):
+            for c in range(v):
+                extra -= lb[c * pp + r]
+        for q in range(self.n_paths):
+            cf = q * nv
+            cr = q * pp
+            base = 0.0
+            for e in range(self.term_ptr[q], self.term_ptr[q + 1]):
+                base += self.term_coef[e] * p[self.term_idx[e]]
+            a1 = INFINITY
+            a2 = INFINITY
+            arg1 = -1
+            amax = 0.0
+            for r in range(k, pp):
+                for c in range(v):
+                    vs = c * pp + r
+                    kf = self.coef_f[cf + vs]
+                    kb = self.coef_b[cf + vs]
+                    ka = self.coef_ar[cr + r]
+                    a = INFINITY
+                    for i in range(ns):
+                        x = kf * self.sl_f[i] + kb * self.sl_b[i] + ka * self.sl_a[i]
+                        if x < a:
+                            a = x
+                    self.alpha[vs] = a
+                    if a < a1:
+                        a2 = a1
+                        a1 = a
+                        arg1 = vs
+                    elif a < a2:
+                        a2 = a
+                    if a > amax:
+                        amax = a
+            if base + extra * a1 >= limit:
+                return -1
+            if extra > 0 and base + extra * amax >= limit:
+                if base + self._knapsack(k, extra, lb, cap) >= limit:
+                    return -1
+            if a2 == INFINITY:
+                continue
+            for r in range(k, pp):
+                for c in range(v):
+                    vs = c * pp + r
+                    m = a2 if vs == arg1 else a1
+                    numer = limit - base - m * extra
+                    kf = self.coef_f[cf + vs]
+                    kb = self.coef_b[cf + vs]
+                    ka = self.coef_ar[cr + r]
+                    top = -1
+                    for i in range(ns):
+                        t = self.sl_t[i]
+                        ct = capt[vs * nt + t]
+                        if ct < lb[vs]:
+                            continue
+                        slope = kf * self.sl_f[i] + kb * self.sl_b[i] + ka * self.sl_a[i] - m
+                        if slope > 0.0:
+                            room = numer / slope
+                            if room < ct - lb[vs] + 1:
+                                if room <= 0.0:
+                                    ct = lb[vs] - 1
+                                else:
+                                    ct = lb[vs] + <int> ceil(room) - 1
+                                capt[vs * nt + t] = ct
+                        if ct > top:
+                            top = ct
+                    if top < lb[vs]:
+                        return -1
+                    if top < cap[vs]:
+                        cap[vs] = top
+                        changed = 1
+        return changed
+
+    cdef bint _type_mass(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil:
+        cdef int pp = self.pp, v = self.v, nt = self.nt, t, n, r, c, vs, ct, s, nvals, j, y, total = 0
+        for t in range(nt):
+            n = self.remaining[t]
+            if n <= 0:
+                continue
+            nvals = 0
+            for r in range(k, pp):
+                s = 0
+                for c in range(v):
+                    vs = c * pp + r
+                    ct = capt[vs * nt + t]
+                    if ct > cap[vs]:
+                        ct = cap[vs]
+                    if ct < lb[vs]:
+                        s = -1
+                        break
+                    s += ct
+                if s >= 0:
+                    # insertion into a descending list
+                    j = nvals
+                    while j > 0 and self.vals[j - 1] < s:
+                        self.vals[j] = self.vals[j - 1]
+                        j -= 1
+                    self.vals[j] = s
+                    nvals += 1
+            if self.exact_counts and nvals < n:
+                return False
+            for y in range(n if n < nvals else nvals):
+                total += self.vals[y]
+        return total >= left
+
+    cdef double _knapsack(self, int k, int extra, int* lb, int* cap) noexcept nogil:
+        # stable insertion sort by slope, in the generation order of splits.py (rank, then chunk)
+        cdef int n = 0, vs, j, take, x, r, c, pp = self.pp
+        cdef double cost = 0.0
+        for r in range(k, pp):
+            for c in range(self.v):
+                vs = c * pp + r
+                j = n
+                while j > 0 and self.alpha[self.order[j - 1]] > self.alpha[vs]:
+                    self.order[j] = self.order[j - 1]
+                    j -= 1
+                self.order[j] = vs
+                n += 1
+        for j in range(n):
+            x = self.order[j]
+            take = cap[x] - lb[x]
+            if take > extra:
+                take = extra
+            cost += take * self.alpha[x]
+            extra -= take
+            if extra <= 0:
+                break
+        return cost
+
+    # --- search ---------------------------------------------------------------------------------
+
+    cdef int _type_allowed(self, int r, int t) noexcept nogil:
+        cdef int prev, x
+        if self.remaining[t] <= 0:
+            return -1
+        if self.blocks and r > 0:
+            prev = self.types[r - 1]
+            if prev != t and (self.remaining[prev] > 0 or self.used[t] > 0):
+                return PRUNED_ORDER
+        if self.used[t] == 0:
+            for x in range(t):
+                if (self.type_class[x] == self.type_class[t] and self.used[x] == 0
+                        and self.counts[x] == self.counts[t]):
+                    return PRUNED_ORDER
+        return 0
+
+    cdef void _root_check(self) noexcept nogil:
+        self.ctr[NODES] += 1
+        if self._propagate(0, self.num_layers, self.lbs, self.caps, self.capts):
+            self.best = 0.0
+
+    cdef void _node(self, int k, int left) noexcept nogil:
+        cdef int t, why
+        cdef int* lb = self.lbs + k * self.nv
+        cdef int* cap = self.caps + k * self.nv
+        if self.aborted:
+            return
+        self.ctr[NODES] += 1
+        if self.ctr[NODES] % CLOCK_EVERY == 0 and _monotonic() > self.deadline:
+            self.aborted = True
+            return
+        if not self._propagate(k, left, lb, cap, self.capts + k * self.nv * self.nt):
+            return
+        for t in range(self.nt):
+            why = self._type_allowed(k, t)
+            if why:
+                if why > 0:
+                    self.ctr[why] += 1
+                continue
+            self.types[k] = t
+            self.slot[k] = self.used[t]
+            self.remaining[t] -= 1
+            self.used[t] += 1
+            self._children(k, left, t, lb, cap)
+            self.types[k] = -1
+            self.remaining[t] += 1
+            self.used[t] -= 1
+
+    cdef void _children(self, int k, int left, int t, int* lb, int* cap) noexcept nogil:
+        cdef int pp = self.pp, v = self.v, nv = self.nv, lo = v, hi = self.num_layers, mem, last, down, capped
+        cdef int l, x, y, c, vs
+        cdef double val
+        for c in range(v):
+            vs = c * pp + k
+            x = v * lb[vs] - v + 1 + c
+            if x > lo:
+                lo = x
+            x = v * cap[vs] + c
+            if x < hi:
+                hi = x
+        mem = self.cap_rank[t * pp + k]
+        if mem < hi:
+            x = lo - 1
+            if mem > x:
+                x = mem
+            self.ctr[PRUNED_MEMORY] += hi - x
+            hi = mem
+        if k == pp - 1:
+            if left < lo or left > hi:
+                return
+            lo = left
+            hi = left
+        last = self.last[t]
+        down = self.down[t]
+        capped = self.capped[t]
+        if self.ridge and last > 0 and (down or not capped) and last < hi:
+            x = lo - 1
+            if last > x:
+                x = last
+            self.ctr[PRUNED_RIDGE] += hi - x
+            hi = last
+        l = lo
+        while l <= hi and not self.aborted:
+            for c in range(v):
+                self.layers[c * pp + k] = (l + v - 1 - c) // v
+            self._fill(lb)
+            if k == pp - 1:
+                self.ctr[SIM_CALLS] += 1
+            else:
+                self.ctr[BOUND_EVALS] += 1
+            val = self.kernel.run(self.params)
+            if val >= self.tau:
+                self.ctr[PRUNED_BOUND] += hi - l + 1
+                break
+            if k == pp - 1:
+                self.ctr[IMPROVED] += 1
+                self.best = val
+                self.tau = val * self.shrink
+                self.have_best = True
+                for y in range(pp):
+                    self.best_types[y] = self.types[y]
+                for y in range(nv):
+                    self.best_layers[y] = self.layers[y]
+            else:
+                self.last[t] = l
+                self.down[t] = 1 if (down or (last > 0 and l < last)) else 0
+                self.capped[t] = 1 if l == mem else 0
+                self._node(k + 1, left - l)
+                self.last[t] = last
+                self.down[t] = down
+                self.capped[t] = capped
+            l += 1
+        for c in range(v):
+            self.layers[c * pp + k] = 0
+
+    def run(self, counts, double tau, *, bint root_only=False, double deadline=INFINITY):
+        """Best plan with time ``< tau`` for ``counts`` ranks per type (``root_only``: bound check)."""
+        from poseidon_plugin.search.splits import SplitResult
+        cdef int t, total = 0, i
+        for t in range(self.nt):
+            self.counts[t] = counts[t]
+            self.remaining[t] = counts[t]
+            self.used[t] = 0
+            total += counts[t]
+        for i in range(self.pp):
+            self.types[i] = -1
+            self.slot[i] = 0
+        for i in range(self.nv):
+            self.layers[i] = 0
+        for i in range(self.nt):
+            self.last[i] = 0
+            self.down[i] = 0
+            self.capped[i] = 0
+        for i in range(9):
+            self.ctr[i] = 0
+        self.tau = tau
+        self.best = INFINITY
+        self.have_best = False
+        self.deadline = deadline
+        self.aborted = False
+        self.exact_counts = total == self.pp
+        if root_only and total >= self.pp:
+            with nogil:
+                self._root_check()
+        elif total == self.pp:
+            if self.kernel is None:
+                self.kernel = <DagKernel?> self.shape_ref.kernel
+            with nogil:
+                self._node(0, self.num_layers)
+        if self.have_best:
+            types = tuple(self.best_types[i] for i in range(self.pp))
+            layers = tuple(self.best_layers[i] for i in range(self.nv))
+        else:
+            types = layers = ()
+        return SplitResult(time_ms=self.best, types=types, layers=layers,
+                           counters=tuple(self.ctr[i] for i in range(9)), aborted=self.aborted)

@@ -1,0 +1,188 @@
+"""``poseidon plan``: search the fastest plan for a cluster and a model.
+
+    poseidon plan --cluster PRESET|FILE --model PRESET|FILE [--global-batch-size N] [--seq-length N]
+                  [--profile FILE] [--schedules 1f1b,interleaved-1f1b] [--exact | --exhaustive]
+                  [--json] [--trace OUT.json] [--output PLAN.json]
+
+Prints the plan as a table (``--json``: the plan document), draws a progress bar on stderr when the
+search takes more than a second, and fails with one line naming the constraint when nothing fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+from ..errors import InputError, PoseidonError
+from .options import MEGATRON_SCHEDULES, SearchOptions
+
+
+def _int_list(flag: str):
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: give integers separated by commas, "
+                                             "e.g. 1,2,4") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"{flag}: give at least one value")
+        return values
+    return parse
+
+
+def _str_list(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the ``plan`` arguments."""
+    parser.add_argument("--cluster", required=True, metavar="PRESET|FILE",
+                        help="cluster preset (e.g. paper-setting-3) or YAML/JSON file")
+    parser.add_argument("--model", required=True, metavar="PRESET|FILE",
+                        help="model+job preset (e.g. llama-30b) or YAML/JSON file")
+    parser.add_argument("--global-batch-size", type=int, metavar="N",
+                        help="samples per iteration (overrides the model file; never changed by the search)")
+    parser.add_argument("--seq-length", type=int, metavar="N", help="tokens per sample (overrides the model file)")
+    parser.add_argument("--profile", metavar="FILE",
+                        help="measured profile (poseidon-profile JSON); default: analytic profile")
+    parser.add_argument("--schedules", type=_str_list, default=MEGATRON_SCHEDULES, metavar="S1,S2",
+                        help="pipeline schedules to consider (default: 1f1b,interleaved-1f1b; also gpipe, "
+                             "eager-1f1b)")
+    parser.add_argument("--virtual-stages", type=_int_list("--virtual-stages"), default=(2,),
+                        metavar="V1,V2", help="chunks per rank tried with interleaved-1f1b (default 2)")
+    parser.add_argument("--micro-batch-size", type=_int_list("--micro-batch-size"), metavar="B1,B2",
+                        help="micro-batch sizes to try (default: 1,2,4,8 or what the profile covers)")
+    parser.add_argument("--tp", type=_int_list("--tp"), metavar="T1,T2",
+                        help="TP degrees to try (default: every valid power of two)")
+    parser.add_argument("--max-pp", type=int, metavar="N", help="largest pipeline size to try")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--exact", action="store_true",
+                      help="only provably safe pruning: the true optimum of the cost model (slow on large "
+                           "clusters; see --time-limit)")
+    mode.add_argument("--exhaustive", action="store_true",
+                      help="simulate every plan (small problems only; a reference for checking)")
+    parser.add_argument("--gap", type=float, default=0.0, metavar="FRACTION",
+                        help="default mode: stop improving once no plan can be faster by more than this "
+                             "fraction (e.g. 0.01); default 0")
+    parser.add_argument("--any-type-order", action="store_true",
+                        help="default mode: let device types alternate along the pipeline (slower search; "
+                             "--exact always does)")
+    parser.add_argument("--top-k", type=int, default=3, metavar="K",
+                        help="report the best plan and K-1 alternatives of other shapes (default 3)")
+    parser.add_argument("--exact-alternatives", action="store_true",
+                        help="default mode: prove the alternatives too (each the best of its shape); "
+                             "--exact always does")
+    parser.add_argument("--warmup-samples", type=int, default=500, metavar="N",
+                        help="random plans simulated first to seed the bound (default 500)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the warm-up sampler")
+    parser.add_argument("--time-limit", type=float, metavar="SECONDS",
+                        help="stop after this long and print the best plan so far (marked not proven)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--output", metavar="PLAN.json", help="also write the plan JSON to this file")
+    parser.add_argument("--trace", metavar="OUT.json",
+                        help="write the plan's simulated timeline as Chrome trace-event JSON (Perfetto)")
+    parser.add_argument("--no-progress", action="store_true", help="never draw the progress bar")
+
+
+class ProgressBar:
+    """A one-line bar on stderr, drawn only when the search has run for more than a second."""
+
+    def __init__(self, enabled: bool, stream=None):
+        self.stream = stream or sys.stderr
+        self.enabled = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0 = time.monotonic()
+        self.drawn = False
+
+    def __call__(self, fraction: float, message: str) -> None:
+        if not self.enabled or time.monotonic() - self.t0 < 1.0:
+            return
+        width = 30
+        done = int(round(width * max(0.0, min(1.0, fraction))))
+        elapsed = time.monotonic() - self.t0
+        self.stream.write(f"\rsearching [{'#' * done}{'.' * (width - done)}] {100 * fraction:5.1f}%  "
+                          f"{message}  {elapsed:.0f}s ")
+        self.stream.flush()
+        self.drawn = True
+
+    def close(self) -> None:
+        if self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def options_from_args(args) -> SearchOptions:
+    """The :class:`SearchOptions` of the parsed command line."""
+    mode = "exact" if args.exact else "exhaustive" if args.exhaustive else "default"
+    return SearchOptions(
+        mode=mode, schedules=tuple(args.schedules), virtual_stages=tuple(args.virtual_stages),
+        micro_batch_sizes=args.micro_batch_size, tp_degrees=args.tp, max_pipeline_stages=args.max_pp,
+        top_k=args.top_k, warmup_samples=args.warmup_samples, seed=args.seed,
+        time_limit_s=args.time_limit, gap=args.gap, type_blocks=not args.any_type_order,
+        exact_alternatives=args.exact_alternatives)
+
+
+def build_cost_model(args):
+    """Load cluster, model (with the job overrides) and profile, and build the cost model."""
+    from ..costmodel import CostModel
+    from ..specs import load_cluster, load_model, load_profile
+    cluster = load_cluster(args.cluster)
+    model = load_model(args.model).with_overrides(global_batch_size=args.global_batch_size,
+                                                  seq_length=args.seq_length)
+    profile = load_profile(args.profile) if args.profile else None
+    kwargs = {}
+    if profile is None and args.micro_batch_size:
+        kwargs["micro_batch_sizes"] = args.micro_batch_size
+    return CostModel(cluster, model, profile, **kwargs)
+
+
+def write_trace(cm, plan, path: str) -> None:
+    """Simulate the plan again and write its timeline as Chrome trace events."""
+    from ..costmodel import Candidate
+    from ..simulator import Simulator
+    from ..simulator.trace import trace_events, write_json_atomic
+    cand = Candidate(tp=plan.tp, pp=plan.pp, dp=plan.dp, mbs=plan.micro_batch_size,
+                     stage_types=plan.stage_types, layers=plan.layers, schedule=plan.schedule,
+                     virtual_stages=plan.virtual_stages)
+    sim = Simulator(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages)
+    try:
+        write_json_atomic(path, trace_events(sim, *cm.stage_times(cand)))
+    except OSError as exc:
+        raise PoseidonError(f"--trace {path}: cannot write: {exc.strerror}") from None
+
+
+def run(args) -> int:
+    """Search and print the plan."""
+    from ..plan import render_table
+    from .engine import search
+    for flag, value in (("--global-batch-size", args.global_batch_size), ("--seq-length", args.seq_length),
+                        ("--max-pp", args.max_pp)):
+        if value is not None and value < 1:
+            raise InputError(f"{flag} {value} is invalid: must be an integer >= 1")
+    options = options_from_args(args)
+    cm = build_cost_model(args)
+    bar = ProgressBar(enabled=not args.no_progress)
+    options = dataclasses.replace(options, progress=bar)
+    try:
+        result = search(cm, options)
+    finally:
+        bar.close()
+    plan = result.plan
+    if args.output:
+        try:
+            plan.save(args.output)
+        except OSError as exc:
+            raise PoseidonError(f"--output {args.output}: cannot write: {exc.strerror}") from None
+    if args.trace:
+        write_trace(cm, plan, args.trace)
+    if args.json:
+        print(plan.to_json())
+        return 0
+    print(render_table(plan, max_alternatives=max(0, args.top_k - 1)))
+    if not result.stats.complete:
+        print("note: stopped by --time-limit; the plan is the best found, not proven optimal",
+              file=sys.stderr)
+    if args.trace:
+        print(f"trace written to {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    return 0

@@ -1,0 +1,136 @@
+"""Simulate complete plans of a structure outside the branch and bound.
+
+Used by the warm-up sampler, the greedy seeds, the exhaustive reference and the baselines. The
+parameter vector is assembled exactly as :meth:`CostModel.stage_times` does (same operations, same
+order) and run through the shape's DAG kernel -- the simulator the branch and bound uses -- so every
+route to a plan's time gives the same number.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .shapes import ShapeData
+from .splits import memory_need
+from .tables import TypeTable
+
+
+def slots_of(types: Sequence[int]) -> list[int]:
+    """Each rank's slot: its index among the earlier ranks of the same type."""
+    seen: dict[int, int] = {}
+    out = []
+    for t in types:
+        j = seen.get(t, 0)
+        out.append(j)
+        seen[t] = j + 1
+    return out
+
+
+def fill_plan(params, table: TypeTable, shape: ShapeData, types: Sequence[int],
+              layers: Sequence[int]) -> None:
+    """Write the stage times of a complete plan into ``params`` (the kernel's parameter vector)."""
+    pp, v = shape.pp, shape.virtual_stages
+    nv = pp * v
+    slots = slots_of(types)
+    for r in range(pp):
+        t = types[r]
+        i = t * table.max_slots + slots[r]
+        hasar = table.has_ar[i]
+        total_ar = 0.0
+        for c in range(v):
+            n = layers[c * pp + r]
+            f = n * table.fwd[t]
+            b = n * table.bwd[t]
+            if hasar:
+                total_ar += n * table.ar[i]
+            if c == 0 and r == 0:
+                f += table.emb_fwd[t]
+                b += table.emb_bwd[t]
+                if hasar:
+                    total_ar += table.ar_emb[i]
+            if c == v - 1 and r == pp - 1:
+                f += table.head_fwd[t]
+                b += table.head_bwd[t]
+                if hasar:
+                    total_ar += table.ar_head[i]
+            params[1 + r * v + c] = f
+            params[1 + nv + r * v + c] = b
+        params[1 + 2 * nv + pp + r] = total_ar
+        n_r = (r + 1) % pp
+        if pp == 1 or (v == 1 and r == pp - 1):
+            s = 0.0
+        elif types[n_r] != t:
+            s = table.send_cross[t]
+        elif n_r == 0:
+            s = table.send_wrap[i]
+        else:
+            s = table.send_same[i]
+        params[1 + 2 * nv + r] = s
+
+
+def plan_fits(table: TypeTable, shape: ShapeData, types: Sequence[int], layers: Sequence[int]) -> bool:
+    """Every rank fits its devices' usable memory (the cost model's formula)."""
+    pp, v = shape.pp, shape.virtual_stages
+    for r in range(pp):
+        chunks = [layers[c * pp + r] for c in range(v)]
+        if memory_need(types[r], r, chunks, table, shape) > table.usable[types[r]]:
+            return False
+    return True
+
+
+def simulate_plan(params, table: TypeTable, shape: ShapeData, types: Sequence[int],
+                  layers: Sequence[int]) -> float:
+    """Iteration ms of a complete plan (no memory check)."""
+    fill_plan(params, table, shape, types, layers)
+    return shape.kernel.longest(params)
+
+
+def rank_caps(table: TypeTable, shape: ShapeData, types: Sequence[int], num_layers: int) -> list[int]:
+    """Per rank, the most layers it holds (all chunks together, even split) within memory."""
+    pp, v = shape.pp, shape.virtual_stages
+    caps = []
+    for r in range(pp):
+        t = types[r]
+        lo, hi = 0, num_layers
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            chunks = [mid // v + (1 if c < mid % v else 0) for c in range(v)]
+            if memory_need(t, r, chunks, table, shape) > table.usable[t]:
+                hi = mid - 1
+            else:
+                lo = mid
+        caps.append(lo)
+    return caps
+
+
+def spread(rank_layers: Sequence[int], pp: int, v: int) -> list[int]:
+    """Layers per virtual stage from layers per rank (chunks as even as possible, early chunks first)."""
+    out = [0] * (pp * v)
+    for r, n in enumerate(rank_layers):
+        for c in range(v):
+            out[c * pp + r] = n // v + (1 if c < n % v else 0)
+    return out
+
+
+def greedy_split(table: TypeTable, shape: ShapeData, types: Sequence[int], num_layers: int,
+                 caps: Sequence[int] | None = None) -> list[int] | None:
+    """Layers per rank that minimise the slowest rank's compute, within memory (water-filling)."""
+    pp, v = shape.pp, shape.virtual_stages
+    caps = list(caps) if caps is not None else rank_caps(table, shape, types, num_layers)
+    per = [table.fwd[t] + table.bwd[t] for t in types]
+    lay = [v] * pp
+    if any(c < v for c in caps) or v * pp > num_layers:
+        return None
+    left = num_layers - v * pp
+    while left > 0:
+        best, arg = None, -1
+        for r in range(pp):
+            if lay[r] < caps[r]:
+                cost = (lay[r] + 1) * per[r]
+                if best is None or cost < best:
+                    best, arg = cost, r
+        if arg < 0:
+            return None
+        lay[arg] += 1
+        left -= 1
+    return lay

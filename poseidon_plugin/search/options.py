@@ -1,0 +1,163 @@
+"""Search options and results: what ``search()`` takes and returns."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from ..errors import InputError
+from ..simulator.schedules import SCHEDULES
+
+MODES = ("default", "exact", "exhaustive")
+MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchOptions:
+    """How to search. Defaults plan for Megatron-LM (1F1B and interleaved 1F1B)."""
+
+    mode: str = "default"
+    """``default``: exact-safe pruning plus the ridge rule and contiguous device-type blocks (both rest
+    on assumptions, docs/SEARCH.md); ``exact``: only provably safe pruning, so the result is the true
+    optimum of the cost model over the whole space; ``exhaustive``: simulate every plan (small
+    problems only: a reference for checking)."""
+
+    gap: float = 0.0
+    """``default`` mode only: accept a plan once no other can be faster by more than this fraction
+    (0.01: the result is within 1 % of the best of the default space, provably). 0: no slack."""
+
+    type_blocks: bool = True
+    """``default`` mode only: each device type's ranks form one contiguous block of the pipeline."""
+
+    schedules: tuple[str, ...] = MEGATRON_SCHEDULES
+    """Pipeline schedules to consider (the target runtime must execute them)."""
+
+    virtual_stages: tuple[int, ...] = (2,)
+    """Model chunks per rank tried with ``interleaved-1f1b`` (each >= 2)."""
+
+    micro_batch_sizes: tuple[int, ...] | None = None
+    """Micro-batch sizes to try; ``None``: every size the profile covers."""
+
+    tp_degrees: tuple[int, ...] | None = None
+    """TP degrees to try; ``None``: every power of two that fits a node and divides heads/KV groups."""
+
+    max_pipeline_stages: int | None = None
+    """Upper limit on PP; ``None``: up to the number of layers."""
+
+    top_k: int = 3
+    """Plans to report: the best and up to ``top_k - 1`` runners-up, each the best of a different
+    ``(tp, pp, dp, mbs, schedule, V)``."""
+
+    exact_alternatives: bool = False
+    """``default`` mode: also prove the runners-up (each the best of its key); slower. ``exact`` and
+    ``exhaustive`` always do. Otherwise runners-up are the best plans of other keys met on the way."""
+
+    warmup_samples: int = 500
+    """Random feasible plans simulated first to seed the best time (paper §4.2.3)."""
+
+    seed: int = 0
+    """Seed of the warm-up sampler (results do not depend on it, only the work done)."""
+
+    time_limit_s: float | None = None
+    """Stop after this many seconds and return the best plan so far (``stats.complete`` is then
+    false: the plan is not proven optimal); ``None``: no limit."""
+
+    max_exhaustive_plans: int = 2_000_000
+    """``exhaustive`` refuses problems with more plans than this."""
+
+    pure_python: bool | None = None
+    """Force (``True``) or forbid (``False``) the pure-Python search loop; ``None``: the environment
+    (``POSEIDON_PURE_PYTHON=1``) decides."""
+
+    progress: Callable[[float, str], None] | None = field(default=None, compare=False)
+    """Called now and then with (fraction done, message) -- the CLI draws a progress bar with it."""
+
+    def __post_init__(self) -> None:
+        validate_options(self)
+
+
+def _ints(name: str, values: Any, minimum: int, what: str) -> None:
+    if not isinstance(values, tuple) or not values:
+        raise InputError(f"{name} = {values!r} is invalid: must be a non-empty tuple of {what}")
+    for x in values:
+        if isinstance(x, bool) or not isinstance(x, int) or x < minimum:
+            raise InputError(f"{name} = {values!r} is invalid: {x!r} is not {what}")
+
+
+def validate_options(o: SearchOptions) -> None:
+    """Raise :class:`InputError` naming the option, the value and what is allowed."""
+    if o.mode not in MODES:
+        raise InputError(f"mode = {o.mode!r} is invalid: must be one of {', '.join(MODES)}")
+    if not isinstance(o.schedules, tuple) or not o.schedules:
+        raise InputError(f"--schedules {o.schedules!r} is invalid: give at least one of "
+                         f"{', '.join(SCHEDULES)}")
+    for s in o.schedules:
+        if s not in SCHEDULES:
+            raise InputError(f"--schedules: {s!r} is not a pipeline schedule; allowed: "
+                             f"{', '.join(SCHEDULES)} (Megatron-LM runs {', '.join(MEGATRON_SCHEDULES)})")
+    if len(set(o.schedules)) != len(o.schedules):
+        raise InputError(f"--schedules {','.join(o.schedules)} lists a schedule twice")
+    _ints("--virtual-stages", o.virtual_stages, 2, "an integer >= 2 (chunks per rank)")
+    if o.micro_batch_sizes is not None:
+        _ints("--micro-batch-size", o.micro_batch_sizes, 1, "an integer >= 1")
+    if o.tp_degrees is not None:
+        _ints("--tp", o.tp_degrees, 1, "a power of two >= 1")
+        for tp in o.tp_degrees:
+            if tp & (tp - 1):
+                raise InputError(f"--tp {tp} is invalid: TP degrees are powers of two (1, 2, 4, 8)")
+    if o.max_pipeline_stages is not None:
+        _ints("--max-pp", (o.max_pipeline_stages,), 1, "an integer >= 1")
+    _ints("--top-k", (o.top_k,), 1, "an integer >= 1")
+    if isinstance(o.warmup_samples, bool) or not isinstance(o.warmup_samples, int) or o.warmup_samples < 0:
+        raise InputError(f"--warmup-samples {o.warmup_samples!r} is invalid: must be an integer >= 0")
+    if isinstance(o.seed, bool) or not isinstance(o.seed, int):
+        raise InputError(f"--seed {o.seed!r} is invalid: must be an integer")
+    if o.time_limit_s is not None:
+        t = o.time_limit_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise InputError(f"--time-limit {t!r} is invalid: must be a number of seconds > 0")
+    _ints("max_exhaustive_plans", (o.max_exhaustive_plans,), 1, "an integer >= 1")
+    g = o.gap
+    if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or not 0 <= g < 1:
+        raise InputError(f"--gap {g!r} is invalid: must be a fraction in [0, 1), e.g. 0.01 for 1 %")
+    if not isinstance(o.exact_alternatives, bool):
+        raise InputError(f"exact_alternatives = {o.exact_alternatives!r} is invalid: must be true or false")
+    if not isinstance(o.type_blocks, bool):
+        raise InputError(f"type_blocks = {o.type_blocks!r} is invalid: must be true or false")
+    if o.pure_python is not None and not isinstance(o.pure_python, bool):
+        raise InputError(f"pure_python = {o.pure_python!r} is invalid: must be true, false or None")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchStats:
+    """What the search did (numbers go into ``Plan.search_stats``)."""
+
+    mode: str
+    kernel: str                     # "compiled" | "pure-python"
+    wall_s: float
+    complete: bool                  # false: stopped by the time limit (result not proven optimal)
+    structures: int                 # (tp, mbs, dp, schedule, V, pp, ranks per type) considered
+    shapes: int                     # distinct DAG shapes built
+    warmup_samples: int
+    simulator_calls: int            # complete plans simulated (warm-up + seeds + leaves)
+    bound_evaluations: int          # DAG evaluations of partial plans (lower bounds)
+    nodes: int                      # search-tree nodes
+    pruned: Mapping[str, int]       # branches cut, per rule
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for ``Plan.search_stats`` and ``--json``."""
+        return {"mode": self.mode, "kernel": self.kernel, "wall_s": round(self.wall_s, 4),
+                "complete": self.complete, "structures": self.structures, "shapes": self.shapes,
+                "warmup_samples": self.warmup_samples, "simulator_calls": self.simulator_calls,
+                "bound_evaluations": self.bound_evaluations, "nodes": self.nodes,
+                "pruned": dict(self.pruned)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchResult:
+    """The best plan, the runners-up and the search statistics."""
+
+    plan: Any                       # poseidon_plugin.plan.Plan
+    alternatives: tuple[Any, ...]   # PlanSummary, best first (also in plan.alternatives)
+    stats: SearchStats

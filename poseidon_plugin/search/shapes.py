@@ -1,0 +1,193 @@
+"""Per-shape data of the search: the simulator graph, peak live micro-batches and the bound paths.
+
+A *shape* is ``(schedule, pp, M, V)``: everything the DAG depends on. The search evaluates thousands of
+weight vectors per shape, so the graph is built once (the simulator caches it) and its kernel is re-run
+with new weights (paper §5: "if the PP degree remains unchanged, the DAG does not need to be rebuilt").
+
+Bound paths (docs/SEARCH.md, "Lower bounds"). Each is one concrete path of the shape's DAG, stored as
+integer multiplicities of the stage weights it crosses, so its cost is a linear function of the layers::
+
+    cost = sum_vs coef_f[vs] F[vs] + coef_b[vs] B[vs] + sum_r coef_s[r] send[r] + coef_ar[r] AR[r]
+
+Per pipeline rank ``r`` (0-based, chunk 0 = virtual stage ``r``):
+
+* ``head(r) + all ops of r + AR_r`` -- the forward of micro-batch 0 down the chunk-0 stages to ``r``,
+  then rank ``r``'s whole op chain (every schedule starts a rank with F(chunk 0, mb 0) and ends it with
+  B(chunk 0, mb M-1)), then its all-reduce;
+* the same with the tail ``B(r-1, M-1) -> ... -> B(0, M-1) -> AR_0`` instead of ``AR_r`` (``r > 0``);
+* the *round trip*: the forward of micro-batch 0 through every virtual stage, its backward back up to
+  rank ``r``'s first backward op, the rest of rank ``r``'s chain, then the tail to ``AR_0``.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+from ..simulator.core import cached_graph, make_kernel
+from ..simulator.graph import ParamLayout
+from ..simulator.schedules import interleaved_table, peak_live_microbatches
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BoundPaths:
+    """Path multiplicities, flattened: path ``p`` uses ``coef_f[p*nv:(p+1)*nv]`` etc."""
+
+    count: int          # number of paths
+    coef_f: array       # 'i', count * nv: forward weight multiplicity per virtual stage
+    coef_b: array       # 'i', count * nv: backward weight multiplicity per virtual stage
+    coef_s: array       # 'i', count * pp: send (link r -> r+1) multiplicity per rank
+    coef_ar: array      # 'i', count * pp: all-reduce multiplicity per rank
+    term_ptr: array     # 'i', count + 1: path q's nonzero terms are term_ptr[q]:term_ptr[q+1]
+    term_idx: array     # 'i': parameter index of the term (the simulator's ParamLayout)
+    term_coef: array    # 'i': its multiplicity
+
+
+def first_backward(schedule: str, pp: int, micro_batches: int, virtual_stages: int,
+                   rank: int) -> tuple[list[int], int]:
+    """Forwards per chunk that ``rank`` runs before its first backward, and that backward's chunk.
+
+    Derived from the schedules' definitions (``simulator.schedules``: warm-up forwards, then pairs)
+    without building the whole op list; ``tests/unit/test_search_bounds.py`` checks it against
+    ``rank_order`` on many shapes. The first backward is always of micro-batch 0.
+    """
+    m, v = micro_batches, virtual_stages
+    if schedule == "gpipe":
+        return [m], 0
+    if schedule == "1f1b":
+        w = min(pp - rank - 1, m)
+        return [w + 1 if w < m else m], 0
+    if schedule == "eager-1f1b":
+        return [min(2 * (pp - rank - 1) + 1, m)], 0
+    total = m * v
+    table = interleaved_table(m, v, pp)
+    w = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    counts = [0] * v
+    for k in range(w + 1 if w < total else total):
+        counts[table[k][1]] += 1
+    return counts, v - 1 - table[0][1]
+
+
+def bound_paths(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> BoundPaths:
+    """The bound paths of a shape (see the module docstring).
+
+    They rely on every schedule starting a rank with F(chunk 0, mb 0) and ending it with
+    B(chunk 0, mb M-1), with M forwards and M backwards per chunk (checked by the unit tests).
+    """
+    v, m = virtual_stages, micro_batches
+    nv = pp * v
+    rows: list[tuple[list[int], list[int], list[int], list[int]]] = []
+    for r in range(pp):
+        own_chunks = [c * pp + r for c in range(v)]
+        cf, cb, cs, car = [0] * nv, [0] * nv, [0] * pp, [0] * pp
+        cf[0:r] = [1] * r                       # head: F(j, chunk 0, mb 0), j < r (vs j = rank j)
+        cs[0:r] = [1] * r
+        for vs in own_chunks:                   # all ops of rank r: M forwards, M backwards per chunk
+            cf[vs] += m
+            cb[vs] += m
+        own_ar = car[:]
+        own_ar[r] = 1
+        rows.append((cf, cb, cs, own_ar))
+        if r > 0:                               # ... then down the chunk-0 backwards to AR_0
+            tb = cb[:]
+            tb[0:r] = [1] * r
+            ts = [x + 1 for x in cs[:r]] + cs[r:]
+            tar = [0] * pp
+            tar[0] = 1
+            rows.append((cf, tb, ts, tar))
+        # round trip of micro-batch 0 up to rank r's first backward, then the rest of rank r
+        before, chunk_b = first_backward(schedule, pp, m, v, r)
+        vstar = chunk_b * pp + r
+        rf, rb, rs, rar = [1] * nv, [0] * nv, [0] * pp, [0] * pp
+        for vs in range(nv - 1):                # forward chain through every virtual stage
+            rs[vs % pp] += 1
+        rb[vstar:nv] = [1] * (nv - vstar)       # backward chain up to rank r's first backward
+        for vs in range(vstar, nv - 1):
+            rs[vs % pp] += 1
+        for c, vs in enumerate(own_chunks):     # rank r's ops after its first backward
+            rf[vs] += m - before[c]
+            rb[vs] += m - (1 if c == chunk_b else 0)
+        for j in range(r):                      # tail to AR_0 (vstar >= r: no overlap)
+            rb[j] += 1
+            rs[j] += 1
+        rar[0] = 1
+        rows.append((rf, rb, rs, rar))
+    flat = [array("i"), array("i"), array("i"), array("i")]
+    ptr, idx, coef = array("i", [0]), array("i"), array("i")
+    # sparse form for the path's cost: (parameter index, multiplicity) in parameter order
+    perm = [c * pp + r for r in range(pp) for c in range(v)]   # parameter slot -> virtual stage
+    for cf, cb, cs, car in rows:
+        for dst, part in zip(flat, (cf, cb, cs, car)):
+            dst.extend(part)
+        for base, vec, order in ((1, cf, perm), (1 + nv, cb, perm), (1 + 2 * nv, cs, None),
+                                 (1 + 2 * nv + pp, car, None)):
+            items = [vec[x] for x in order] if order is not None else vec
+            for i, k in enumerate(items):
+                if k:
+                    idx.append(base + i)
+                    coef.append(k)
+        ptr.append(len(idx))
+    return BoundPaths(count=len(rows), coef_f=flat[0], coef_b=flat[1], coef_s=flat[2], coef_ar=flat[3],
+                      term_ptr=ptr, term_idx=idx, term_coef=coef)
+
+
+class ShapeData:
+    """Graph kernel, peak live units and bound paths of one ``(schedule, pp, M, V)``.
+
+    The DAG is built on first use of :attr:`kernel`: most shapes are pruned by the path bounds at
+    their root, which need only the paths, and building a graph costs far more than checking them.
+    """
+
+    __slots__ = ("schedule", "pp", "micro_batches", "virtual_stages", "nv", "_kernel", "n_params",
+                 "live", "paths", "pure_python")
+
+    def __init__(self, schedule: str, pp: int, micro_batches: int, virtual_stages: int,
+                 pure_python: bool):
+        self.schedule, self.pp = schedule, pp
+        self.micro_batches, self.virtual_stages = micro_batches, virtual_stages
+        self.nv = pp * virtual_stages
+        self.pure_python = pure_python
+        self._kernel = None
+        self.n_params = ParamLayout(pp=pp, virtual_stages=virtual_stages).size
+        self.live = array("i", peak_live_microbatches(schedule, pp, micro_batches, virtual_stages))
+        self.paths = bound_paths(schedule, pp, micro_batches, virtual_stages)
+
+    @property
+    def kernel(self):
+        """The longest-path kernel of this shape's DAG (compiled unless ``pure_python``)."""
+        if self._kernel is None:
+            graph = cached_graph(self.schedule, self.pp, self.micro_batches, self.virtual_stages, "dag")
+            self._kernel = make_kernel(graph, self.pure_python)
+        return self._kernel
+
+    @property
+    def has_kernel(self) -> bool:
+        """Whether the DAG has been built."""
+        return self._kernel is not None
+
+    @property
+    def key(self) -> tuple[str, int, int, int]:
+        """``(schedule, pp, M, V)``."""
+        return (self.schedule, self.pp, self.micro_batches, self.virtual_stages)
+
+
+class ShapeCache:
+    """ShapeData per shape, built on first use (a search touches a few hundred shapes)."""
+
+    def __init__(self, pure_python: bool):
+        self.pure_python = pure_python
+        self._shapes: dict[tuple, ShapeData] = {}
+
+    def get(self, schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> ShapeData:
+        """The cached :class:`ShapeData` of a shape."""
+        key = (schedule, pp, micro_batches, virtual_stages)
+        data = self._shapes.get(key)
+        if data is None:
+            data = self._shapes[key] = ShapeData(schedule, pp, micro_batches, virtual_stages,
+                                                 self.pure_python)
+        return data
+
+    def __len__(self) -> int:
+        return len(self._shapes)

@@ -1,0 +1,117 @@
+"""Benchmark of the plan search on the paper's settings (analytic profiles).
+
+Prints one row per setting: search wall time, simulator calls, DAG bound evaluations, pruned branches
+per rule, the plan's predicted throughput, and its ratio to (a) the best homogeneous-style Megatron
+configuration (uniform layers, devices in cluster order, chosen by the same simulator) and (b) the plan
+ranked best by the paper's Eq. 1 instead of the DAG. Then exact vs default mode where the exact search
+finishes within ``--exact-limit`` seconds, and the peak memory of ``poseidon plan``.
+
+    python scripts/bench_search.py [--settings 1,2,3,5,6-96,6-192,6-288] [--exact-limit 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from poseidon_plugin.costmodel import CostModel  # noqa: E402
+from poseidon_plugin.search import SearchOptions, search  # noqa: E402
+from poseidon_plugin.search.baselines import best_by_eq1, best_uniform  # noqa: E402
+from poseidon_plugin.specs import load_cluster, load_model  # noqa: E402
+
+SETTINGS = {
+    "1": ("paper-setting-1", "llama3-8b"),
+    "2": ("paper-setting-2", "llama2-13b"),
+    "3": ("paper-setting-3", "llama-30b"),
+    "5": ("paper-setting-5", "llama2-13b"),
+    "6-96": ("paper-setting-6-96", "llama3-70b"),
+    "6-192": ("paper-setting-6-192", "llama3-70b"),
+    "6-288": ("paper-setting-6-288", "llama3-70b"),
+}
+
+
+def fmt_pruned(p: dict) -> str:
+    short = {"shape_bound": "shape", "structure_bound": "struct", "stage_bound": "dag",
+             "path_bound": "path", "memory": "mem", "ridge": "ridge", "order": "order"}
+    return " ".join(f"{short[k]}={v}" for k, v in p.items())
+
+
+def peak_rss_mb(cluster: str, model: str) -> float:
+    """Peak resident memory (MiB) of a fresh process running ``poseidon plan`` in-process."""
+    code = ("import resource, sys; from poseidon_plugin.cli import main; "
+            f"rc = main(['plan', '--cluster', {cluster!r}, '--model', {model!r}, '--no-progress', '--json']); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, timeout=900,
+                         cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    return int(out.stderr.strip().splitlines()[-1]) / 1024.0   # ru_maxrss is KiB on Linux
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--exact-limit", type=float, default=60.0,
+                    help="seconds the exact search may take per setting (0: skip)")
+    ap.add_argument("--memory", action="store_true", help="also measure peak RSS of poseidon plan")
+    args = ap.parse_args(argv)
+    names = [s.strip() for s in args.settings.split(",") if s.strip()]
+    opts = SearchOptions()
+    print(f"{'setting':<8} {'search s':>8} {'cpu s':>6} {'sim calls':>9} {'bound ev':>9} {'nodes':>8} "
+          f"{'tokens/s':>10} {'iter ms':>9} {'x uniform':>9} {'x Eq.1':>7}  plan / pruned")
+    exact_rows = []
+    for name in names:
+        cluster, model = SETTINGS[name]
+        cm = CostModel(load_cluster(cluster), load_model(model))
+        t0, c0 = time.perf_counter(), time.process_time()
+        res = search(cm, opts)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        plan, st = res.plan, res.stats
+        uni = best_uniform(cm, opts)
+        eq1 = best_by_eq1(cm, opts)
+        x_uni = f"{uni[0] / plan.predicted_iteration_ms:.3f}" if uni else "n/a"
+        x_eq1 = f"{eq1[0] / plan.predicted_iteration_ms:.3f}" if eq1 else "n/a"
+        print(f"{name:<8} {wall:>8.2f} {cpu:>6.2f} {st.simulator_calls:>9} {st.bound_evaluations:>9} "
+              f"{st.nodes:>8} {plan.tokens_per_s:>10.0f} {plan.predicted_iteration_ms:>9.1f} "
+              f"{x_uni:>9} {x_eq1:>7}  TP{plan.tp} PP{plan.pp} DP{plan.dp} mbs{plan.micro_batch_size} "
+              f"{plan.schedule} V{plan.virtual_stages} {'/'.join(plan.stage_types)} "
+              f"layers {'/'.join(map(str, plan.layers))}{'' if st.complete else ' (INCOMPLETE)'}")
+        print(f"{'':<8} pruned: {fmt_pruned(st.pruned)}")
+        if uni:
+            u = uni[1]
+            print(f"{'':<8} uniform: {uni[0]:.1f} ms TP{u.tp} PP{u.pp} DP{u.dp} mbs{u.mbs} {u.schedule}")
+        if eq1:
+            e = eq1[2]
+            print(f"{'':<8} Eq.1 pick: {eq1[0]:.1f} ms (Eq.1 said {eq1[1]:.1f}) TP{e.tp} PP{e.pp} DP{e.dp} "
+                  f"mbs{e.mbs} {e.schedule} {'/'.join(e.stage_types)} layers {'/'.join(map(str, e.layers))}")
+        if args.exact_limit > 0:
+            c1 = time.process_time()
+            ex = search(cm, SearchOptions(mode="exact", time_limit_s=args.exact_limit))
+            exact_rows.append((name, cpu, time.process_time() - c1, res, ex))
+        sys.stdout.flush()
+    if exact_rows:
+        print()
+        print(f"{'setting':<8} {'default cpu s':>13} {'exact cpu s':>11} {'finished':>8} {'same optimum':>12} "
+              f"{'default ms':>10} {'exact ms':>10} {'speed-up':>8}")
+        for name, wd, we, d, e in exact_rows:
+            same = "yes" if d.plan.predicted_iteration_ms == e.plan.predicted_iteration_ms else "no"
+            if not e.stats.complete:
+                same += "?"
+            print(f"{name:<8} {wd:>13.2f} {we:>11.2f} {str(e.stats.complete):>8} {same:>12} "
+                  f"{d.plan.predicted_iteration_ms:>10.1f} {e.plan.predicted_iteration_ms:>10.1f} "
+                  f"{we / wd:>7.1f}x")
+    if args.memory:
+        print()
+        for name in names:
+            cluster, model = SETTINGS[name]
+            print(f"peak RSS of `poseidon plan --cluster {cluster} --model {model}`: "
+                  f"{peak_rss_mb(cluster, model):.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

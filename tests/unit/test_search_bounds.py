@@ -1,0 +1,190 @@
+"""Lower bounds of the branch and bound: valid for every completion, on random structures.
+
+Random cost tables (not tied to any hardware) stress the bounds harder than real presets: types with
+very different speeds, memories and links. The brute force enumerates every type order and layer split.
+"""
+
+import math
+import random
+from array import array
+
+import pytest
+
+from poseidon_plugin.search.evaluate import plan_fits, simulate_plan, spread
+from poseidon_plugin.search.exhaustive import orders, rank_splits
+from poseidon_plugin.search.shapes import ShapeData, bound_paths, first_backward
+from poseidon_plugin.search.splits import SplitSearch as PySplitSearch
+from poseidon_plugin.search.tables import TypeTable
+from poseidon_plugin.simulator import Simulator, rank_order
+
+SCHEDULES = ["gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b"]
+
+
+def random_table(rng, nt, dp, slots) -> TypeTable:
+    s = max(slots)
+    col = lambda lo, hi, n=nt: array("d", [rng.uniform(lo, hi) for _ in range(n)])  # noqa: E731
+    fwd = col(0.5, 3.0)
+    return TypeTable(
+        tp=1, mbs=1, dp=dp, names=tuple(f"t{i}" for i in range(nt)), slots=array("i", slots),
+        max_slots=s, fwd=fwd, bwd=array("d", [f * rng.uniform(1.2, 2.5) for f in fwd]),
+        emb_fwd=col(0, .5), emb_bwd=col(0, .5), head_fwd=col(0, 2), head_bwd=col(0, 4),
+        ar=col(0, 1, nt * s), ar_emb=col(0, .5, nt * s), ar_head=col(0, .5, nt * s),
+        has_ar=array("i", [int(dp > 1)] * (nt * s)), send_same=col(0, .5, nt * s),
+        send_wrap=col(0, .5, nt * s), send_cross=col(.2, 1.5), state=col(1, 1), act=col(.05, .4),
+        emb_state=col(0, 1), emb_act=col(0, .3), head_state=col(0, 1), head_act=col(0, .5),
+        usable=col(4, 14))
+
+
+def random_structure(seed: int, pure: bool):
+    rng = random.Random(seed)
+    nt = rng.choice([1, 2, 2, 3])
+    pp = rng.choice([1, 2, 3, 4]) if nt < 3 else rng.choice([2, 3, 4])
+    schedule = rng.choice(SCHEDULES) if pp > 1 else "1f1b"
+    v = 2 if schedule == "interleaved-1f1b" else 1
+    m = pp * rng.choice([1, 2, 3]) if v == 2 else rng.choice([1, 2, 3, 5, 8])
+    layers = rng.randint(pp * v, pp * v + 7)
+    counts = [0] * nt
+    for _ in range(pp):
+        counts[rng.randrange(nt)] += 1
+    table = random_table(rng, nt, rng.choice([1, 2]), [max(1, c + rng.randint(0, 2)) for c in counts])
+    return table, ShapeData(schedule, pp, m, v, pure), counts, layers
+
+
+def brute_force(table, shape, counts, num_layers):
+    """Every (time, types, layers) of the structure that fits memory."""
+    params = array("d", [0.0]) * shape.n_params
+    out = []
+    for types in orders(counts):
+        for ranks in rank_splits(num_layers, shape.pp, shape.virtual_stages):
+            layers = spread(ranks, shape.pp, shape.virtual_stages)
+            if plan_fits(table, shape, types, layers):
+                out.append((simulate_plan(params, table, shape, types, layers), types, layers))
+    return out
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("pp,m,v", [(1, 3, 1), (2, 4, 1), (3, 6, 1), (4, 4, 1), (4, 9, 1), (2, 4, 2),
+                                    (3, 6, 2), (4, 8, 3)])
+def test_bound_paths_are_dag_paths(schedule, pp, m, v):
+    """Every bound path is a path of the DAG: its cost never exceeds the longest path."""
+    if (schedule == "interleaved-1f1b") != (v > 1) or (v > 1 and (pp < 2 or m % pp)):
+        pytest.skip("shape not valid for this schedule")
+    paths = bound_paths(schedule, pp, m, v)
+    sim = Simulator(schedule, pp, m, v)
+    rng = random.Random(pp * 100 + m)
+    nv = pp * v
+    for _ in range(20):
+        fwd = [rng.uniform(0, 5) for _ in range(nv)]
+        bwd = [rng.uniform(0, 9) for _ in range(nv)]
+        send = [rng.uniform(0, 2) for _ in range(pp)]
+        ar = [rng.uniform(0, 7) for _ in range(pp)]
+        longest = sim.iteration_time(fwd, bwd, send, ar)
+        p = sim.params
+        best = 0.0
+        for q in range(paths.count):
+            cost = sum(paths.term_coef[e] * p[paths.term_idx[e]]
+                       for e in range(paths.term_ptr[q], paths.term_ptr[q + 1]))
+            assert cost <= longest * (1 + 1e-12) + 1e-12
+            best = max(best, cost)
+        assert best > 0.0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_lower_bounds_never_exceed_any_completion(seed):
+    """At random prefixes of random structures, with tau just above the best completion: the node is
+    not pruned, every completion that beats tau lies within the propagated [lb, cap], and the
+    stage-level DAG bound is at most the best completion."""
+    table, shape, counts, num_layers = random_structure(seed, pure=True)
+    plans = brute_force(table, shape, counts, num_layers)
+    if not plans:
+        pytest.skip("nothing fits memory")
+    rng = random.Random(seed)
+    pp, v = shape.pp, shape.virtual_stages
+    ss = PySplitSearch(table, shape, num_layers, ridge=False, blocks=False,
+                       type_class=array("i", range(len(counts))))
+    ss.run(counts, math.inf)            # initialises the state arrays and the kernel
+    for _ in range(6):
+        _t, types, layers = rng.choice(plans)
+        k = rng.randrange(pp)                       # ranks 0..k-1 decided as in this plan
+        completions = [p for p in plans if p[1][:k] == types[:k]
+                       and all(p[2][c * pp + r] == layers[c * pp + r] for r in range(k) for c in range(v))]
+        best = min(p[0] for p in completions)
+        tau = best * (1 + 1e-9) + 1e-12
+        ss.tau = tau
+        ss.remaining = list(counts)
+        ss.used = [0] * len(counts)
+        ss.types = [-1] * pp
+        ss.layers = [0] * (pp * v)
+        for r in range(k):
+            t = types[r]
+            ss.types[r], ss.slot[r] = t, ss.used[t]
+            ss.remaining[t] -= 1
+            ss.used[t] += 1
+            for c in range(v):
+                ss.layers[c * pp + r] = layers[c * pp + r]
+        left = num_layers - sum(ss.layers)
+        lb, cap, capt = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v * len(counts))
+        assert ss._propagate(k, left, lb, cap, capt)
+        for t_ms, _types, lay in completions:
+            if t_ms < tau:
+                for r in range(k, pp):
+                    for c in range(v):
+                        vs = c * pp + r
+                        assert lb[vs] <= lay[vs] <= cap[vs]
+        ss._fill(lb)
+        assert ss.kernel.longest(ss.params) <= best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_structure_search_matches_brute_force(seed, pure_python):
+    table, shape, counts, num_layers = random_structure(1000 + seed, pure_python)
+    plans = brute_force(table, shape, counts, num_layers)
+    ref = min((p[0] for p in plans), default=math.inf)
+    if pure_python:
+        ss = PySplitSearch(table, shape, num_layers, ridge=False, blocks=False,
+                           type_class=array("i", range(len(counts))))
+    else:
+        from cython_core._search import SplitSearch
+        ss = SplitSearch(table, shape, num_layers, ridge=False, blocks=False,
+                         type_class=array("i", range(len(counts))))
+    for tau in (math.inf, ref * (1 + 1e-7) if ref < math.inf else math.inf):
+        res = ss.run(counts, tau)
+        assert res.time_ms == ref
+        if ref < math.inf:
+            assert (res.time_ms, res.types, res.layers) in [(p[0], p[1], tuple(p[2])) for p in plans]
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("ridge,blocks", [(False, False), (True, True), (True, False)])
+def test_compiled_and_pure_loops_identical(seed, ridge, blocks):
+    from cython_core._search import SplitSearch
+    table, shape_py, counts, num_layers = random_structure(2000 + seed, True)
+    shape_c = ShapeData(shape_py.schedule, shape_py.pp, shape_py.micro_batches,
+                        shape_py.virtual_stages, False)
+    cls = array("i", range(len(counts)))
+    a = PySplitSearch(table, shape_py, num_layers, ridge=ridge, blocks=blocks, type_class=cls)
+    b = SplitSearch(table, shape_c, num_layers, ridge=ridge, blocks=blocks, type_class=cls)
+    for tau in (math.inf, 60.0, 1.0):
+        assert a.run(counts, tau) == b.run(counts, tau)
+        assert a.run(counts, tau, root_only=True) == b.run(counts, tau, root_only=True)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_first_backward_and_op_counts_match_the_schedules(schedule):
+    """The bound paths assume, per rank: first op F(chunk 0, mb 0), last op B(chunk 0, mb M-1), M
+    forwards and M backwards per chunk, and first_backward's prefix; all read off rank_order here."""
+    for pp in range(1, 7):
+        for m in range(1, 13):
+            for v in ((2, 3) if schedule == "interleaved-1f1b" else (1,)):
+                if v > 1 and (pp < 2 or m % pp):
+                    continue
+                for r in range(pp):
+                    order = rank_order(schedule, pp, m, v, r)
+                    assert order[0] == ("F", 0, 0) and order[-1] == ("B", 0, m - 1)
+                    for c in range(v):
+                        assert sum(1 for op in order if op[1] == c and op[0] == "F") == m
+                        assert sum(1 for op in order if op[1] == c and op[0] == "B") == m
+                    fb = next(i for i, op in enumerate(order) if op[0] == "B")
+                    assert order[fb][2] == 0
+                    before = [sum(1 for op in order[:fb] if op[1] == c) for c in range(v)]
+                    assert first_backward(schedule, pp, m, v, r) == (before, order[fb][1])

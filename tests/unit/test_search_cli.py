@@ -1,0 +1,126 @@
+"""Search options validation, error messages, and ``poseidon plan`` (exit codes, JSON, trace)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from poseidon_plugin.cli import main
+from poseidon_plugin.costmodel import CostModel
+from poseidon_plugin.errors import InputError, NoFeasiblePlanError
+from poseidon_plugin.plan import Plan
+from poseidon_plugin.search import SearchOptions, search
+from poseidon_plugin.specs import load_cluster, load_model
+from poseidon_plugin.specs.cluster import parse_cluster
+from poseidon_plugin.specs.model import parse_model
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"mode": "fast"}, r"mode = 'fast' is invalid: must be one of default, exact, exhaustive"),
+    ({"schedules": ("1f1b", "zb-v")}, r"--schedules: 'zb-v' is not a pipeline schedule; allowed: gpipe"),
+    ({"schedules": ()}, r"--schedules \(\) is invalid: give at least one of"),
+    ({"schedules": ("1f1b", "1f1b")}, r"lists a schedule twice"),
+    ({"virtual_stages": (1,)}, r"--virtual-stages = \(1,\) is invalid: 1 is not an integer >= 2"),
+    ({"micro_batch_sizes": (0,)}, r"--micro-batch-size = \(0,\) is invalid"),
+    ({"tp_degrees": (3,)}, r"--tp 3 is invalid: TP degrees are powers of two"),
+    ({"top_k": 0}, r"--top-k = \(0,\) is invalid: 0 is not an integer >= 1"),
+    ({"warmup_samples": -1}, r"--warmup-samples -1 is invalid: must be an integer >= 0"),
+    ({"time_limit_s": 0}, r"--time-limit 0 is invalid: must be a number of seconds > 0"),
+    ({"max_pipeline_stages": 0}, r"--max-pp = \(0,\) is invalid"),
+])
+def test_option_validation_messages(kwargs, match):
+    with pytest.raises(InputError, match=match):
+        SearchOptions(**kwargs)
+
+
+def tiny_cost_model(**model):
+    cluster = parse_cluster({"name": "two", "device_types": ["A2-2", "A2-4"], "links": "npu",
+                             "nodes": [{"device_type": "A2-2", "count": 1, "devices_per_node": 2},
+                                       {"device_type": "A2-4", "count": 1, "devices_per_node": 2}]})
+    doc = {"name": "tiny", "num_layers": 6, "hidden_size": 2048, "ffn_hidden_size": 8192,
+           "num_attention_heads": 16, "vocab_size": 32000, "seq_length": 2048,
+           "global_batch_size": 8, **model}
+    return CostModel(cluster, parse_model(doc), micro_batch_sizes=(1, 2))
+
+
+def test_unprofiled_tp_and_mbs_are_named():
+    cm = tiny_cost_model()
+    with pytest.raises(InputError, match=r"--tp 4 is not possible here: .* allow TP degrees 1, 2"):
+        search(cm, SearchOptions(tp_degrees=(4,)))
+    with pytest.raises(InputError, match=r"--micro-batch-size 8 is not covered by the profile"):
+        search(cm, SearchOptions(micro_batch_sizes=(8,)))
+
+
+def test_no_plan_fits_memory_names_the_constraint():
+    cm = tiny_cost_model(hidden_size=32768, ffn_hidden_size=131072, num_attention_heads=64,
+                         distributed_optimizer=False)
+    with pytest.raises(NoFeasiblePlanError, match=r"no plan fits memory: the smallest stage needs "
+                                                  r"[0-9.]+ GB on A2-\d \(\d+ GB, [0-9.]+ GB usable\); "
+                                                  r".*enable the distributed optimizer"):
+        search(cm, SearchOptions())
+
+
+def test_exhaustive_refuses_large_problems():
+    cm = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"))
+    with pytest.raises(InputError, match=r"--exhaustive would simulate [0-9,]+ plans, more than the "
+                                         r"limit of 2,000,000; .*use --exact"):
+        search(cm, SearchOptions(mode="exhaustive"))
+
+
+def test_search_result_is_a_plan_with_stats():
+    cm = tiny_cost_model()
+    res = search(cm, SearchOptions(top_k=3))
+    plan = res.plan
+    assert isinstance(plan, Plan) and Plan.from_json(plan.to_json()) == plan
+    assert sum(plan.layers) == 6 and plan.world_size <= 4
+    assert len(res.alternatives) <= 2 and plan.alternatives == res.alternatives
+    assert all(a.predicted_iteration_ms >= plan.predicted_iteration_ms for a in res.alternatives)
+    stats = plan.search_stats
+    assert stats["complete"] and stats["mode"] == "default"
+    assert stats["simulator_calls"] >= 1 and set(stats["pruned"]) == {
+        "shape_bound", "structure_bound", "stage_bound", "path_bound", "memory", "ridge", "order"}
+
+
+def test_cli_plan_table_and_json(tmp_path, capsys):
+    rc = main(["plan", "--cluster", "paper-setting-1", "--model", "llama3-8b",
+               "--schedules", "1f1b", "--micro-batch-size", "1", "--tp", "2,4", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "Poseidon plan: llama3-8b on paper-setting-1" in out and "--num-layer-list" in out
+    trace = tmp_path / "t.json"
+    plan_file = tmp_path / "plan.json"
+    rc = main(["plan", "--cluster", "paper-setting-1", "--model", "llama3-8b", "--schedules", "1f1b",
+               "--micro-batch-size", "1", "--tp", "4", "--json", "--trace", str(trace),
+               "--output", str(plan_file), "--no-progress"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    plan = Plan.from_dict(doc)
+    assert plan.tp == 4 and Plan.load(plan_file) == plan
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e.get("tid") for e in events if e.get("ph") == "X"} == set(range(plan.pp))
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--schedules", "bogus"], "--schedules: 'bogus' is not a pipeline schedule"),
+    (["--global-batch-size", "0"], "--global-batch-size 0 is invalid"),
+    (["--tp", "3"], "--tp 3 is invalid: TP degrees are powers of two"),
+    (["--model", "nope"], "--model 'nope' is neither a file nor a preset"),
+    (["--exhaustive"], "--exhaustive would simulate"),
+])
+def test_cli_user_errors_exit_2_with_one_line(argv, match, capsys):
+    base = {"--cluster": "paper-setting-1", "--model": "llama3-8b"}
+    for flag in list(base):
+        if flag in argv:
+            base.pop(flag)
+    args = ["plan", *[x for kv in base.items() for x in kv], *argv, "--no-progress"]
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert match in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_planning_core_imports_no_torch():
+    code = ("import sys; import poseidon_plugin.search, poseidon_plugin.search.cli, "
+            "poseidon_plugin.search.exhaustive; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
