@@ -481,18 +481,15 @@ def parse_mindspeed_args(argv: Sequence[str]) -> ParallelFlags:
 
 # --- human-readable table --------------------------------------------------------------------
 
-def _ranges(values: Sequence[int]) -> str:
-    vals = sorted(set(values))
-    out = []
-    start = prev = vals[0]
-    for x in vals[1:] + [None]:
-        if x is not None and x == prev + 1:
-            prev = x
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if x is not None:
-            start = prev = x
-    return ",".join(out)
+def format_ranges(values: Sequence[int]) -> str:
+    """``[1, 2, 3, 7]`` -> ``1-3,7`` (``none`` when empty): ranks, nodes or layers in one short string."""
+    spans: list[list[int]] = []
+    for n in sorted(set(values)):
+        if spans and spans[-1][1] == n - 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "none"
 
 
 def render_table(plan: Plan, max_alternatives: int = 5) -> str:
@@ -512,7 +509,7 @@ def render_table(plan: Plan, max_alternatives: int = 5) -> str:
               "dp-sync ms", "memory GiB")
     rows = [header]
     for s in plan.stages:
-        rows.append((str(s.index), s.device_type, _ranges(s.ranks), _ranges([d[0] for d in s.devices]),
+        rows.append((str(s.index), s.device_type, format_ranges(s.ranks), format_ranges([d[0] for d in s.devices]),
                      "+".join(map(str, s.layers)), ",".join(map(str, s.first_layers)),
                      "+".join(f"{x:.2f}" for x in s.forward_ms), "+".join(f"{x:.2f}" for x in s.backward_ms),
                      f"{s.send_ms:.3f}", f"{s.allreduce_ms:.2f}",

@@ -15,21 +15,11 @@ from collections.abc import Callable
 from patches import watch as watch_patch
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.plan import Plan
+from poseidon_plugin.plan import format_ranges as ranges
 from poseidon_plugin.runtime.devices import Device
 from poseidon_plugin.runtime.placement import planned_layers
 
 WARN_FRACTION = 0.10
-
-
-def ranges(numbers: list[int]) -> str:
-    """``[1, 2, 3, 7]`` -> ``1-3,7`` (``none`` when empty)."""
-    spans: list[list[int]] = []
-    for n in sorted(set(numbers)):
-        if spans and spans[-1][1] == n - 1:
-            spans[-1][1] = n
-        else:
-            spans.append([n, n])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "none"
 
 
 class Watch:
