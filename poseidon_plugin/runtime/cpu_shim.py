@@ -245,7 +245,10 @@ def _install_rng_tracker() -> None:
     except ImportError:
         return
     _saved_rng_tracker = (mc_random._CUDA_RNG_STATE_TRACKER, mc_random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
-    mc_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    # What ``force_reset=True`` does on 0.16+; megatron-core 0.12.x (MindSpeed-LLM) lacks that argument.
+    mc_random._CUDA_RNG_STATE_TRACKER = None
+    mc_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    mc_random.initialize_rng_tracker(inference_rng_tracker=True)
 
 
 def _restore_rng_tracker() -> None:
