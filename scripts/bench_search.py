@@ -42,14 +42,20 @@ def fmt_pruned(p: dict) -> str:
 
 
 def peak_rss_mb(cluster: str, model: str) -> float:
-    """Peak resident memory (MiB) of a fresh process running ``poseidon plan`` in-process."""
-    code = ("import resource, sys; from poseidon_plugin.cli import main; "
+    """Peak resident memory (MiB) of a fresh process running ``poseidon plan`` in-process.
+
+    Read from ``VmHWM`` (/proc/self/status): unlike ``ru_maxrss`` it is not inherited from the parent
+    across fork/exec.
+    """
+    code = ("import sys; from poseidon_plugin.cli import main; "
             f"rc = main(['plan', '--cluster', {cluster!r}, '--model', {model!r}, '--no-progress', '--json']); "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(rc)")
+            "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0], file=sys.stderr); "
+            "sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True, timeout=900,
                          cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    return int(out.stderr.strip().splitlines()[-1]) / 1024.0   # ru_maxrss is KiB on Linux
+    line = out.stderr.strip().splitlines()[-1]            # "VmHWM:   254852 kB"
+    return int(line.split()[1]) / 1024.0
 
 
 def main(argv=None) -> int:
