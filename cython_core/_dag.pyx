@@ -134,3 +134,71 @@ cdef class DagKernel:
         """``fill`` then ``longest``: the simulator's hot path."""
         self.fill(params, forward_ms, backward_ms, send_ms, allreduce_ms)
         return self.run(&params[0])
+
+
+def topo_pack(int n, ptr, src, ew):
+    """Compiled twin of ``poseidon_plugin.simulator.graph.topo_pack_py`` (same order, same arrays).
+
+    Kahn's algorithm with a FIFO queue over a graph given as predecessor lists in builder order
+    (``src[ptr[v]:ptr[v+1]]`` with weights ``ew``). Returns ``(order, pred_ptr, pred_src, pred_weight)``
+    relabelled in topological order, or ``None`` when the graph has a cycle.
+    """
+    cdef int n_e = len(src)
+    cdef int* cptr = _copy_ints(ptr)
+    cdef int* csrc = _copy_ints(src)
+    cdef int* indeg = <int*> malloc((n + 1) * sizeof(int))
+    cdef int* sptr = <int*> malloc((n + 2) * sizeof(int))
+    cdef int* succ = <int*> malloc((n_e + 1) * sizeof(int))
+    cdef int* order = <int*> malloc((n + 1) * sizeof(int))
+    cdef int* new_id = <int*> malloc((n + 1) * sizeof(int))
+    cdef int v, e, s, head, tail, u, k
+    try:
+        if indeg == NULL or sptr == NULL or succ == NULL or order == NULL or new_id == NULL:
+            raise MemoryError()
+        for v in range(n + 2):
+            sptr[v] = 0
+        for v in range(n):
+            indeg[v] = cptr[v + 1] - cptr[v]
+            for e in range(cptr[v], cptr[v + 1]):
+                sptr[csrc[e] + 2] += 1
+        for v in range(n):
+            sptr[v + 2] += sptr[v + 1]
+        # successors of each node in (dst ascending, predecessor order), as the pure twin appends them
+        for v in range(n):
+            for e in range(cptr[v], cptr[v + 1]):
+                s = csrc[e]
+                succ[sptr[s + 1]] = v
+                sptr[s + 1] += 1
+        tail = 0
+        for v in range(n):
+            if indeg[v] == 0:
+                order[tail] = v
+                tail += 1
+        head = 0
+        while head < tail:
+            u = order[head]
+            head += 1
+            for k in range(sptr[u], sptr[u + 1]):
+                s = succ[k]
+                indeg[s] -= 1
+                if indeg[s] == 0:
+                    order[tail] = s
+                    tail += 1
+        if tail != n:
+            return None
+        for k in range(n):
+            new_id[order[k]] = k
+        new_ptr = [0] * (n + 1)
+        new_src = [0] * n_e
+        new_w = [0] * n_e
+        e = 0
+        for k in range(n):
+            v = order[k]
+            for s in range(cptr[v], cptr[v + 1]):
+                new_src[e] = new_id[csrc[s]]
+                new_w[e] = ew[s]
+                e += 1
+            new_ptr[k + 1] = e
+        return [order[k] for k in range(n)], new_ptr, new_src, new_w
+    finally:
+        free(cptr); free(csrc); free(indeg); free(sptr); free(succ); free(order); free(new_id)

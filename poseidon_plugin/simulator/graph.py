@@ -152,48 +152,80 @@ class GraphBuilder:
         """Topologically order the nodes (Kahn) and pack them into flat arrays."""
         self._binarize()
         n = len(self.labels)
-        succs: list[list[int]] = [[] for _ in range(n)]
-        indeg = [0] * n
-        for dst, plist in enumerate(self.preds):
-            indeg[dst] = len(plist)
-            for src, _w in plist:
-                succs[src].append(dst)
-        ready = [v for v in range(n) if indeg[v] == 0]
-        order: list[int] = []
-        head = 0
-        while head < len(ready):
-            v = ready[head]
-            head += 1
-            order.append(v)
-            for s in succs[v]:
-                indeg[s] -= 1
-                if indeg[s] == 0:
-                    ready.append(s)
-        if len(order) != n:
+        ptr = [0]
+        src: list[int] = []
+        ew: list[int] = []
+        for plist in self.preds:
+            for u, w in plist:
+                src.append(u)
+                ew.append(w)
+            ptr.append(len(src))
+        packed = _topo_pack()(n, ptr, src, ew)
+        if packed is None:
             raise RuntimeError(
                 f"schedule {shape.schedule!r} with pp={shape.pp}, M={shape.micro_batches}, "
                 f"V={shape.virtual_stages} produced a cyclic dependency graph (a deadlocking order)")
+        order, pred_ptr, pred_src, pred_weight = packed
         new_id = [0] * n
         for pos, v in enumerate(order):
             new_id[v] = pos
-        pred_ptr = [0]
-        pred_src: list[int] = []
-        pred_weight: list[int] = []
-        for v in order:
-            for src, w in self.preds[v]:
-                pred_src.append(new_id[src])
-                pred_weight.append(w)
-            pred_ptr.append(len(pred_src))
+        weights, ranks, labels = self.weights, self.ranks, self.labels
         return Graph(
             shape=shape,
-            node_weight=tuple(self.weights[v] for v in order),
-            node_rank=tuple(self.ranks[v] for v in order),
-            labels=tuple(self.labels[v] for v in order),
+            node_weight=tuple([weights[v] for v in order]),
+            node_rank=tuple([ranks[v] for v in order]),
+            labels=tuple([labels[v] for v in order]),
             pred_ptr=tuple(pred_ptr),
             pred_src=tuple(pred_src),
             pred_weight=tuple(pred_weight),
             sinks=tuple(sorted(new_id[v] for v in self.sinks)),
         )
+
+
+def topo_pack_py(n: int, ptr, src, ew):
+    """Kahn's algorithm (FIFO) over predecessor lists in builder order; relabel in topological order.
+
+    Returns ``(order, pred_ptr, pred_src, pred_weight)`` or ``None`` for a cyclic graph. The compiled
+    twin ``cython_core._dag.topo_pack`` returns the same arrays.
+    """
+    succs: list[list[int]] = [[] for _ in range(n)]
+    indeg = [ptr[v + 1] - ptr[v] for v in range(n)]
+    for v in range(n):
+        for e in range(ptr[v], ptr[v + 1]):
+            succs[src[e]].append(v)
+    order = [v for v in range(n) if indeg[v] == 0]
+    for u in order:  # the list grows while it is walked: a FIFO queue
+        for s in succs[u]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                order.append(s)
+    if len(order) != n:
+        return None
+    new_id = [0] * n
+    for pos, v in enumerate(order):
+        new_id[v] = pos
+    new_ptr = [0]
+    new_src: list[int] = []
+    new_w: list[int] = []
+    for v in order:
+        for e in range(ptr[v], ptr[v + 1]):
+            new_src.append(new_id[src[e]])
+            new_w.append(ew[e])
+        new_ptr.append(len(new_src))
+    return order, new_ptr, new_src, new_w
+
+
+def _topo_pack():
+    """The compiled ``topo_pack`` unless ``POSEIDON_PURE_PYTHON`` is set or the core is not built."""
+    import os
+
+    if os.environ.get("POSEIDON_PURE_PYTHON", "") in ("", "0"):
+        try:
+            from cython_core._dag import topo_pack  # type: ignore[import-not-found]
+            return topo_pack
+        except ImportError:
+            pass
+    return topo_pack_py
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

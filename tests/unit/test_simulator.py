@@ -75,7 +75,10 @@ def test_matches_independent_reference(schedule, pure_python):
 
 @pytest.mark.parametrize("schedule", SCHEDULES_V1 + ["interleaved-1f1b"])
 def test_compiled_and_pure_python_agree(schedule):
-    pytest.importorskip("cython_core._dag", reason="compiled core not built")
+    from poseidon_plugin.simulator import kernel_name
+
+    if kernel_name() != "compiled":
+        pytest.skip("POSEIDON_PURE_PYTHON is set or the compiled core is not built")
     rng = random.Random(7)
     for _ in range(100):
         pp, m, v, fwd, bwd, send, ar = random_instance(rng, schedule)
@@ -268,3 +271,25 @@ def test_megatron_overlap_is_a_registered_comm_model(pure_python):
     dag = doc("interleaved-1f1b", fwd, bwd, send, ar, m=6, v=2)
     assert (simulate(d, pure_python=pure_python).iteration_ms
             >= simulate(dag, pure_python=pure_python).iteration_ms)
+
+
+@pytest.mark.parametrize("shape", [("1f1b", 4, 6, 1, "dag"), ("interleaved-1f1b", 3, 6, 2, "dag"),
+                                   ("interleaved-1f1b", 4, 8, 2, "megatron"), ("eager-1f1b", 5, 7, 1, "megatron")])
+def test_topological_packing_twins_agree(shape, monkeypatch):
+    pytest.importorskip("cython_core._dag", reason="compiled core not built")
+    from poseidon_plugin.simulator.graph import build_graph
+
+    compiled = build_graph(*shape)
+    monkeypatch.setenv("POSEIDON_PURE_PYTHON", "1")
+    assert build_graph(*shape) == compiled
+    g = compiled
+    for v in range(g.n_nodes):  # every predecessor comes first: a topological order
+        assert all(g.pred_src[e] < v for e in range(g.pred_ptr[v], g.pred_ptr[v + 1]))
+
+
+def test_topo_pack_detects_cycles():
+    from poseidon_plugin.simulator.graph import topo_pack_py
+
+    assert topo_pack_py(2, [0, 1, 2], [1, 0], [0, 0]) is None
+    cy = pytest.importorskip("cython_core._dag", reason="compiled core not built")
+    assert cy.topo_pack(2, [0, 1, 2], [1, 0], [0, 0]) is None
