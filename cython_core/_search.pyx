@@ -99,7 +99,7 @@ cdef class SplitSearch:
         self.ridge, self.blocks = ridge, blocks
         self.shrink = 1.0 / (1.0 + gap)
         self.n_params = shape.n_params
-        self.params = _dcopy([0.0] * self.n_params)
+        self.params = _dcopy(shape.new_params())   # comm-model extras at their defaults
         self.fwd = _dcopy(table.fwd)
         self.bwd = _dcopy(table.bwd)
         self.emb_fwd = _dcopy(table.emb_fwd)

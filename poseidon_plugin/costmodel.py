@@ -442,15 +442,19 @@ class CostModel:
             ar.append(total_ar)
         return fwd, bwd, send, ar
 
-    def stage_input(self, cand: Candidate) -> dict[str, Any]:
-        """The simulator's stage-level document for ``cand`` (see the simulator README)."""
+    def stage_input(self, cand: Candidate, comm_model: str = "dag") -> dict[str, Any]:
+        """The simulator's stage-level document for ``cand`` (see the simulator README); it names
+        ``comm_model`` when that is not the default ``dag``."""
         m = self._m(cand)
         fwd, bwd, send, ar = self.stage_times(cand)
         v = cand.virtual_stages
         stages = [{"forward_ms": fwd[r * v:(r + 1) * v], "backward_ms": bwd[r * v:(r + 1) * v],
                    "send_ms": send[r], "allreduce_ms": ar[r]} for r in range(cand.pp)]
-        return {"schedule": cand.schedule, "micro_batches": m, "virtual_stages": v,
-                "data_parallel": cand.dp, "stages": stages}
+        doc = {"schedule": cand.schedule, "micro_batches": m, "virtual_stages": v,
+               "data_parallel": cand.dp, "stages": stages}
+        if comm_model != "dag":
+            doc["comm_model"] = comm_model
+        return doc
 
     def memory_per_stage(self, cand: Candidate) -> list[float]:
         """Peak bytes per device of each pipeline rank (states + activations x peak live units)."""
@@ -498,14 +502,16 @@ class CostModel:
         """Every stage fits its devices' usable memory."""
         return not self.memory_violations(cand)
 
-    def iteration_ms(self, cand: Candidate) -> float:
-        """Simulated iteration time of ``cand`` (DAG comm model)."""
+    def iteration_ms(self, cand: Candidate, comm_model: str = "dag") -> float:
+        """Simulated iteration time of ``cand`` under the simulator's ``comm_model`` (extras at their
+        defaults, as the search uses them)."""
         from .simulator import Simulator
         m = self._m(cand)
-        key = (cand.schedule, cand.pp, m, cand.virtual_stages)
+        key = (cand.schedule, cand.pp, m, cand.virtual_stages, comm_model)
         sim = self._simulators.get(key)
         if sim is None:
-            sim = self._simulators[key] = Simulator(cand.schedule, cand.pp, m, cand.virtual_stages)
+            sim = self._simulators[key] = Simulator(cand.schedule, cand.pp, m, cand.virtual_stages,
+                                                    comm_model)
         return sim.iteration_time(*self.stage_times(cand))
 
     def tokens_per_s(self, iteration_ms: float) -> float:
@@ -513,11 +519,13 @@ class CostModel:
         return self.model.tokens_per_iteration / (iteration_ms / 1e3) if iteration_ms > 0 else 0.0
 
     def make_plan(self, cand: Candidate, iteration_ms: float | None = None, *,
-                  alternatives: Sequence[Any] = (), search_stats: Mapping[str, Any] | None = None):
-        """The :class:`~poseidon_plugin.plan.Plan` of ``cand`` (simulates it when ``iteration_ms`` is None)."""
+                  alternatives: Sequence[Any] = (), search_stats: Mapping[str, Any] | None = None,
+                  comm_model: str = "dag"):
+        """The :class:`~poseidon_plugin.plan.Plan` of ``cand`` (simulates it under ``comm_model`` when
+        ``iteration_ms`` is None)."""
         from .plan import build_plan
         if iteration_ms is None:
-            iteration_ms = self.iteration_ms(cand)
+            iteration_ms = self.iteration_ms(cand, comm_model)
         return build_plan(self, cand, iteration_ms, alternatives=alternatives,
                           search_stats=search_stats)
 

@@ -60,7 +60,8 @@ def plan_on_rank0(cost_model: CostModel, *, schedules: Sequence[str], keep: JobF
     """
     from poseidon_plugin.search import SearchOptions, search
 
-    options: dict = {"schedules": tuple(schedules), "time_limit_s": time_limit_s}
+    # the plan runs on Megatron: time it with Megatron's blocking p2p (docs/FIDELITY.md)
+    options: dict = {"schedules": tuple(schedules), "time_limit_s": time_limit_s, "comm_model": _COMM_MODEL}
     if keep is None:
         return search(cost_model, SearchOptions(**options)).plan
     options.update(tp_degrees=(keep.tensor_parallel,), micro_batch_sizes=(keep.micro_batch_size,),
@@ -73,13 +74,16 @@ def plan_on_rank0(cost_model: CostModel, *, schedules: Sequence[str], keep: JobF
             return cost_model.make_plan(Candidate(
                 tp=summary.tp, pp=summary.pp, dp=summary.dp, mbs=summary.micro_batch_size,
                 stage_types=summary.stage_types, layers=summary.layers, schedule=summary.schedule,
-                virtual_stages=summary.virtual_stages))
+                virtual_stages=summary.virtual_stages), comm_model=_COMM_MODEL)
     raise PoseidonError(
         f"--poseidon-keep: no plan keeps --tensor-model-parallel-size {keep.tensor_parallel}, "
         f"--pipeline-model-parallel-size {keep.pipeline_parallel} and --micro-batch-size {keep.micro_batch_size} "
         f"on this cluster (memory or divisibility); drop --poseidon-keep to let Poseidon choose"
     )
 
+
+# Simulator comm model of the target runtime (Megatron-LM's blocking p2p).
+_COMM_MODEL = "megatron"
 
 # Runners-up asked for under --poseidon-keep: enough to hold every (dp, schedule, V) with the kept TP and mbs.
 _KEEP_TOP_K = 64

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import math
-from array import array
 
 from ..costmodel import CostModel
 from .engine import _Run
@@ -51,7 +50,7 @@ def best_uniform(cm: CostModel, options: SearchOptions) -> tuple[float, object] 
         table, shape = run.space.table(g), run.shape(sg)
         if not plan_fits(table, shape, types, layers):
             continue
-        params = array("d", [0.0]) * shape.n_params
+        params = shape.new_params()
         fill_plan(params, table, shape, types, layers)
         ms = shape.kernel.longest(params)
         if best is None or ms < best[0]:
@@ -92,7 +91,7 @@ def best_by_eq1(cm: CostModel, options: SearchOptions, vectors_per_shape: int = 
                 if not plan_fits(table, shape, types, layers):
                     continue
                 if params is None:
-                    params = array("d", [0.0]) * shape.n_params
+                    params = shape.new_params()
                 fill_plan(params, table, shape, types, layers)
                 e1 = eq1_time(params, sg.pp, v, g.micro_batches)
                 if best is None or e1 < best[1]:

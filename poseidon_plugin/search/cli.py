@@ -2,6 +2,7 @@
 
     poseidon plan --cluster PRESET|FILE --model PRESET|FILE [--global-batch-size N] [--seq-length N]
                   [--profile FILE] [--schedules 1f1b,interleaved-1f1b] [--exact | --exhaustive]
+                  [--comm-model dag|megatron|megatron-overlap]
                   [--json] [--trace OUT.json] [--output PLAN.json]
 
 Prints the plan as a table (``--json``: the plan document), draws a progress bar on stderr when the
@@ -16,6 +17,7 @@ import sys
 import time
 
 from ..errors import InputError, PoseidonError
+from ..simulator.graph import COMM_MODELS
 from .options import MEGATRON_SCHEDULES, SearchOptions
 
 
@@ -63,6 +65,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                            "clusters; see --time-limit)")
     mode.add_argument("--exhaustive", action="store_true",
                       help="simulate every plan (small problems only; a reference for checking)")
+    parser.add_argument("--comm-model", choices=COMM_MODELS, default="dag",
+                        help="simulator communication model the plans are timed with: dag (fixed transfer "
+                             "delays, the paper's), megatron (Megatron's blocking p2p calls), "
+                             "megatron-overlap; see docs/FIDELITY.md (default dag)")
     parser.add_argument("--gap", type=float, default=0.0, metavar="FRACTION",
                         help="default mode: stop improving once no plan can be faster by more than this "
                              "fraction (e.g. 0.01); default 0")
@@ -120,7 +126,7 @@ def options_from_args(args) -> SearchOptions:
         micro_batch_sizes=args.micro_batch_size, tp_degrees=args.tp, max_pipeline_stages=args.max_pp,
         top_k=args.top_k, warmup_samples=args.warmup_samples, seed=args.seed,
         time_limit_s=args.time_limit, gap=args.gap, type_blocks=not args.any_type_order,
-        exact_alternatives=args.exact_alternatives)
+        exact_alternatives=args.exact_alternatives, comm_model=args.comm_model)
 
 
 def build_cost_model(args):
@@ -137,7 +143,7 @@ def build_cost_model(args):
     return CostModel(cluster, model, profile, **kwargs)
 
 
-def write_trace(cm, plan, path: str) -> None:
+def write_trace(cm, plan, path: str, comm_model: str = "dag") -> None:
     """Simulate the plan again and write its timeline as Chrome trace events."""
     from ..costmodel import Candidate
     from ..simulator import Simulator
@@ -145,7 +151,7 @@ def write_trace(cm, plan, path: str) -> None:
     cand = Candidate(tp=plan.tp, pp=plan.pp, dp=plan.dp, mbs=plan.micro_batch_size,
                      stage_types=plan.stage_types, layers=plan.layers, schedule=plan.schedule,
                      virtual_stages=plan.virtual_stages)
-    sim = Simulator(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages)
+    sim = Simulator(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages, comm_model)
     try:
         write_json_atomic(path, trace_events(sim, *cm.stage_times(cand)))
     except OSError as exc:
@@ -175,7 +181,7 @@ def run(args) -> int:
         except OSError as exc:
             raise PoseidonError(f"--output {args.output}: cannot write: {exc.strerror}") from None
     if args.trace:
-        write_trace(cm, plan, args.trace)
+        write_trace(cm, plan, args.trace, args.comm_model)
     if args.json:
         print(plan.to_json())
         return 0

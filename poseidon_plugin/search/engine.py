@@ -38,11 +38,11 @@ SEED_SHAPES = 64
 
 
 def use_pure_python(options: SearchOptions) -> bool:
-    """Whether this search runs the pure-Python loop (forced, env switch, or no compiled core)."""
-    if options.pure_python is not None:
-        pure = options.pure_python
-    else:
-        pure = os.environ.get(PURE_ENV, "") not in ("", "0")
+    """Whether this search runs the pure-Python loop: ``POSEIDON_PURE_PYTHON=1`` forces it (as it does
+    for every compiled piece), else ``options.pure_python``, else the compiled core when it is built."""
+    if os.environ.get(PURE_ENV, "") not in ("", "0"):
+        return True
+    pure = bool(options.pure_python)
     if not pure:
         try:
             importlib.import_module("cython_core._dag")
@@ -95,7 +95,7 @@ class _Run:
         self.cm, self.options = cm, options
         self.pure = use_pure_python(options)
         self.space = SearchSpace(cm, options)
-        self.shapes = ShapeCache(self.pure)
+        self.shapes = ShapeCache(self.pure, options.comm_model)
         self.board = Leaderboard(options.top_k,
                                  exact_alternatives=options.mode != "default" or options.exact_alternatives)
         self.ctr = [0] * N_COUNTERS
@@ -159,14 +159,16 @@ class _Run:
                 t = rng.choice(choices)
                 left[t] -= 1
                 types.append(t)
-            nv = shape.nv
-            layers = [1] * nv
-            extra = self.space.num_layers - nv
-            for _ in range(extra):
-                layers[rng.randrange(nv)] += 1
+            # layers per rank, then spread over its chunks: the plan space (docs/SEARCH.md); random
+            # per-chunk counts would offer plans outside it, which --exhaustive never sees
+            v = sg.virtual_stages
+            rank_layers = [v] * sg.pp
+            for _ in range(self.space.num_layers - shape.nv):
+                rank_layers[rng.randrange(sg.pp)] += 1
+            layers = spread(rank_layers, sg.pp, v)
             if not plan_fits(table, shape, types, layers):
                 continue
-            params = params_cache.setdefault(shape.key, array("d", [0.0]) * shape.n_params)
+            params = params_cache.setdefault(shape.key, shape.new_params())
             ms = simulate_plan(params, table, shape, types, layers)
             self.sim_calls += 1
             done += 1
@@ -197,7 +199,7 @@ class _Run:
         for t in order:
             counts[t] = min(g.slots[t], left)
             left -= counts[t]
-        params = array("d", [0.0]) * shape.n_params
+        params = shape.new_params()
         used = [t for t in order if counts[t]]
         by_memory = sorted(used, key=lambda t: -tb.usable[t])
         for seq_types in (used, by_memory, list(reversed(used))):
@@ -307,7 +309,7 @@ class _Run:
             wall_s=time.perf_counter() - self.t0, complete=self.complete, structures=self.structures,
             shapes=len(self.shapes), warmup_samples=getattr(self, "warmup_done", 0),
             simulator_calls=self.sim_calls + c[SIM_CALLS], bound_evaluations=c[BOUND_EVALS],
-            nodes=c[NODES], pruned=pruned)
+            nodes=c[NODES], pruned=pruned, comm_model=self.options.comm_model)
 
     def result(self) -> SearchResult:
         ranked = self.board.ranked()
@@ -324,7 +326,7 @@ class _Run:
             alts.append(cm.summarize(self.candidate(sg, types, layers), ms))
         ms, _key, (sg, types, layers) = ranked[0]
         plan = cm.make_plan(self.candidate(sg, types, layers), ms, alternatives=alts,
-                            search_stats=stats.to_dict())
+                            search_stats=stats.to_dict(), comm_model=self.options.comm_model)
         return SearchResult(plan=plan, alternatives=tuple(alts), stats=stats)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from array import array
 
 from ..costmodel import CostModel
 from ..errors import InputError, NoFeasiblePlanError
@@ -67,7 +66,7 @@ def exhaustive_search(cm: CostModel, options: SearchOptions) -> SearchResult:
             break
         g = sg.group
         table, shape = run.space.table(g), run.shape(sg)
-        params = array("d", [0.0]) * shape.n_params
+        params = shape.new_params()
         splits = list(rank_splits(run.space.num_layers, sg.pp, sg.virtual_stages))
         for vec in run.space.count_vectors(sg, canonical=False):
             for types in orders(vec):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..errors import InputError
+from ..simulator.graph import COMM_MODELS
 from ..simulator.schedules import SCHEDULES
 
 MODES = ("default", "exact", "exhaustive")
@@ -65,6 +66,11 @@ class SearchOptions:
 
     max_exhaustive_plans: int = 2_000_000
     """``exhaustive`` refuses problems with more plans than this."""
+
+    comm_model: str = "dag"
+    """Simulator communication model the plans are timed with: ``dag`` (the paper's fixed edge delays),
+    ``megatron`` (Megatron's blocking rendezvous p2p, docs/FIDELITY.md) or ``megatron-overlap``. Every
+    model's extra parameters take their defaults. The bounds stay valid for all (docs/SEARCH.md)."""
 
     pure_python: bool | None = None
     """Force (``True``) or forbid (``False``) the pure-Python search loop; ``None``: the environment
@@ -125,6 +131,9 @@ def validate_options(o: SearchOptions) -> None:
         raise InputError(f"exact_alternatives = {o.exact_alternatives!r} is invalid: must be true or false")
     if not isinstance(o.type_blocks, bool):
         raise InputError(f"type_blocks = {o.type_blocks!r} is invalid: must be true or false")
+    if not isinstance(o.comm_model, str) or o.comm_model not in COMM_MODELS:
+        raise InputError(f"--comm-model {o.comm_model!r} is invalid: must be one of {', '.join(COMM_MODELS)} "
+                         f"(megatron when the plan runs on Megatron-LM)")
     if o.pure_python is not None and not isinstance(o.pure_python, bool):
         raise InputError(f"pure_python = {o.pure_python!r} is invalid: must be true, false or None")
 
@@ -144,6 +153,7 @@ class SearchStats:
     bound_evaluations: int          # DAG evaluations of partial plans (lower bounds)
     nodes: int                      # search-tree nodes
     pruned: Mapping[str, int]       # branches cut, per rule
+    comm_model: str = "dag"         # simulator communication model the times come from
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for ``Plan.search_stats`` and ``--json``."""
@@ -151,7 +161,7 @@ class SearchStats:
                 "complete": self.complete, "structures": self.structures, "shapes": self.shapes,
                 "warmup_samples": self.warmup_samples, "simulator_calls": self.simulator_calls,
                 "bound_evaluations": self.bound_evaluations, "nodes": self.nodes,
-                "pruned": dict(self.pruned)}
+                "pruned": dict(self.pruned), "comm_model": self.comm_model}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

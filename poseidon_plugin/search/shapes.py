@@ -27,7 +27,7 @@ from array import array
 from dataclasses import dataclass
 
 from ..simulator.core import cached_graph, make_kernel
-from ..simulator.graph import ParamLayout
+from ..simulator.graph import ParamLayout, extra_params
 from ..simulator.schedules import interleaved_table, peak_live_microbatches
 
 
@@ -134,23 +134,33 @@ def bound_paths(schedule: str, pp: int, micro_batches: int, virtual_stages: int)
 
 
 class ShapeData:
-    """Graph kernel, peak live units and bound paths of one ``(schedule, pp, M, V)``.
+    """Graph kernel, peak live units and bound paths of one ``(schedule, pp, M, V)`` under a comm model.
+
+    The parameter vector has the comm model's extra scalars at its end (``ParamLayout``); build every
+    vector with :meth:`new_params` so that they exist and hold their defaults.
 
     The DAG is built on first use of :attr:`kernel`: most shapes are pruned by the path bounds at
     their root, which need only the paths, and building a graph costs far more than checking them.
     """
 
     __slots__ = ("schedule", "pp", "micro_batches", "virtual_stages", "nv", "_kernel", "n_params",
-                 "live", "paths", "pure_python")
+                 "live", "paths", "pure_python", "comm_model", "_template")
 
     def __init__(self, schedule: str, pp: int, micro_batches: int, virtual_stages: int,
-                 pure_python: bool):
+                 pure_python: bool, comm_model: str = "dag"):
         self.schedule, self.pp = schedule, pp
         self.micro_batches, self.virtual_stages = micro_batches, virtual_stages
         self.nv = pp * virtual_stages
         self.pure_python = pure_python
         self._kernel = None
-        self.n_params = ParamLayout(pp=pp, virtual_stages=virtual_stages).size
+        self.comm_model = comm_model
+        extras = extra_params(comm_model)
+        layout = ParamLayout(pp=pp, virtual_stages=virtual_stages,
+                             extra_names=tuple(name for name, _d, _doc in extras))
+        self.n_params = layout.size
+        self._template = array("d", [0.0]) * self.n_params
+        for name, default, _doc in extras:
+            self._template[layout.extra(name)] = default
         self.live = array("i", peak_live_microbatches(schedule, pp, micro_batches, virtual_stages))
         self.paths = bound_paths(schedule, pp, micro_batches, virtual_stages)
 
@@ -158,9 +168,14 @@ class ShapeData:
     def kernel(self):
         """The longest-path kernel of this shape's DAG (compiled unless ``pure_python``)."""
         if self._kernel is None:
-            graph = cached_graph(self.schedule, self.pp, self.micro_batches, self.virtual_stages, "dag")
+            graph = cached_graph(self.schedule, self.pp, self.micro_batches, self.virtual_stages,
+                                 self.comm_model)
             self._kernel = make_kernel(graph, self.pure_python)
         return self._kernel
+
+    def new_params(self) -> array:
+        """A fresh parameter vector ('d', ``n_params``): zeros, the comm model's extras at their defaults."""
+        return array("d", self._template)
 
     @property
     def has_kernel(self) -> bool:
@@ -176,8 +191,9 @@ class ShapeData:
 class ShapeCache:
     """ShapeData per shape, built on first use (a search touches a few hundred shapes)."""
 
-    def __init__(self, pure_python: bool):
+    def __init__(self, pure_python: bool, comm_model: str = "dag"):
         self.pure_python = pure_python
+        self.comm_model = comm_model
         self._shapes: dict[tuple, ShapeData] = {}
 
     def get(self, schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> ShapeData:
@@ -186,7 +202,7 @@ class ShapeCache:
         data = self._shapes.get(key)
         if data is None:
             data = self._shapes[key] = ShapeData(schedule, pp, micro_batches, virtual_stages,
-                                                 self.pure_python)
+                                                 self.pure_python, self.comm_model)
         return data
 
     def __len__(self) -> int:

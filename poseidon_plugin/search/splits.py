@@ -101,7 +101,7 @@ class SplitSearch:
         pp, v = shape.pp, shape.virtual_stages
         self.pp, self.v, self.nv = pp, v, pp * v
         self.stride = table.max_slots
-        self.params = array("d", [0.0]) * shape.n_params
+        self.params = shape.new_params()
         self.kernel = None
         # memory: most layers rank r holds on type t (all chunks; < V when the rank cannot be used)
         self.cap_rank = array("i", [0]) * (self.nt * pp)

@@ -5,6 +5,7 @@ very different speeds, memories and links. The brute force enumerates every type
 """
 
 import math
+import os
 import random
 from array import array
 
@@ -18,6 +19,8 @@ from poseidon_plugin.search.tables import TypeTable
 from poseidon_plugin.simulator import Simulator, rank_order
 
 SCHEDULES = ["gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b"]
+PURE_FORCED = os.environ.get("POSEIDON_PURE_PYTHON", "") not in ("", "0")
+needs_compiled = pytest.mark.skipif(PURE_FORCED, reason="POSEIDON_PURE_PYTHON=1 forces the pure loop")
 
 
 def random_table(rng, nt, dp, slots) -> TypeTable:
@@ -137,6 +140,8 @@ def test_lower_bounds_never_exceed_any_completion(seed):
 
 @pytest.mark.parametrize("seed", range(30))
 def test_structure_search_matches_brute_force(seed, pure_python):
+    if not pure_python and PURE_FORCED:
+        pytest.skip("POSEIDON_PURE_PYTHON=1 forces the pure loop")
     table, shape, counts, num_layers = random_structure(1000 + seed, pure_python)
     plans = brute_force(table, shape, counts, num_layers)
     ref = min((p[0] for p in plans), default=math.inf)
@@ -154,6 +159,7 @@ def test_structure_search_matches_brute_force(seed, pure_python):
             assert (res.time_ms, res.types, res.layers) in [(p[0], p[1], tuple(p[2])) for p in plans]
 
 
+@needs_compiled
 @pytest.mark.parametrize("seed", range(20))
 @pytest.mark.parametrize("ridge,blocks", [(False, False), (True, True), (True, False)])
 def test_compiled_and_pure_loops_identical(seed, ridge, blocks):

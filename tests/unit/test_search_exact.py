@@ -4,13 +4,15 @@ Both backends (compiled loop and its pure-Python twin, fixture ``pure_python``) 
 exhaustive reference simulates every plan of the space with no pruning at all.
 """
 
+import os
 import random
 
 import pytest
 
 from poseidon_plugin.costmodel import Candidate, CostModel
-from poseidon_plugin.errors import NoFeasiblePlanError
+from poseidon_plugin.errors import InputError, NoFeasiblePlanError
 from poseidon_plugin.search import SearchOptions, search
+from poseidon_plugin.simulator import simulate
 from poseidon_plugin.specs.cluster import parse_cluster
 from poseidon_plugin.specs.model import parse_model
 
@@ -73,6 +75,8 @@ def test_exact_equals_exhaustive(seed, pure_python):
     assert cm.fits(candidate(dflt.plan))
 
 
+@pytest.mark.skipif(os.environ.get("POSEIDON_PURE_PYTHON", "") not in ("", "0"),
+                    reason="POSEIDON_PURE_PYTHON=1 forces the pure loop")
 @pytest.mark.parametrize("seed", range(8))
 def test_backends_agree_on_stats(seed):
     """The compiled loop and its twin take the same decisions: same plans, same counters."""
@@ -105,3 +109,38 @@ def test_most_random_problems_are_feasible():
         except NoFeasiblePlanError:
             pass
     assert feasible >= 50
+
+
+@pytest.mark.parametrize("comm_model,seed", [("megatron", s) for s in range(10)]
+                         + [("megatron-overlap", s) for s in range(10, 15)])
+def test_exact_equals_exhaustive_megatron_comm(comm_model, seed, pure_python):
+    """With Megatron's p2p models (extra parameters at the end of the vector) the bounds, taken from
+    dag paths, stay valid: --exact still finds the exhaustive optimum, and the plan's time is the cost
+    model's prediction under the same comm model. The warm-up samples only plans of the space."""
+    cm, schedules = random_problem(300 + seed)
+    opts = dict(schedules=schedules, top_k=2, warmup_samples=seed % 3 * 100, pure_python=pure_python,
+                comm_model=comm_model)
+    try:
+        ref = search(cm, SearchOptions(mode="exhaustive", **opts))
+    except NoFeasiblePlanError:
+        with pytest.raises(NoFeasiblePlanError, match="no plan fits"):
+            search(cm, SearchOptions(mode="exact", **opts))
+        return
+    got = search(cm, SearchOptions(mode="exact", **opts))
+    assert got.stats.complete and got.stats.to_dict()["comm_model"] == comm_model
+    assert got.plan.predicted_iteration_ms == ref.plan.predicted_iteration_ms
+    assert ([a.predicted_iteration_ms for a in got.alternatives]
+            == [a.predicted_iteration_ms for a in ref.alternatives])
+    cand = candidate(got.plan)
+    assert cm.iteration_ms(cand, comm_model) == got.plan.predicted_iteration_ms
+    # the stage-level document names the comm model and simulates to the same time
+    doc = cm.stage_input(cand, comm_model)
+    assert doc["comm_model"] == comm_model and "comm_model" not in cm.stage_input(cand)
+    assert simulate(doc).iteration_ms == pytest.approx(got.plan.predicted_iteration_ms, rel=1e-12)
+    # Megatron's models are never faster than dag (why the dag-derived bounds remain lower bounds)
+    assert cm.iteration_ms(cand) <= got.plan.predicted_iteration_ms
+
+
+def test_comm_model_option_is_validated():
+    with pytest.raises(InputError, match="--comm-model 'nccl'.*dag, megatron"):
+        SearchOptions(comm_model="nccl")
