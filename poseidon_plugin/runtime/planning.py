@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from poseidon_plugin.costmodel import Candidate, CostModel
-from poseidon_plugin.errors import PoseidonError
+from poseidon_plugin.costmodel import CostModel
+from poseidon_plugin.errors import NoFeasiblePlanError, PoseidonError
 from poseidon_plugin.plan import Plan
 from poseidon_plugin.runtime.collectives import PhaseFailed, all_gather_json, broadcast_json
 from poseidon_plugin.runtime.inventory import World
@@ -54,9 +54,8 @@ def plan_on_rank0(cost_model: CostModel, *, schedules: Sequence[str], keep: JobF
                   time_limit_s: float) -> Plan:
     """The one call into the search: best plan for the cost model (NoFeasiblePlanError when none fits).
 
-    ``keep`` (``--poseidon-keep``) pins TP and mbs to the job's and caps PP at the job's; as the search has no
-    exact-PP option, the best plan with exactly the job's PP is taken from the runners-up (each the best of
-    its parallel structure). ``time_limit_s`` keeps the search shorter than the other ranks' wait for it.
+    ``keep`` (``--poseidon-keep``) pins TP, PP and mbs to the job's: only placement, layer split, DP and
+    schedule are searched. ``time_limit_s`` keeps the search shorter than the other ranks' wait for it.
     """
     from poseidon_plugin.search import SearchOptions, search
 
@@ -65,28 +64,19 @@ def plan_on_rank0(cost_model: CostModel, *, schedules: Sequence[str], keep: JobF
     if keep is None:
         return search(cost_model, SearchOptions(**options)).plan
     options.update(tp_degrees=(keep.tensor_parallel,), micro_batch_sizes=(keep.micro_batch_size,),
-                   max_pipeline_stages=keep.pipeline_parallel, top_k=_KEEP_TOP_K)
-    result = search(cost_model, SearchOptions(**options))
-    if result.plan.pp == keep.pipeline_parallel:
-        return result.plan
-    for summary in result.alternatives:
-        if summary.pp == keep.pipeline_parallel:
-            return cost_model.make_plan(Candidate(
-                tp=summary.tp, pp=summary.pp, dp=summary.dp, mbs=summary.micro_batch_size,
-                stage_types=summary.stage_types, layers=summary.layers, schedule=summary.schedule,
-                virtual_stages=summary.virtual_stages), comm_model=_COMM_MODEL)
-    raise PoseidonError(
-        f"--poseidon-keep: no plan keeps --tensor-model-parallel-size {keep.tensor_parallel}, "
-        f"--pipeline-model-parallel-size {keep.pipeline_parallel} and --micro-batch-size {keep.micro_batch_size} "
-        f"on this cluster (memory or divisibility); drop --poseidon-keep to let Poseidon choose"
-    )
+                   min_pipeline_stages=keep.pipeline_parallel, max_pipeline_stages=keep.pipeline_parallel)
+    try:
+        return search(cost_model, SearchOptions(**options)).plan
+    except NoFeasiblePlanError as exc:
+        raise PoseidonError(
+            f"--poseidon-keep: no plan keeps --tensor-model-parallel-size {keep.tensor_parallel}, "
+            f"--pipeline-model-parallel-size {keep.pipeline_parallel} and --micro-batch-size "
+            f"{keep.micro_batch_size} on this cluster ({exc}); drop --poseidon-keep to let Poseidon choose"
+        ) from None
 
 
 # Simulator comm model of the target runtime (Megatron-LM's blocking p2p).
 _COMM_MODEL = "megatron"
-
-# Runners-up asked for under --poseidon-keep: enough to hold every (dp, schedule, V) with the kept TP and mbs.
-_KEEP_TOP_K = 64
 
 
 def share_plan(search: Callable[[], Plan] | None, rank: int, device: torch.device) -> Plan:

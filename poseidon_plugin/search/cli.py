@@ -59,6 +59,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=_int_list("--tp"), metavar="T1,T2",
                         help="TP degrees to try (default: every valid power of two)")
     parser.add_argument("--max-pp", type=int, metavar="N", help="largest pipeline size to try")
+    parser.add_argument("--min-pp", type=int, metavar="N", help="smallest pipeline size to try")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--exact", action="store_true",
                       help="only provably safe pruning: the true optimum of the cost model (slow on large "
@@ -123,7 +124,7 @@ def options_from_args(args) -> SearchOptions:
     mode = "exact" if args.exact else "exhaustive" if args.exhaustive else "default"
     return SearchOptions(
         mode=mode, schedules=tuple(args.schedules), virtual_stages=tuple(args.virtual_stages),
-        micro_batch_sizes=args.micro_batch_size, tp_degrees=args.tp, max_pipeline_stages=args.max_pp,
+        micro_batch_sizes=args.micro_batch_size, tp_degrees=args.tp, max_pipeline_stages=args.max_pp, min_pipeline_stages=args.min_pp,
         top_k=args.top_k, warmup_samples=args.warmup_samples, seed=args.seed,
         time_limit_s=args.time_limit, gap=args.gap, type_blocks=not args.any_type_order,
         exact_alternatives=args.exact_alternatives, comm_model=args.comm_model)

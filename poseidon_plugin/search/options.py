@@ -46,6 +46,10 @@ class SearchOptions:
     max_pipeline_stages: int | None = None
     """Upper limit on PP; ``None``: up to the number of layers."""
 
+    min_pipeline_stages: int | None = None
+    """Lower limit on PP; ``None``: 1. With ``max_pipeline_stages`` equal, PP is pinned
+    (``poseidon-run --poseidon-keep``)."""
+
     top_k: int = 3
     """Plans to report: the best and up to ``top_k - 1`` runners-up, each the best of a different
     ``(tp, pp, dp, mbs, schedule, V)``."""
@@ -114,6 +118,11 @@ def validate_options(o: SearchOptions) -> None:
                 raise InputError(f"--tp {tp} is invalid: TP degrees are powers of two (1, 2, 4, 8)")
     if o.max_pipeline_stages is not None:
         _ints("--max-pp", (o.max_pipeline_stages,), 1, "an integer >= 1")
+    if o.min_pipeline_stages is not None:
+        _ints("--min-pp", (o.min_pipeline_stages,), 1, "an integer >= 1")
+        if o.max_pipeline_stages is not None and o.min_pipeline_stages > o.max_pipeline_stages:
+            raise InputError(f"--min-pp {o.min_pipeline_stages} is larger than --max-pp "
+                             f"{o.max_pipeline_stages}; allow at least one pipeline size")
     _ints("--top-k", (o.top_k,), 1, "an integer >= 1")
     if isinstance(o.warmup_samples, bool) or not isinstance(o.warmup_samples, int) or o.warmup_samples < 0:
         raise InputError(f"--warmup-samples {o.warmup_samples!r} is invalid: must be an integer >= 0")

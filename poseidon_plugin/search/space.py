@@ -136,12 +136,13 @@ class SearchSpace:
     def shape_groups(self) -> Iterator[ShapeGroup]:
         """Every (group, schedule, V, pp) the options allow."""
         limit = self.options.max_pipeline_stages or self.num_layers
+        lowest = self.options.min_pipeline_stages or 1
         for g in self.groups:
             total = sum(g.slots)
             for schedule in self.options.schedules:
                 vs = self.options.virtual_stages if schedule == "interleaved-1f1b" else (1,)
                 for v in vs:
-                    for pp in range(1, min(total, limit, self.num_layers // v) + 1):
+                    for pp in range(lowest, min(total, limit, self.num_layers // v) + 1):
                         if v > 1 and (pp < 2 or g.micro_batches % pp):
                             continue
                         yield ShapeGroup(group=g, schedule=schedule, virtual_stages=v, pp=pp)

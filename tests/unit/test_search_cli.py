@@ -124,3 +124,18 @@ def test_planning_core_imports_no_torch():
     code = ("import sys; import poseidon_plugin.search, poseidon_plugin.search.cli, "
             "poseidon_plugin.search.exhaustive; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_min_and_max_pp_pin_the_pipeline_size():
+    cm = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"))
+    for pp in (3, 4):
+        result = search(cm, SearchOptions(min_pipeline_stages=pp, max_pipeline_stages=pp, top_k=3))
+        assert result.plan.pp == pp
+        assert all(alt.pp == pp for alt in result.alternatives)
+
+
+def test_min_pp_above_max_pp_is_rejected():
+    from poseidon_plugin.search.options import validate_options
+
+    with pytest.raises(InputError, match="--min-pp 4 is larger than --max-pp 2"):
+        validate_options(SearchOptions(min_pipeline_stages=4, max_pipeline_stages=2))
