@@ -17,15 +17,14 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import InputError
-from .fields import (check_keys, get_float, get_int, get_list, get_mapping, get_str,
-                     read_document)
+from .fields import (PRESET_DIR, check_keys, get_float, get_int, get_list, get_mapping, get_str,
+                     load_document_or_preset, preset_names, read_document)
 
 LINK_INTRA_NODE = 0
 LINK_INTER_NODE = 1
 LINK_CROSS_TYPE = 2
 LINK_NAMES = ("intra_node", "inter_node", "cross_type")
 
-PRESET_DIR = Path(__file__).resolve().parent / "presets"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -277,7 +276,7 @@ def parse_cluster(doc: Any, source: str = "<cluster>") -> ClusterSpec:
 
 def cluster_presets() -> tuple[str, ...]:
     """Names of the built-in clusters."""
-    return tuple(sorted(p.name[:-len(".cluster.yaml")] for p in PRESET_DIR.glob("*.cluster.yaml")))
+    return preset_names("cluster")
 
 
 def device_presets() -> tuple[str, ...]:
@@ -287,12 +286,4 @@ def device_presets() -> tuple[str, ...]:
 
 def load_cluster(name_or_path: str | os.PathLike) -> ClusterSpec:
     """A cluster from a YAML/JSON file, or a built-in preset by name (``paper-setting-3``)."""
-    p = Path(name_or_path)
-    if p.is_file():
-        return parse_cluster(read_document(p, "cluster"), str(p))
-    name = str(name_or_path)
-    preset = PRESET_DIR / f"{name}.cluster.yaml"
-    if preset.is_file() and os.sep not in name:
-        return parse_cluster(read_document(preset, "cluster preset"), f"preset {name}")
-    raise InputError(f"--cluster {name!r} is neither a file nor a preset; presets: "
-                     f"{', '.join(cluster_presets())}")
+    return load_document_or_preset(name_or_path, "cluster", parse_cluster)

@@ -127,6 +127,31 @@ def read_document(path: str | os.PathLike, what: str) -> Any:
         raise InputError(f"{p}: malformed {kind}: {str(exc).splitlines()[0]}") from None
 
 
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+
+
+def preset_names(kind: str) -> tuple[str, ...]:
+    """Names of the built-in presets of ``kind`` (``cluster``, ``model``): files ``<name>.<kind>.yaml``."""
+    suffix = f".{kind}.yaml"
+    return tuple(sorted(p.name[:-len(suffix)] for p in PRESET_DIR.glob(f"*{suffix}")))
+
+
+def load_document_or_preset(name_or_path: str | os.PathLike, kind: str, parse):
+    """``parse(doc, source)`` of a YAML/JSON file, or of the built-in preset ``name_or_path``.
+
+    The error for a name that is neither names the flag (``--cluster``, ``--model``) and lists presets.
+    """
+    p = Path(name_or_path)
+    if p.is_file():
+        return parse(read_document(p, kind), str(p))
+    name = str(name_or_path)
+    preset = PRESET_DIR / f"{name}.{kind}.yaml"
+    if preset.is_file() and os.sep not in name:
+        return parse(read_document(preset, f"{kind} preset"), f"preset {name}")
+    raise InputError(f"--{kind} {name!r} is neither a file nor a preset; presets: "
+                     f"{', '.join(preset_names(kind))}")
+
+
 def _reject_constant(name: str):
     raise InputError(f"{name} is not allowed in spec files; use finite numbers")
 

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import InputError
-from .fields import (check_keys, get_bool, get_int, get_mapping, get_str, read_document)
+from .fields import (check_keys, get_bool, get_int, get_mapping, get_str, load_document_or_preset,
+                     preset_names)
 
-PRESET_DIR = Path(__file__).resolve().parent / "presets"
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -136,17 +136,8 @@ def parse_model(doc: Any, source: str = "<model>") -> ModelSpec:
 
 def model_presets() -> tuple[str, ...]:
     """Names of the built-in models."""
-    return tuple(sorted(p.name[:-len(".model.yaml")] for p in PRESET_DIR.glob("*.model.yaml")))
-
+    return preset_names("model")
 
 def load_model(name_or_path: str | os.PathLike) -> ModelSpec:
     """A model from a YAML/JSON file, or a built-in preset by name (``llama3-70b``)."""
-    p = Path(name_or_path)
-    if p.is_file():
-        return parse_model(read_document(p, "model"), str(p))
-    name = str(name_or_path)
-    preset = PRESET_DIR / f"{name}.model.yaml"
-    if preset.is_file() and os.sep not in name:
-        return parse_model(read_document(preset, "model preset"), f"preset {name}")
-    raise InputError(f"--model {name!r} is neither a file nor a preset; presets: "
-                     f"{', '.join(model_presets())}")
+    return load_document_or_preset(name_or_path, "model", parse_model)
