@@ -139,6 +139,17 @@ def _ring_sync_ms(params: float, dp: int, grad_bytes: float, param_bytes: float,
     return 2 * share * params * grad_bytes / bytes_per_ms + 2 * (dp - 1) * latency_ms
 
 
+def slot_indices(types: Sequence) -> tuple[int, ...]:
+    """For each stage (or rank), its index among the earlier ones of the same type: its slot ``j``."""
+    seen: dict = {}
+    out = []
+    for t in types:
+        j = seen.get(t, 0)
+        out.append(j)
+        seen[t] = j + 1
+    return tuple(out)
+
+
 class CostModel:
     """Per-group costs, placement and simulator input for one (cluster, model, profile)."""
 
@@ -317,13 +328,7 @@ class CostModel:
 
     def slot_indices(self, stage_types: Sequence[str]) -> tuple[int, ...]:
         """For each stage, its index among the earlier stages of the same type (its slot ``j``)."""
-        seen: dict[str, int] = {}
-        out = []
-        for t in stage_types:
-            j = seen.get(t, 0)
-            out.append(j)
-            seen[t] = j + 1
-        return tuple(out)
+        return slot_indices(stage_types)
 
     def placement(self, cand: Candidate) -> Placement:
         """Physical devices of each stage and the link kinds the candidate uses."""

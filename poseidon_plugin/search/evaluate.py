@@ -10,20 +10,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..costmodel import slot_indices
 from .shapes import ShapeData
 from .splits import memory_need
 from .tables import TypeTable
-
-
-def slots_of(types: Sequence[int]) -> list[int]:
-    """Each rank's slot: its index among the earlier ranks of the same type."""
-    seen: dict[int, int] = {}
-    out = []
-    for t in types:
-        j = seen.get(t, 0)
-        out.append(j)
-        seen[t] = j + 1
-    return out
 
 
 def fill_plan(params, table: TypeTable, shape: ShapeData, types: Sequence[int],
@@ -31,7 +21,7 @@ def fill_plan(params, table: TypeTable, shape: ShapeData, types: Sequence[int],
     """Write the stage times of a complete plan into ``params`` (the kernel's parameter vector)."""
     pp, v = shape.pp, shape.virtual_stages
     nv = pp * v
-    slots = slots_of(types)
+    slots = slot_indices(types)
     for r in range(pp):
         t = types[r]
         i = t * table.max_slots + slots[r]

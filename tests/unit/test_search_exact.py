@@ -48,21 +48,31 @@ def candidate(plan) -> Candidate:
                      virtual_stages=plan.virtual_stages)
 
 
-@pytest.mark.parametrize("seed", range(60))
-def test_exact_equals_exhaustive(seed, pure_python):
-    cm, schedules = random_problem(seed)
-    opts = dict(schedules=schedules, top_k=2, warmup_samples=seed % 3 * 4, pure_python=pure_python)
+def exact_and_exhaustive(cm, opts):
+    """``(exact, exhaustive)`` results with the same options, their best and runner-up times checked
+    equal; ``None`` when nothing fits (then exact must say so too)."""
     try:
         ref = search(cm, SearchOptions(mode="exhaustive", **opts))
     except NoFeasiblePlanError:
         with pytest.raises(NoFeasiblePlanError, match="no plan fits"):
             search(cm, SearchOptions(mode="exact", **opts))
-        return
+        return None
     got = search(cm, SearchOptions(mode="exact", **opts))
     assert got.stats.complete
     assert got.plan.predicted_iteration_ms == ref.plan.predicted_iteration_ms
     assert ([a.predicted_iteration_ms for a in got.alternatives]
             == [a.predicted_iteration_ms for a in ref.alternatives])
+    return got, ref
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_exact_equals_exhaustive(seed, pure_python):
+    cm, schedules = random_problem(seed)
+    opts = dict(schedules=schedules, top_k=2, warmup_samples=seed % 3 * 4, pure_python=pure_python)
+    results = exact_and_exhaustive(cm, opts)
+    if results is None:
+        return
+    got, ref = results
     # the exact search simulates far fewer complete plans than the reference
     assert got.stats.simulator_calls <= ref.stats.simulator_calls + got.stats.warmup_samples + 3 * 64
     # the reported plan is the cost model's own prediction and fits memory
@@ -120,17 +130,11 @@ def test_exact_equals_exhaustive_megatron_comm(comm_model, seed, pure_python):
     cm, schedules = random_problem(300 + seed)
     opts = dict(schedules=schedules, top_k=2, warmup_samples=seed % 3 * 100, pure_python=pure_python,
                 comm_model=comm_model)
-    try:
-        ref = search(cm, SearchOptions(mode="exhaustive", **opts))
-    except NoFeasiblePlanError:
-        with pytest.raises(NoFeasiblePlanError, match="no plan fits"):
-            search(cm, SearchOptions(mode="exact", **opts))
+    results = exact_and_exhaustive(cm, opts)
+    if results is None:
         return
-    got = search(cm, SearchOptions(mode="exact", **opts))
-    assert got.stats.complete and got.stats.to_dict()["comm_model"] == comm_model
-    assert got.plan.predicted_iteration_ms == ref.plan.predicted_iteration_ms
-    assert ([a.predicted_iteration_ms for a in got.alternatives]
-            == [a.predicted_iteration_ms for a in ref.alternatives])
+    got, _ref = results
+    assert got.stats.to_dict()["comm_model"] == comm_model
     cand = candidate(got.plan)
     assert cm.iteration_ms(cand, comm_model) == got.plan.predicted_iteration_ms
     # the stage-level document names the comm model and simulates to the same time
