@@ -10,6 +10,9 @@ ctypedef struct Node2:
     int wb
     int w
 
+# A malloc'ed C copy of a sequence of ints (at least one slot); the caller frees it.
+cdef int* copy_ints(object seq) except NULL
+
 cdef class DagKernel:
     cdef readonly int n_nodes
     cdef readonly int n_params

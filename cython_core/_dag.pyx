@@ -4,7 +4,7 @@
 from libc.stdlib cimport malloc, free
 
 
-cdef int* _copy_ints(object seq) except NULL:
+cdef int* copy_ints(object seq) except NULL:
     cdef Py_ssize_t n = len(seq)
     cdef int* out = <int*> malloc((n if n > 0 else 1) * sizeof(int))
     if out == NULL:
@@ -28,11 +28,11 @@ cdef class DagKernel:
         self.n_params = graph.shape.layout.size
         self.pp = graph.shape.pp
         self.nv = graph.shape.pp * graph.shape.virtual_stages
-        self.weight = _copy_ints(graph.node_weight)
-        self.ptr = _copy_ints(graph.pred_ptr)
-        self.src = _copy_ints(graph.pred_src)
-        self.ew = _copy_ints(graph.pred_weight)
-        self.sinks = _copy_ints(graph.sinks)
+        self.weight = copy_ints(graph.node_weight)
+        self.ptr = copy_ints(graph.pred_ptr)
+        self.src = copy_ints(graph.pred_src)
+        self.ew = copy_ints(graph.pred_weight)
+        self.sinks = copy_ints(graph.sinks)
         # one extra slot: the dummy predecessor (finish 0) of the packed form
         self.finish = <double*> malloc((self.n_nodes + 1) * sizeof(double))
         if self.finish == NULL:
@@ -144,8 +144,8 @@ def topo_pack(int n, ptr, src, ew):
     relabelled in topological order, or ``None`` when the graph has a cycle.
     """
     cdef int n_e = len(src)
-    cdef int* cptr = _copy_ints(ptr)
-    cdef int* csrc = _copy_ints(src)
+    cdef int* cptr = copy_ints(ptr)
+    cdef int* csrc = copy_ints(src)
     cdef int* indeg = <int*> malloc((n + 1) * sizeof(int))
     cdef int* sptr = <int*> malloc((n + 2) * sizeof(int))
     cdef int* succ = <int*> malloc((n_e + 1) * sizeof(int))

@@ -11,7 +11,7 @@ from libc.math cimport ceil, INFINITY
 from libc.stdlib cimport free, malloc
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
-from cython_core._dag cimport DagKernel
+from cython_core._dag cimport DagKernel, copy_ints
 
 cdef enum:
     N_MINS = 10
@@ -42,16 +42,6 @@ cdef int PROPAGATION_ROUNDS = 3
 cdef double* _dcopy(object seq) except NULL:
     cdef Py_ssize_t n = len(seq), i
     cdef double* out = <double*> malloc((n if n > 0 else 1) * sizeof(double))
-    if out == NULL:
-        raise MemoryError()
-    for i in range(n):
-        out[i] = seq[i]
-    return out
-
-
-cdef int* _icopy(object seq) except NULL:
-    cdef Py_ssize_t n = len(seq), i
-    cdef int* out = <int*> malloc((n if n > 0 else 1) * sizeof(int))
     if out == NULL:
         raise MemoryError()
     for i in range(n):
@@ -119,18 +109,18 @@ cdef class SplitSearch:
         self.ar_head = _dcopy(table.ar_head)
         self.send_same = _dcopy(table.send_same)
         self.send_wrap = _dcopy(table.send_wrap)
-        self.has_ar = _icopy(table.has_ar)
-        self.type_class = _icopy(type_class)
-        self.live = _icopy(shape.live)
+        self.has_ar = copy_ints(table.has_ar)
+        self.type_class = copy_ints(type_class)
+        self.live = copy_ints(shape.live)
         paths = shape.paths
         self.n_paths = paths.count
-        self.coef_f = _icopy(paths.coef_f)
-        self.coef_b = _icopy(paths.coef_b)
-        self.coef_s = _icopy(paths.coef_s)
-        self.coef_ar = _icopy(paths.coef_ar)
-        self.term_ptr = _icopy(paths.term_ptr)
-        self.term_idx = _icopy(paths.term_idx)
-        self.term_coef = _icopy(paths.term_coef)
+        self.coef_f = copy_ints(paths.coef_f)
+        self.coef_b = copy_ints(paths.coef_b)
+        self.coef_s = copy_ints(paths.coef_s)
+        self.coef_ar = copy_ints(paths.coef_ar)
+        self.term_ptr = copy_ints(paths.term_ptr)
+        self.term_idx = copy_ints(paths.term_idx)
+        self.term_coef = copy_ints(paths.term_coef)
         self.counts = _ialloc(self.nt)
         self.remaining = _ialloc(self.nt)
         self.used = _ialloc(self.nt)
