@@ -41,6 +41,7 @@ cdef class SplitSearch:
     cdef int* term_ptr
     cdef int* term_idx
     cdef int* term_coef
+    cdef int* owner
     # search state
     cdef int* counts
     cdef int* remaining
@@ -55,6 +56,22 @@ cdef class SplitSearch:
     cdef int* caps       # (pp + 1) * nv
     cdef int* capts      # (pp + 1) * nv * nt: caps per (stage, type)
     cdef int* vals       # pp (scratch)
+    cdef int* ecap       # pp * nt: layers a rank can take above its lower bounds per type (scratch)
+    cdef int* kroom      # pp * nt * nt: see splits.SplitSearch._type_room (scratch)
+    cdef int* ordr       # nt * pp: ranks by ecap, largest first, per type (scratch)
+    cdef int* ordn       # nt
+    cdef int* marg       # nt
+    cdef int* ph_t       # nt
+    cdef double* mu1     # nt
+    cdef double* mu2     # nt
+    cdef double* rmt     # nt
+    cdef double* ph_mu   # nt
+    cdef double* nu1     # nt
+    cdef double* nu2     # nt
+    cdef int* narg       # nt
+    cdef double* rsum    # nt
+    cdef double* rw      # nt
+    cdef double* gam     # pp
     cdef int* sl_t       # remaining types and their per-layer slopes (scratch)
     cdef double* sl_f
     cdef double* sl_b
@@ -84,6 +101,8 @@ cdef class SplitSearch:
     cdef double _send_lb(self, int r, double unknown_min) noexcept nogil
     cdef bint _propagate(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
     cdef int _type_slopes(self) noexcept nogil
+    cdef void _type_room(self, int k, int* lb, int* cap, int* capt, int ns) noexcept nogil
+    cdef double _phi(self, int e, int r, int t2, int ns, double* mu1, double* mu2, int* marg) noexcept nogil
     cdef int _path_caps(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
     cdef bint _type_mass(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
     cdef double _knapsack(self, int k, int extra, int* lb, int* cap) noexcept nogil

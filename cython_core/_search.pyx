@@ -68,11 +68,15 @@ cdef class SplitSearch:
         self.usable = self.ar = self.ar_emb = self.ar_head = self.send_same = self.send_wrap = NULL
         self.has_ar = self.type_class = self.live = self.cap_rank = NULL
         self.coef_f = self.coef_b = self.coef_s = self.coef_ar = NULL
-        self.term_ptr = self.term_idx = self.term_coef = NULL
+        self.term_ptr = self.term_idx = self.term_coef = self.owner = NULL
         self.counts = self.remaining = self.used = self.types = self.slot = self.layers = NULL
         self.last = self.down = self.lbs = self.caps = self.work = self.order = NULL
         self.alpha = self.sf = self.sb = self.sa = NULL
         self.capts = self.vals = self.sl_t = NULL
+        self.ecap = self.kroom = self.ordr = self.ordn = self.marg = self.ph_t = NULL
+        self.mu1 = self.mu2 = self.rmt = self.ph_mu = NULL
+        self.nu1 = self.nu2 = self.rsum = self.rw = self.gam = NULL
+        self.narg = NULL
         self.sl_f = self.sl_b = self.sl_a = NULL
         self.best_types = self.best_layers = NULL
         if shape.pure_python:
@@ -121,6 +125,7 @@ cdef class SplitSearch:
         self.term_ptr = copy_ints(paths.term_ptr)
         self.term_idx = copy_ints(paths.term_idx)
         self.term_coef = copy_ints(paths.term_coef)
+        self.owner = copy_ints(paths.owner)
         self.counts = _ialloc(self.nt)
         self.remaining = _ialloc(self.nt)
         self.used = _ialloc(self.nt)
@@ -134,6 +139,22 @@ cdef class SplitSearch:
         self.caps = _ialloc((self.pp + 1) * self.nv)
         self.capts = _ialloc((self.pp + 1) * self.nv * self.nt)
         self.vals = _ialloc(self.pp)
+        self.ecap = _ialloc(self.pp * self.nt)
+        self.kroom = _ialloc(self.pp * self.nt * self.nt)
+        self.ordr = _ialloc(self.nt * self.pp)
+        self.ordn = _ialloc(self.nt)
+        self.marg = _ialloc(self.nt)
+        self.ph_t = _ialloc(self.nt)
+        self.mu1 = _dcopy([0.0] * self.nt)
+        self.mu2 = _dcopy([0.0] * self.nt)
+        self.rmt = _dcopy([0.0] * self.nt)
+        self.ph_mu = _dcopy([0.0] * self.nt)
+        self.nu1 = _dcopy([0.0] * self.nt)
+        self.nu2 = _dcopy([0.0] * self.nt)
+        self.narg = _ialloc(self.nt)
+        self.rsum = _dcopy([0.0] * self.nt)
+        self.rw = _dcopy([0.0] * self.nt)
+        self.gam = _dcopy([0.0] * self.pp)
         self.sl_t = _ialloc(self.nt)
         self.sl_f = _dcopy([0.0] * self.nt)
         self.sl_b = _dcopy([0.0] * self.nt)
@@ -156,10 +177,13 @@ cdef class SplitSearch:
         free(self.head_bwd); free(self.send_cross); free(self.st); free(self.ac); free(self.est); free(self.eac)
         free(self.hst); free(self.hac); free(self.usable); free(self.ar); free(self.ar_emb); free(self.ar_head)
         free(self.send_same); free(self.send_wrap); free(self.has_ar); free(self.type_class); free(self.live); free(self.cap_rank)
-        free(self.coef_f); free(self.coef_b); free(self.coef_s); free(self.coef_ar); free(self.term_ptr); free(self.term_idx); free(self.term_coef); free(self.counts); free(self.remaining)
+        free(self.coef_f); free(self.coef_b); free(self.coef_s); free(self.coef_ar); free(self.term_ptr); free(self.term_idx); free(self.term_coef); free(self.owner); free(self.counts); free(self.remaining)
         free(self.used); free(self.types); free(self.slot); free(self.layers); free(self.last); free(self.down); free(self.capped)
         free(self.lbs); free(self.capts); free(self.vals); free(self.sl_t); free(self.sl_f); free(self.sl_b); free(self.sl_a); free(self.caps); free(self.work); free(self.order); free(self.alpha); free(self.sf)
         free(self.sb); free(self.sa); free(self.best_types); free(self.best_layers)
+        free(self.ecap); free(self.kroom); free(self.ordr); free(self.ordn); free(self.marg); free(self.ph_t)
+        free(self.mu1); free(self.mu2); free(self.rmt); free(self.ph_mu)
+        free(self.nu1); free(self.nu2); free(self.narg); free(self.rsum); free(self.rw); free(self.gam)
 
     # --- memory ---------------------------------------------------------------------------------
 
@@ -394,18 +418,101 @@ cdef class SplitSearch:
             n += 1
         return n
 
+    cdef void _type_room(self, int k, int* lb, int* cap, int* capt, int ns) noexcept nogil:
+        # kroom[(r * nt + t2) * nt + t]: see splits.SplitSearch._type_room
+        cdef int pp = self.pp, v = self.v, nt = self.nt, i, i2, t, t2, r, c, vs, ct, s, s_lb, j, y
+        cdef int n, total, got
+        for i in range(pp * nt):
+            self.ecap[i] = -1
+        for i in range(ns):
+            t = self.sl_t[i]
+            self.ordn[t] = 0
+            for r in range(k, pp):
+                s = 0
+                s_lb = 0
+                for c in range(v):
+                    vs = c * pp + r
+                    ct = capt[vs * nt + t]
+                    if ct > cap[vs]:
+                        ct = cap[vs]
+                    if ct < lb[vs]:
+                        s = -1
+                        break
+                    s += ct
+                    s_lb += lb[vs]
+                if s >= 0:
+                    y = s - s_lb
+                    self.ecap[r * nt + t] = y
+                    # stable insertion, largest first
+                    j = self.ordn[t]
+                    while j > 0 and self.ecap[self.ordr[t * pp + j - 1] * nt + t] < y:
+                        self.ordr[t * pp + j] = self.ordr[t * pp + j - 1]
+                        j -= 1
+                    self.ordr[t * pp + j] = r
+                    self.ordn[t] += 1
+        for r in range(k, pp):
+            for i2 in range(ns):
+                t2 = self.sl_t[i2]
+                for i in range(ns):
+                    t = self.sl_t[i]
+                    n = self.remaining[t] - (1 if t == t2 else 0)
+                    total = 0
+                    got = 0
+                    for y in range(self.ordn[t]):
+                        if got == n:
+                            break
+                        j = self.ordr[t * pp + y]
+                        if j != r:
+                            total += self.ecap[j * nt + t]
+                            got += 1
+                    if got < n and self.exact_counts:
+                        total = -1
+                    self.kroom[(r * nt + t2) * nt + t] = total
+
+    cdef double _phi(self, int e, int r, int t2, int ns, double* mu1, double* mu2, int* marg) noexcept nogil:
+        # see splits.SplitSearch._phi
+        cdef int nt = self.nt, i, j, t, kk, take, n = 0
+        cdef double mu, cost = 0.0
+        for i in range(ns):
+            t = self.sl_t[i]
+            if self.kroom[(r * nt + t2) * nt + t] < 0:
+                return INFINITY
+            mu = mu2[t] if marg[t] == r else mu1[t]
+            j = n
+            while j > 0 and (self.ph_mu[j - 1] > mu or (self.ph_mu[j - 1] == mu and self.ph_t[j - 1] > t)):
+                self.ph_mu[j] = self.ph_mu[j - 1]
+                self.ph_t[j] = self.ph_t[j - 1]
+                j -= 1
+            self.ph_mu[j] = mu
+            self.ph_t[j] = t
+            n += 1
+        for i in range(n):
+            if e <= 0:
+                break
+            kk = self.kroom[(r * nt + t2) * nt + self.ph_t[i]]
+            if kk == 0:
+                continue
+            take = e if e < kk else kk
+            cost += take * self.ph_mu[i]
+            e -= take
+        if e <= 0:
+            return cost
+        return INFINITY
+
     cdef int _path_caps(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil:
-        cdef int pp = self.pp, v = self.v, nv = self.nv, nt = self.nt, vs, r, q, c, cf, cr, arg1
-        cdef int changed = 0, ns, i, t, ct, top, kf, kb, ka
+        cdef int pp = self.pp, v = self.v, nv = self.nv, nt = self.nt, vs, r, q, c, cf, cr
+        cdef int changed = 0, ns, i, t, ct, top, kf, kb, ka, d
         cdef int extra = left, e
-        cdef double limit = self.tau * (1.0 + PATH_SLACK), base, a, a1, a2, amax, m, slope, room, x
-        cdef double numer
+        cdef double limit = self.tau * (1.0 + PATH_SLACK), base, a, a1, amax, m, slope, room, x, y
+        cdef double numer, lift, b1, b2, rmin, xmin, extra_t, rhs, g, gmax, gsum
+        cdef int argr, s_lb, ct_sum, u, c2, vs2, ok
         cdef double* p = self.params
         self._fill(lb)
         ns = self._type_slopes()
         for r in range(k, pp):
             for c in range(v):
                 extra -= lb[c * pp + r]
+        self._type_room(k, lb, cap, capt, ns)
         for q in range(self.n_paths):
             cf = q * nv
             cr = q * pp
@@ -413,10 +520,28 @@ cdef class SplitSearch:
             for e in range(self.term_ptr[q], self.term_ptr[q + 1]):
                 base += self.term_coef[e] * p[self.term_idx[e]]
             a1 = INFINITY
-            a2 = INFINITY
-            arg1 = -1
             amax = 0.0
+            lift = 0.0
+            b1 = INFINITY
+            b2 = INFINITY
+            argr = -1
+            for i in range(ns):
+                t = self.sl_t[i]
+                self.mu1[t] = INFINITY
+                self.mu2[t] = INFINITY
+                self.marg[t] = -1
+                self.nu1[t] = INFINITY
+                self.nu2[t] = INFINITY
+                self.narg[t] = -1
+            gsum = 0.0
             for r in range(k, pp):
+                rmin = INFINITY
+                s_lb = 0
+                for i in range(ns):
+                    t = self.sl_t[i]
+                    self.rmt[t] = INFINITY
+                    self.rsum[t] = 0.0
+                    self.rw[t] = 0.0
                 for c in range(v):
                     vs = c * pp + r
                     kf = self.coef_f[cf + vs]
@@ -427,47 +552,132 @@ cdef class SplitSearch:
                         x = kf * self.sl_f[i] + kb * self.sl_b[i] + ka * self.sl_a[i]
                         if x < a:
                             a = x
+                        t = self.sl_t[i]
+                        if x < self.rmt[t]:
+                            self.rmt[t] = x
+                        self.rsum[t] += x
+                        self.rw[t] += x * ((<double> (c + v * lb[vs])) / v)
+                    s_lb += lb[vs]
                     self.alpha[vs] = a
+                    lift += lb[vs] * (a - (kf * self.mins[0] + kb * self.mins[1] + ka * self.mins[6]))
                     if a < a1:
-                        a2 = a1
                         a1 = a
-                        arg1 = vs
-                    elif a < a2:
-                        a2 = a
                     if a > amax:
                         amax = a
+                    if a < rmin:
+                        rmin = a
+                if rmin < b1:
+                    b2 = b1
+                    b1 = rmin
+                    argr = r
+                elif rmin < b2:
+                    b2 = rmin
+                gmax = 0.0
+                for i in range(ns):
+                    t = self.sl_t[i]
+                    y = self.rmt[t]
+                    if y < self.mu1[t]:
+                        self.mu2[t] = self.mu1[t]
+                        self.mu1[t] = y
+                        self.marg[t] = r
+                    elif y < self.mu2[t]:
+                        self.mu2[t] = y
+                    y = self.rsum[t] / v
+                    if y < self.nu1[t]:
+                        self.nu2[t] = self.nu1[t]
+                        self.nu1[t] = y
+                        self.narg[t] = r
+                    elif y < self.nu2[t]:
+                        self.nu2[t] = y
+                    g = self.rw[t] - y * s_lb
+                    if g > gmax:
+                        gmax = g
+                self.gam[r] = gmax
+                gsum += gmax
+            base += lift
             if base + extra * a1 >= limit:
                 return -1
             if extra > 0 and base + extra * amax >= limit:
                 if base + self._knapsack(k, extra, lb, cap) >= limit:
                     return -1
-            if a2 == INFINITY:
+            if b2 == INFINITY:
                 continue
-            for r in range(k, pp):
+            r = self.owner[q]
+            if r >= k:
+                m = b2 if r == argr else b1
+                numer = limit - base - m * extra
+                ka = self.coef_ar[cr + r]
+                s_lb = 0
+                for c in range(v):
+                    s_lb += lb[c * pp + r]
+                for i in range(ns):
+                    t = self.sl_t[i]
+                    ct_sum = 0
+                    for c in range(v):
+                        vs = c * pp + r
+                        ct = capt[vs * nt + t]
+                        if ct < lb[vs]:
+                            ct_sum = -1
+                            break
+                        ct_sum += ct
+                    if ct_sum < 0:
+                        continue
+                    xmin = INFINITY
+                    extra_t = 0.0
+                    for c in range(v):
+                        vs = c * pp + r
+                        x = self.coef_f[cf + vs] * self.sl_f[i] + self.coef_b[cf + vs] * self.sl_b[i] \
+                            + ka * self.sl_a[i]
+                        extra_t += lb[vs] * (x - self.alpha[vs])
+                        if x < xmin:
+                            xmin = x
+                    d = ct_sum - s_lb
+                    if d > extra:
+                        d = extra
+                    slope = xmin - m
+                    if slope > 0.0:
+                        room = (numer - extra_t) / slope
+                        if room < d + 1:
+                            if room <= 0.0:
+                                d = -1
+                            else:
+                                d = <int> ceil(room) - 1
+                    rhs = limit - base - extra_t
+                    while d >= 0:
+                        y = self._phi(extra - d, r, t, ns, self.mu1, self.mu2, self.marg)
+                        if v > 1:
+                            g = self._phi(extra - d, r, t, ns, self.nu1, self.nu2, self.narg) \
+                                - (gsum - self.gam[r])
+                            if g > y:
+                                y = g
+                        if xmin * d + y < rhs:
+                            break
+                        d -= 1
+                    if d < ct_sum - s_lb:
+                        u = s_lb + d if d >= 0 else -1
+                        for c in range(v):
+                            vs = c * pp + r
+                            if u >= 0:
+                                ct = (u + v - 1 - c) // v
+                            else:
+                                ct = -1
+                            if ct < lb[vs]:
+                                ct = lb[vs] - 1
+                            if ct < capt[vs * nt + t]:
+                                capt[vs * nt + t] = ct
                 for c in range(v):
                     vs = c * pp + r
-                    m = a2 if vs == arg1 else a1
-                    numer = limit - base - m * extra
-                    kf = self.coef_f[cf + vs]
-                    kb = self.coef_b[cf + vs]
-                    ka = self.coef_ar[cr + r]
                     top = -1
                     for i in range(ns):
                         t = self.sl_t[i]
-                        ct = capt[vs * nt + t]
-                        if ct < lb[vs]:
-                            continue
-                        slope = kf * self.sl_f[i] + kb * self.sl_b[i] + ka * self.sl_a[i] - m
-                        if slope > 0.0:
-                            room = numer / slope
-                            if room < ct - lb[vs] + 1:
-                                if room <= 0.0:
-                                    ct = lb[vs] - 1
-                                else:
-                                    ct = lb[vs] + <int> ceil(room) - 1
-                                capt[vs * nt + t] = ct
-                        if ct > top:
-                            top = ct
+                        ok = 1
+                        for c2 in range(v):
+                            vs2 = c2 * pp + r
+                            if capt[vs2 * nt + t] < lb[vs2]:
+                                ok = 0
+                                break
+                        if ok and capt[vs * nt + t] > top:
+                            top = capt[vs * nt + t]
                     if top < lb[vs]:
                         return -1
                     if top < cap[vs]:

@@ -79,8 +79,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=3, metavar="K",
                         help="report the best plan and K-1 alternatives of other shapes (default 3)")
     parser.add_argument("--exact-alternatives", action="store_true",
-                        help="default mode: prove the alternatives too (each the best of its shape); "
-                             "--exact always does")
+                        help="prove the alternatives too (each the best of its shape; slower); without it "
+                             "only the plan is proven (--exact) and alternatives are met on the way")
     parser.add_argument("--warmup-samples", type=int, default=500, metavar="N",
                         help="random plans simulated first to seed the bound (default 500)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the warm-up sampler")

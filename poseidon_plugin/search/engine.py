@@ -97,7 +97,7 @@ class _Run:
         self.space = SearchSpace(cm, options)
         self.shapes = ShapeCache(self.pure, options.comm_model)
         self.board = Leaderboard(options.top_k,
-                                 exact_alternatives=options.mode != "default" or options.exact_alternatives)
+                                 exact_alternatives=options.mode == "exhaustive" or options.exact_alternatives)
         self.ctr = [0] * N_COUNTERS
         self.pruned_shapes = 0
         self.pruned_structures = 0
@@ -220,8 +220,8 @@ class _Run:
 
     def fluid_cut(self, sg: ShapeGroup, tau: float) -> bool:
         """Cheap shape-free bound: each rank runs its M forwards and backwards one after another, so
-        a rank of type t holds fewer than ``tau / (M (f_t + b_t))`` layers; True when the best pp
-        ranks of the group cannot hold the model that way."""
+        a rank of type t holds fewer than ``tau / (M (f_t + b_t))`` layers, and every rank holds at
+        least V; True when the best pp ranks of the group cannot hold the model that way."""
         if tau == INF:
             return False
         g = sg.group
@@ -231,6 +231,8 @@ class _Run:
             x = tau * (1.0 + 1e-9) / (g.micro_batches * (tb.fwd[t] + tb.bwd[t]))
             caps.extend([int(x)] * min(g.slots[t], sg.pp))
         caps.sort(reverse=True)
+        if len(caps) < sg.pp or caps[sg.pp - 1] < sg.virtual_stages:
+            return True
         return sum(caps[:sg.pp]) < self.space.num_layers
 
     def run_shape_group(self, sg: ShapeGroup) -> None:

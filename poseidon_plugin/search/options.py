@@ -55,8 +55,9 @@ class SearchOptions:
     ``(tp, pp, dp, mbs, schedule, V)``."""
 
     exact_alternatives: bool = False
-    """``default`` mode: also prove the runners-up (each the best of its key); slower. ``exact`` and
-    ``exhaustive`` always do. Otherwise runners-up are the best plans of other keys met on the way."""
+    """Also prove the runners-up (each the best of its key); slower. ``exhaustive`` always does.
+    Otherwise only the plan is proven (in ``exact`` mode) and the runners-up are the best plans of
+    other keys met on the way."""
 
     warmup_samples: int = 500
     """Random feasible plans simulated first to seed the best time (paper §4.2.3)."""

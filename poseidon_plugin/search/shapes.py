@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ..simulator.core import cached_graph, make_kernel
 from ..simulator.graph import ParamLayout, extra_params
-from ..simulator.schedules import interleaved_table, peak_live_microbatches
+from ..simulator.schedules import BACKWARD, FORWARD, interleaved_table, peak_live_microbatches, rank_order
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,6 +43,7 @@ class BoundPaths:
     term_ptr: array     # 'i', count + 1: path q's nonzero terms are term_ptr[q]:term_ptr[q+1]
     term_idx: array     # 'i': parameter index of the term (the simulator's ParamLayout)
     term_coef: array    # 'i': its multiplicity
+    owner: array        # 'i', count: the rank whose whole op chain (or most of it) the path runs along
 
 
 def first_backward(schedule: str, pp: int, micro_batches: int, virtual_stages: int,
@@ -70,6 +71,107 @@ def first_backward(schedule: str, pp: int, micro_batches: int, virtual_stages: i
     return counts, v - 1 - table[0][1]
 
 
+def _two_trips(schedule: str, pp: int, m: int, v: int, r: int):
+    """The *two trips* path of rank ``r``: micro-batch 0 down every virtual stage and back up to rank
+    ``r``'s first backward, rank ``r``'s ops up to its last forward, that micro-batch down the rest of
+    the virtual stages and back up through all of them, then ``AR_0``. Heterogeneous 1F1B pipelines
+    run on it: a slow block of ranks paces the steady state between the first and the last trip.
+    None when rank ``r`` has no forward after its first backward (GPipe, or M = 1)."""
+    nv = pp * v
+    ops = rank_order(schedule, pp, m, v, r)
+    i_b = next(i for i, op in enumerate(ops) if op[0] == BACKWARD)
+    i_f = max(i for i, op in enumerate(ops) if op[0] == FORWARD)
+    _k, c_b, mb_b = ops[i_b]
+    _k, c_f, mb_f = ops[i_f]
+    if i_f < i_b or mb_f == mb_b:
+        return None
+    vstar, vlast = c_b * pp + r, c_f * pp + r
+    rf, rb, rs, rar = [1] * nv, [0] * nv, [0] * pp, [0] * pp
+    for vs in range(nv - 1):                    # micro-batch mb_b down every virtual stage
+        rs[vs % pp] += 1
+    rb[vstar:nv] = [1] * (nv - vstar)           # ... and back up to rank r's first backward
+    for vs in range(vstar, nv - 1):
+        rs[vs % pp] += 1
+    for kind, c, _mb in ops[i_b + 1:i_f + 1]:   # rank r's chain up to its last forward
+        (rf if kind == FORWARD else rb)[c * pp + r] += 1
+    for vs in range(vlast + 1, nv):             # mb_f down the remaining virtual stages
+        rf[vs] += 1
+    for vs in range(vlast, nv - 1):
+        rs[vs % pp] += 1
+    for vs in range(nv):                        # ... and back up through all of them
+        rb[vs] += 1
+    for vs in range(nv - 1):
+        rs[vs % pp] += 1
+    rar[0] = 1
+    return rf, rb, rs, rar
+
+
+def _late_chunks(schedule: str, pp: int, m: int, v: int, r: int):
+    """Interleaved only, per chunk ``c >= 1``: micro-batch 0 forward through every virtual stage up to
+    rank ``r``'s chunk ``c``, rank ``r``'s ops from that forward on, then the tail
+    ``B(r-1, M-1) -> ... -> B(0, M-1) -> AR_0``. Rank ``r`` cannot run its chunk-``c`` ops before
+    micro-batch 0 has passed every earlier virtual stage: this is the interleaved bubble."""
+    nv = pp * v
+    ops = rank_order(schedule, pp, m, v, r)
+    rows = []
+    for chunk in range(1, v):
+        i0 = ops.index((FORWARD, chunk, 0))
+        vstar = chunk * pp + r
+        rf, rb, rs, rar = [0] * nv, [0] * nv, [0] * pp, [0] * pp
+        for vs in range(vstar):                 # micro-batch 0 down to rank r's chunk c
+            rf[vs] += 1
+            rs[vs % pp] += 1
+        for kind, c, _mb in ops[i0:]:           # rank r's ops from that forward on
+            (rf if kind == FORWARD else rb)[c * pp + r] += 1
+        for j in range(r):                      # tail to AR_0
+            rb[j] += 1
+            rs[j] += 1
+        rar[0] = 1
+        rows.append((rf, rb, rs, rar))
+    return rows
+
+
+def _detour(schedule: str, pp: int, m: int, v: int, r: int):
+    """Interleaved only: rank ``r``'s ops up to its chunk-0 forward of micro-batch ``pp - 1``, that
+    micro-batch down the chunk-0 stages to the last rank, the last rank's ops up to its first backward,
+    the backward chain of micro-batch 0 back up to rank ``r``'s first backward, rank ``r``'s remaining
+    ops, then the tail to ``AR_0``. None when the ops are not in that order."""
+    if v < 2 or r == pp - 1 or m < pp:
+        return None
+    nv = pp * v
+    ops = rank_order(schedule, pp, m, v, r)
+    last = rank_order(schedule, pp, m, v, pp - 1)
+    i_b = next(i for i, op in enumerate(ops) if op[0] == BACKWARD)
+    i_f = ops.index((FORWARD, 0, pp - 1))
+    j_f = last.index((FORWARD, 0, pp - 1))
+    j_b = next(i for i, op in enumerate(last) if op[0] == BACKWARD)
+    _k, c_b, mb_b = ops[i_b]
+    _k, c_l, mb_l = last[j_b]
+    if not (i_f < i_b and j_f < j_b and mb_b == 0 and mb_l == 0 and c_l >= c_b):
+        return None
+    rf, rb, rs, rar = [0] * nv, [0] * nv, [0] * pp, [0] * pp
+    for j in range(r):                          # head: micro-batch 0 down the chunk-0 stages to r
+        rf[j] += 1
+        rs[j] += 1
+    for kind, c, _mb in ops[:i_f + 1]:          # rank r up to F(chunk 0, mb pp-1)
+        (rf if kind == FORWARD else rb)[c * pp + r] += 1
+    for j in range(r + 1, pp):                  # that micro-batch down to the last rank
+        rf[j] += 1
+        rs[j - 1] += 1
+    for kind, c, _mb in last[j_f + 1:j_b + 1]:  # the last rank up to its first backward
+        (rf if kind == FORWARD else rb)[c * pp + pp - 1] += 1
+    for vs in range(c_b * pp + r, c_l * pp + pp - 1):   # backward of mb 0 back up to rank r
+        rb[vs] += 1
+        rs[vs % pp] += 1
+    for kind, c, _mb in ops[i_b + 1:]:          # the rest of rank r
+        (rf if kind == FORWARD else rb)[c * pp + r] += 1
+    for j in range(r):                          # tail to AR_0
+        rb[j] += 1
+        rs[j] += 1
+    rar[0] = 1
+    return rf, rb, rs, rar
+
+
 def bound_paths(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> BoundPaths:
     """The bound paths of a shape (see the module docstring).
 
@@ -79,6 +181,7 @@ def bound_paths(schedule: str, pp: int, micro_batches: int, virtual_stages: int)
     v, m = virtual_stages, micro_batches
     nv = pp * v
     rows: list[tuple[list[int], list[int], list[int], list[int]]] = []
+    owner = array("i")
     for r in range(pp):
         own_chunks = [c * pp + r for c in range(v)]
         cf, cb, cs, car = [0] * nv, [0] * nv, [0] * pp, [0] * pp
@@ -114,6 +217,14 @@ def bound_paths(schedule: str, pp: int, micro_batches: int, virtual_stages: int)
             rs[j] += 1
         rar[0] = 1
         rows.append((rf, rb, rs, rar))
+        two = _two_trips(schedule, pp, m, v, r)
+        if two is not None:
+            rows.append(two)
+        rows.extend(_late_chunks(schedule, pp, m, v, r))
+        det = _detour(schedule, pp, m, v, r)
+        if det is not None:
+            rows.append(det)
+        owner.extend([r] * (len(rows) - len(owner)))
     flat = [array("i"), array("i"), array("i"), array("i")]
     ptr, idx, coef = array("i", [0]), array("i"), array("i")
     # sparse form for the path's cost: (parameter index, multiplicity) in parameter order
@@ -130,7 +241,7 @@ def bound_paths(schedule: str, pp: int, micro_batches: int, virtual_stages: int)
                     coef.append(k)
         ptr.append(len(idx))
     return BoundPaths(count=len(rows), coef_f=flat[0], coef_b=flat[1], coef_s=flat[2], coef_ar=flat[3],
-                      term_ptr=ptr, term_idx=idx, term_coef=coef)
+                      term_ptr=ptr, term_idx=idx, term_coef=coef, owner=owner)
 
 
 class ShapeData:

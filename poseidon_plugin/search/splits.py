@@ -207,6 +207,7 @@ class SplitSearch:
         pp, v, nv = self.pp, self.v, self.nv
         tb, p, types, layers = self.table, self.params, self.types, self.layers
         mins = self._unknown_mins()
+        self.mins = mins
         for r in range(pp):
             t = types[r]
             total_ar = 0.0
@@ -341,6 +342,71 @@ class SplitSearch:
             out.append((t, tb.fwd[t], tb.bwd[t], 0.0 if ar == INF else ar))
         return out
 
+    def _type_room(self, k: int, lb, cap, capt, slopes):
+        """``K[(r * nt + t2) * nt + t]``: most layers above their lower bounds that the undecided ranks
+        other than ``r`` can hold on type ``t`` when ``r`` takes type ``t2`` (the ``n`` best of them,
+        ``n`` = the type's remaining ranks); -1 when too few of them can host ``t``."""
+        pp, v, nt = self.pp, self.v, self.nt
+        ecap = [-1] * (pp * nt)
+        order = []
+        for t, _ft, _bt, _at in slopes:
+            for r in range(k, pp):
+                s_lb = s = 0
+                for c in range(v):
+                    vs = c * pp + r
+                    ct = capt[vs * nt + t]
+                    if ct > cap[vs]:
+                        ct = cap[vs]
+                    if ct < lb[vs]:
+                        s = -1
+                        break
+                    s += ct
+                    s_lb += lb[vs]
+                if s >= 0:
+                    ecap[r * nt + t] = s - s_lb
+            # ranks by room on t, largest first (ties: lower rank first)
+            order.append(sorted((r for r in range(k, pp) if ecap[r * nt + t] >= 0),
+                                key=lambda r, t=t: -ecap[r * nt + t]))
+        K = [0] * (pp * nt * nt)
+        for r in range(k, pp):
+            for t2, _f2, _b2, _a2 in slopes:
+                for i, (t, _ft, _bt, _at) in enumerate(slopes):
+                    n = self.remaining[t] - (1 if t == t2 else 0)
+                    total = got = 0
+                    for j in order[i]:
+                        if got == n:
+                            break
+                        if j != r:
+                            total += ecap[j * nt + t]
+                            got += 1
+                    if got < n and self.exact_counts:
+                        total = -1
+                    K[(r * nt + t2) * nt + t] = total
+        return K
+
+    def _phi(self, e: int, r: int, t2: int, K, mu1, mu2, marg, slopes) -> float:
+        """Cheapest cost of ``e`` more layers on the undecided ranks other than ``r`` (which takes
+        ``t2``): the cheapest types first, each up to what its ranks can hold (``K``); inf if they
+        cannot hold them."""
+        nt = self.nt
+        items = []
+        for t, _ft, _bt, _at in slopes:
+            kk = K[(r * nt + t2) * nt + t]
+            if kk < 0:
+                return INF
+            items.append((mu2[t] if marg[t] == r else mu1[t], t, kk))
+        items.sort()
+        cost = 0.0
+        for mu, _t, kk in items:
+            if e <= 0:
+                break
+            if kk == 0:
+                continue
+            take = e if e < kk else kk
+            cost += take * mu
+            e -= take
+        return cost if e <= 0 else INF
+
     def _path_caps(self, k: int, left: int, lb, cap, capt) -> int:
         """Tighten caps with the bound paths; -1: some path proves the node cannot beat ``tau``."""
         pp, v, nv, nt = self.pp, self.v, self.nv, self.nt
@@ -353,8 +419,13 @@ class SplitSearch:
         for r in range(k, pp):
             for c in range(v):
                 extra -= lb[c * pp + r]
+        K = self._type_room(k, lb, cap, capt, slopes)
         changed = 0
         alpha = [0.0] * nv
+        m_f, m_b, m_ar = self.mins[0], self.mins[1], self.mins[6]
+        rmt = [INF] * nt
+        rsum, rw = [0.0] * nt, [0.0] * nt
+        gam = [0.0] * pp
         for q in range(paths.count):
             cf = q * nv
             cr = q * pp
@@ -362,10 +433,23 @@ class SplitSearch:
             for e in range(paths.term_ptr[q], paths.term_ptr[q + 1]):
                 base += paths.term_coef[e] * p[paths.term_idx[e]]
             # per-layer cost of each undecided stage in this path, at its cheapest possible type
-            a1 = a2 = INF
-            arg1 = -1
+            a1 = INF
             amax = 0.0
+            lift = 0.0
+            b1 = b2 = INF                 # the two smallest per-rank minima of alpha, and the argmin
+            argr = -1
+            mu1, mu2, marg = [INF] * nt, [INF] * nt, [-1] * nt     # the same per type
+            # per type, over ranks: the two smallest mean chunk slopes (beta); a rank's d extra
+            # layers cost at least beta d - gamma (chunk c gets at least (l - c) / V of its l layers)
+            nu1, nu2, narg = [INF] * nt, [INF] * nt, [-1] * nt
+            gsum = 0.0
             for r in range(k, pp):
+                rmin = INF
+                s_lb = 0
+                for t, _ft, _bt, _at in slopes:
+                    rmt[t] = INF
+                    rsum[t] = 0.0
+                    rw[t] = 0.0
                 for c in range(v):
                     vs = c * pp + r
                     kf, kb, ka = paths.coef_f[cf + vs], paths.coef_b[cf + vs], paths.coef_ar[cr + r]
@@ -374,40 +458,122 @@ class SplitSearch:
                         x = kf * ft + kb * bt + ka * at
                         if x < a:
                             a = x
+                        if x < rmt[t]:
+                            rmt[t] = x
+                        rsum[t] += x
+                        rw[t] += x * ((c + v * lb[vs]) / v)
+                    s_lb += lb[vs]
                     alpha[vs] = a
+                    # the stage's lb layers cost at least its cheapest type's slope, not the
+                    # per-column minimum the DAG fill used
+                    lift += lb[vs] * (a - (kf * m_f + kb * m_b + ka * m_ar))
                     if a < a1:
-                        a2, a1, arg1 = a1, a, vs
-                    elif a < a2:
-                        a2 = a
+                        a1 = a
                     if a > amax:
                         amax = a
+                    if a < rmin:
+                        rmin = a
+                if rmin < b1:
+                    b2, b1, argr = b1, rmin, r
+                elif rmin < b2:
+                    b2 = rmin
+                gmax = 0.0
+                for t, _ft, _bt, _at in slopes:
+                    y = rmt[t]
+                    if y < mu1[t]:
+                        mu2[t], mu1[t], marg[t] = mu1[t], y, r
+                    elif y < mu2[t]:
+                        mu2[t] = y
+                    y = rsum[t] / v
+                    if y < nu1[t]:
+                        nu2[t], nu1[t], narg[t] = nu1[t], y, r
+                    elif y < nu2[t]:
+                        nu2[t] = y
+                    g = rw[t] - y * s_lb
+                    if g > gmax:
+                        gmax = g
+                gam[r] = gmax
+                gsum += gmax
+            base += lift
             if base + extra * a1 >= limit:
                 return -1
             if extra > 0 and base + extra * amax >= limit:
                 if base + self._knapsack(k, extra, alpha, lb, cap) >= limit:
                     return -1
-            if a2 == INF:
+            if b2 == INF:
                 continue
-            # caps per (stage, type): the rest of the extra layers cost at least the cheapest other slope
-            for r in range(k, pp):
+            # caps per (rank, type): the rank's D layers above its lower bounds cost at least its
+            # cheapest chunk slope on that type each (all its chunks share the type and the layers);
+            # the other extra layers at least the cheapest slope of another rank's stage (closed
+            # form), and at least their cheapest placement by type (the scan below)
+            # (only for the path's owner rank: the other ranks' slopes on it are small)
+            for r in range(paths.owner[q], paths.owner[q] + 1 if paths.owner[q] >= k else 0):
+                m = b2 if r == argr else b1
+                numer = limit - base - m * extra
+                ka = paths.coef_ar[cr + r]
+                s_lb = 0
                 for c in range(v):
-                    vs = c * pp + r
-                    m = a2 if vs == arg1 else a1
-                    numer = limit - base - m * extra
-                    kf, kb, ka = paths.coef_f[cf + vs], paths.coef_b[cf + vs], paths.coef_ar[cr + r]
-                    top = -1
-                    for t, ft, bt, at in slopes:
+                    s_lb += lb[c * pp + r]
+                for t, ft, bt, at in slopes:
+                    ct_sum = 0
+                    for c in range(v):
+                        vs = c * pp + r
                         ct = capt[vs * nt + t]
                         if ct < lb[vs]:
-                            continue
-                        slope = kf * ft + kb * bt + ka * at - m
-                        if slope > 0.0:
-                            room = numer / slope
-                            if room < ct - lb[vs] + 1:
-                                ct = lb[vs] - 1 if room <= 0.0 else lb[vs] + math.ceil(room) - 1
+                            ct_sum = -1
+                            break
+                        ct_sum += ct
+                    if ct_sum < 0:
+                        continue
+                    xmin = INF
+                    extra_t = 0.0
+                    for c in range(v):
+                        vs = c * pp + r
+                        x = paths.coef_f[cf + vs] * ft + paths.coef_b[cf + vs] * bt + ka * at
+                        # on type t the lb layers cost x each, alpha[vs] of it is in base
+                        extra_t += lb[vs] * (x - alpha[vs])
+                        if x < xmin:
+                            xmin = x
+                    d = ct_sum - s_lb
+                    if d > extra:
+                        d = extra
+                    slope = xmin - m
+                    if slope > 0.0:
+                        room = (numer - extra_t) / slope
+                        if room < d + 1:
+                            d = -1 if room <= 0.0 else math.ceil(room) - 1
+                    rhs = limit - base - extra_t
+                    while d >= 0:
+                        y = self._phi(extra - d, r, t, K, mu1, mu2, marg, slopes)
+                        if v > 1:
+                            g = self._phi(extra - d, r, t, K, nu1, nu2, narg, slopes) - (gsum - gam[r])
+                            if g > y:
+                                y = g
+                        if xmin * d + y < rhs:
+                            break
+                        d -= 1
+                    if d < ct_sum - s_lb:
+                        u = s_lb + d if d >= 0 else -1
+                        for c in range(v):
+                            vs = c * pp + r
+                            ct = chunk_layers(u, c, v) if u >= 0 else -1
+                            if ct < lb[vs]:
+                                ct = lb[vs] - 1     # type t cannot take rank r
+                            if ct < capt[vs * nt + t]:
                                 capt[vs * nt + t] = ct
-                        if ct > top:
-                            top = ct
+                # each stage's cap: the largest over the types that can still take the whole rank
+                for c in range(v):
+                    vs = c * pp + r
+                    top = -1
+                    for t, _ft, _bt, _at in slopes:
+                        ok = True
+                        for c2 in range(v):
+                            vs2 = c2 * pp + r
+                            if capt[vs2 * nt + t] < lb[vs2]:
+                                ok = False
+                                break
+                        if ok and capt[vs * nt + t] > top:
+                            top = capt[vs * nt + t]
                     if top < lb[vs]:
                         return -1
                     if top < cap[vs]:

@@ -57,11 +57,15 @@ def exact_and_exhaustive(cm, opts):
         with pytest.raises(NoFeasiblePlanError, match="no plan fits"):
             search(cm, SearchOptions(mode="exact", **opts))
         return None
-    got = search(cm, SearchOptions(mode="exact", **opts))
+    got = search(cm, SearchOptions(mode="exact", exact_alternatives=True, **opts))
     assert got.stats.complete
     assert got.plan.predicted_iteration_ms == ref.plan.predicted_iteration_ms
     assert ([a.predicted_iteration_ms for a in got.alternatives]
             == [a.predicted_iteration_ms for a in ref.alternatives])
+    # without proven alternatives, the plan is still the optimum
+    plan_only = search(cm, SearchOptions(mode="exact", **opts))
+    assert plan_only.stats.complete
+    assert plan_only.plan.predicted_iteration_ms == ref.plan.predicted_iteration_ms
     return got, ref
 
 
