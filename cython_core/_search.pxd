@@ -108,5 +108,5 @@ cdef class SplitSearch:
     cdef double _knapsack(self, int k, int extra, int* lb, int* cap) noexcept nogil
     cdef int _type_allowed(self, int r, int t) noexcept nogil
     cdef void _node(self, int k, int left) noexcept nogil
-    cdef void _children(self, int k, int left, int t, int* lb, int* cap) noexcept nogil
+    cdef void _children(self, int k, int left, int t, int* lb, int* cap, int* capt) noexcept nogil
     cdef void _root_check(self) noexcept nogil

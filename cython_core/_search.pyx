@@ -504,7 +504,8 @@ cdef class SplitSearch:
         cdef int changed = 0, ns, i, t, ct, top, kf, kb, ka, d
         cdef int extra = left, e
         cdef double limit = self.tau * (1.0 + PATH_SLACK), base, a, a1, amax, m, slope, room, x, y
-        cdef double numer, lift, b1, b2, rmin, xmin, extra_t, rhs, g, gmax, gsum
+        cdef double numer, lift, b1, b2, rmin, xmin, extra_t, rhs, g, gmax, gsum, own
+        cdef int n
         cdef int argr, s_lb, ct_sum, u, c2, vs2, ok
         cdef double* p = self.params
         self._fill(lb)
@@ -644,14 +645,24 @@ cdef class SplitSearch:
                                 d = <int> ceil(room) - 1
                     rhs = limit - base - extra_t
                     while d >= 0:
-                        y = self._phi(extra - d, r, t, ns, self.mu1, self.mu2, self.marg)
-                        if v > 1:
-                            g = self._phi(extra - d, r, t, ns, self.nu1, self.nu2, self.narg) \
-                                - (gsum - self.gam[r])
-                            if g > y:
-                                y = g
-                        if xmin * d + y < rhs:
-                            break
+                        own = 0.0
+                        for c in range(v):
+                            vs = c * pp + r
+                            n = (s_lb + d + v - 1 - c) // v - lb[vs]
+                            if n < 0:
+                                own = INFINITY
+                                break
+                            own += n * (self.coef_f[cf + vs] * self.sl_f[i] + self.coef_b[cf + vs] * self.sl_b[i]
+                                        + ka * self.sl_a[i])
+                        if own < INFINITY:
+                            y = self._phi(extra - d, r, t, ns, self.mu1, self.mu2, self.marg)
+                            if v > 1:
+                                g = self._phi(extra - d, r, t, ns, self.nu1, self.nu2, self.narg) \
+                                    - (gsum - self.gam[r])
+                                if g > y:
+                                    y = g
+                            if own + y < rhs:
+                                break
                         d -= 1
                     if d < ct_sum - s_lb:
                         u = s_lb + d if d >= 0 else -1
@@ -785,21 +796,22 @@ cdef class SplitSearch:
             self.slot[k] = self.used[t]
             self.remaining[t] -= 1
             self.used[t] += 1
-            self._children(k, left, t, lb, cap)
+            self._children(k, left, t, lb, cap, self.capts + k * self.nv * self.nt)
             self.types[k] = -1
             self.remaining[t] += 1
             self.used[t] -= 1
 
-    cdef void _children(self, int k, int left, int t, int* lb, int* cap) noexcept nogil:
+    cdef void _children(self, int k, int left, int t, int* lb, int* cap, int* capt) noexcept nogil:
         cdef int pp = self.pp, v = self.v, nv = self.nv, lo = v, hi = self.num_layers, mem, last, down, capped
-        cdef int l, x, y, c, vs
+        cdef int l, x, y, c, vs, ct
         cdef double val
         for c in range(v):
             vs = c * pp + k
             x = v * lb[vs] - v + 1 + c
             if x > lo:
                 lo = x
-            x = v * cap[vs] + c
+            ct = capt[vs * self.nt + t]
+            x = v * (cap[vs] if cap[vs] < ct else ct) + c
             if x < hi:
                 hi = x
         mem = self.cap_rank[t * pp + k]

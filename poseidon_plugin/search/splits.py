@@ -544,13 +544,24 @@ class SplitSearch:
                             d = -1 if room <= 0.0 else math.ceil(room) - 1
                     rhs = limit - base - extra_t
                     while d >= 0:
-                        y = self._phi(extra - d, r, t, K, mu1, mu2, marg, slopes)
-                        if v > 1:
-                            g = self._phi(extra - d, r, t, K, nu1, nu2, narg, slopes) - (gsum - gam[r])
-                            if g > y:
-                                y = g
-                        if xmin * d + y < rhs:
-                            break
+                        # the rank's own cost of d more layers, chunk by chunk (exact)
+                        own = 0.0
+                        for c in range(v):
+                            vs = c * pp + r
+                            n = chunk_layers(s_lb + d, c, v) - lb[vs]
+                            if n < 0:
+                                own = INF          # this count leaves a chunk below its lower bound
+                                break
+                            own += n * (paths.coef_f[cf + vs] * ft + paths.coef_b[cf + vs] * bt + ka * at)
+                        if own < INF:
+                            y = self._phi(extra - d, r, t, K, mu1, mu2, marg, slopes)
+                            if v > 1:
+                                g = self._phi(extra - d, r, t, K, nu1, nu2, narg, slopes) \
+                                    - (gsum - gam[r])
+                                if g > y:
+                                    y = g
+                            if own + y < rhs:
+                                break
                         d -= 1
                     if d < ct_sum - s_lb:
                         u = s_lb + d if d >= 0 else -1
@@ -663,12 +674,12 @@ class SplitSearch:
             self.slot[k] = self.used[t]
             self.remaining[t] -= 1
             self.used[t] += 1
-            self._children(k, left, t, lb, cap)
+            self._children(k, left, t, lb, cap, self.capt[k])
             self.types[k] = -1
             self.remaining[t] += 1
             self.used[t] -= 1
 
-    def _children(self, k: int, left: int, t: int, lb, cap) -> None:
+    def _children(self, k: int, left: int, t: int, lb, cap, capt) -> None:
         """Try rank ``k`` on type ``t`` with increasing layer counts."""
         pp, v = self.pp, self.v
         ctr = self.ctr
@@ -678,7 +689,8 @@ class SplitSearch:
             x = v * lb[vs] - v + 1 + c
             if x > lo:
                 lo = x
-            x = v * cap[vs] + c
+            ct = capt[vs * self.nt + t]        # the stage's cap on this type (propagation)
+            x = v * (cap[vs] if cap[vs] < ct else ct) + c
             if x < hi:
                 hi = x
         mem = self.cap_rank[t * pp + k]
