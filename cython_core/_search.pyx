@@ -697,6 +697,9 @@ cdef class SplitSearch:
         return changed
 
     cdef bint _type_mass(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil:
+        return self._type_capacity(k, lb, cap, capt) >= left
+
+    cdef int _type_capacity(self, int k, int* lb, int* cap, int* capt) noexcept nogil:
         cdef int pp = self.pp, v = self.v, nt = self.nt, t, n, r, c, vs, ct, s, nvals, j, y, total = 0
         for t in range(nt):
             n = self.remaining[t]
@@ -723,10 +726,10 @@ cdef class SplitSearch:
                     self.vals[j] = s
                     nvals += 1
             if self.exact_counts and nvals < n:
-                return False
+                return -1
             for y in range(n if n < nvals else nvals):
                 total += self.vals[y]
-        return total >= left
+        return total
 
     cdef double _knapsack(self, int k, int extra, int* lb, int* cap) noexcept nogil:
         # stable insertion sort by slope, in the generation order of splits.py (rank, then chunk)
@@ -803,7 +806,7 @@ cdef class SplitSearch:
 
     cdef void _children(self, int k, int left, int t, int* lb, int* cap, int* capt) noexcept nogil:
         cdef int pp = self.pp, v = self.v, nv = self.nv, lo = v, hi = self.num_layers, mem, last, down, capped
-        cdef int l, x, y, c, vs, ct
+        cdef int l, x, y, c, vs, ct, room
         cdef double val
         for c in range(v):
             vs = c * pp + k
@@ -814,6 +817,13 @@ cdef class SplitSearch:
             x = v * (cap[vs] if cap[vs] < ct else ct) + c
             if x < hi:
                 hi = x
+        if k < pp - 1:
+            room = self._type_capacity(k + 1, lb, cap, capt)
+            if room < 0:
+                self.ctr[PRUNED_PATH] += 1
+                return
+            if left - room > lo:
+                lo = left - room
         mem = self.cap_rank[t * pp + k]
         if mem < hi:
             x = lo - 1

@@ -101,15 +101,16 @@ def main(argv=None) -> int:
         sys.stdout.flush()
     if exact_rows:
         print()
-        print(f"{'setting':<8} {'default cpu s':>13} {'exact cpu s':>11} {'finished':>8} {'same optimum':>12} "
-              f"{'default ms':>10} {'exact ms':>10} {'speed-up':>8}")
+        print(f"{'setting':<8} {'default cpu s':>13} {'exact cpu s':>11} {'exact nodes':>11} {'proven':>6} "
+              f"{'same optimum':>12} {'default ms':>10} {'exact ms':>10} {'default +%':>10} "
+              f"{'exact/default cpu':>17}")
         for name, wd, we, d, e in exact_rows:
-            same = "yes" if d.plan.predicted_iteration_ms == e.plan.predicted_iteration_ms else "no"
+            dm, em = d.plan.predicted_iteration_ms, e.plan.predicted_iteration_ms
+            same = "yes" if dm == em else "no"
             if not e.stats.complete:
                 same += "?"
-            print(f"{name:<8} {wd:>13.2f} {we:>11.2f} {str(e.stats.complete):>8} {same:>12} "
-                  f"{d.plan.predicted_iteration_ms:>10.1f} {e.plan.predicted_iteration_ms:>10.1f} "
-                  f"{we / wd:>7.1f}x")
+            print(f"{name:<8} {wd:>13.2f} {we:>11.2f} {e.stats.nodes:>11} {str(e.stats.complete):>6} "
+                  f"{same:>12} {dm:>10.1f} {em:>10.1f} {100 * (dm / em - 1):>9.2f}% {we / wd:>16.1f}x")
     if args.memory:
         print()
         for name in names:

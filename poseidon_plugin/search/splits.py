@@ -594,6 +594,11 @@ class SplitSearch:
 
     def _type_mass(self, k: int, left: int, lb, cap, capt) -> bool:
         """The undecided ranks, each on one remaining type, must be able to hold ``left`` layers."""
+        return self._type_capacity(k, lb, cap, capt) >= left
+
+    def _type_capacity(self, k: int, lb, cap, capt) -> int:
+        """Most layers ranks ``k..pp-1`` can hold, each on one remaining type (per type its ``n``
+        largest rank capacities); -1 when fewer ranks can host a type than ranks of it remain."""
         pp, v, nt = self.pp, self.v, self.nt
         exact = self.exact_counts
         total = 0
@@ -616,10 +621,10 @@ class SplitSearch:
                 if s >= 0:
                     vals.append(s)
             if exact and len(vals) < n:
-                return False          # fewer ranks can host the type than ranks of that type
+                return -1             # fewer ranks can host the type than ranks of that type
             vals.sort(reverse=True)
             total += sum(vals[:n])
-        return total >= left
+        return total
 
     def _knapsack(self, k: int, extra: int, alpha, lb, cap) -> float:
         """Cheapest cost of ``extra`` more layers over the undecided stages (fractional, by slope)."""
@@ -693,6 +698,15 @@ class SplitSearch:
             x = v * (cap[vs] if cap[vs] < ct else ct) + c
             if x < hi:
                 hi = x
+        if k < pp - 1:
+            # the later ranks hold at most this many (the node's caps, counts after this choice):
+            # rank k takes the rest
+            room = self._type_capacity(k + 1, lb, cap, capt)
+            if room < 0:
+                ctr[PRUNED_PATH] += 1
+                return
+            if left - room > lo:
+                lo = left - room
         mem = self.cap_rank[t * pp + k]
         if mem < hi:
             ctr[PRUNED_MEMORY] += hi - max(mem, lo - 1)
