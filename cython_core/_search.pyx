@@ -520,6 +520,10 @@ cdef class SplitSearch:
             base = 0.0
             for e in range(self.term_ptr[q], self.term_ptr[q + 1]):
                 base += self.term_coef[e] * p[self.term_idx[e]]
+            if self.owner[q] < k:
+                if base >= limit:
+                    return -1
+                continue
             a1 = INFINITY
             amax = 0.0
             lift = 0.0
@@ -656,7 +660,7 @@ cdef class SplitSearch:
                                         + ka * self.sl_a[i])
                         if own < INFINITY:
                             y = self._phi(extra - d, r, t, ns, self.mu1, self.mu2, self.marg)
-                            if v > 1:
+                            if v > 1 and own + y < rhs:
                                 g = self._phi(extra - d, r, t, ns, self.nu1, self.nu2, self.narg) \
                                     - (gsum - self.gam[r])
                                 if g > y:

@@ -432,6 +432,11 @@ class SplitSearch:
             base = 0.0
             for e in range(paths.term_ptr[q], paths.term_ptr[q + 1]):
                 base += paths.term_coef[e] * p[paths.term_idx[e]]
+            if paths.owner[q] < k:
+                # the owner is decided: the path gives no caps (below), only its plain cut
+                if base >= limit:
+                    return -1
+                continue
             # per-layer cost of each undecided stage in this path, at its cheapest possible type
             a1 = INF
             amax = 0.0
@@ -555,7 +560,7 @@ class SplitSearch:
                             own += n * (paths.coef_f[cf + vs] * ft + paths.coef_b[cf + vs] * bt + ka * at)
                         if own < INF:
                             y = self._phi(extra - d, r, t, K, mu1, mu2, marg, slopes)
-                            if v > 1:
+                            if v > 1 and own + y < rhs:
                                 g = self._phi(extra - d, r, t, K, nu1, nu2, narg, slopes) \
                                     - (gsum - gam[r])
                                 if g > y:
