@@ -70,8 +70,8 @@ cdef class SplitSearch:
     cdef double* nu2     # nt
     cdef int* narg       # nt
     cdef double* rsum    # nt
-    cdef double* rw      # nt
     cdef double* gam     # pp
+    cdef double* xs      # v
     cdef int* sl_t       # remaining types and their per-layer slopes (scratch)
     cdef double* sl_f
     cdef double* sl_b
@@ -103,6 +103,7 @@ cdef class SplitSearch:
     cdef int _type_slopes(self) noexcept nogil
     cdef void _type_room(self, int k, int* lb, int* cap, int* capt, int ns) noexcept nogil
     cdef double _phi(self, int e, int r, int t2, int ns, double* mu1, double* mu2, int* marg) noexcept nogil
+    cdef double _gammas(self, int q, int k, int* lb, int ns) noexcept nogil
     cdef int _path_caps(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
     cdef bint _type_mass(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
     cdef int _type_capacity(self, int k, int* lb, int* cap, int* capt) noexcept nogil

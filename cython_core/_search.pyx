@@ -75,7 +75,7 @@ cdef class SplitSearch:
         self.capts = self.vals = self.sl_t = NULL
         self.ecap = self.kroom = self.ordr = self.ordn = self.marg = self.ph_t = NULL
         self.mu1 = self.mu2 = self.rmt = self.ph_mu = NULL
-        self.nu1 = self.nu2 = self.rsum = self.rw = self.gam = NULL
+        self.nu1 = self.nu2 = self.rsum = self.gam = self.xs = NULL
         self.narg = NULL
         self.sl_f = self.sl_b = self.sl_a = NULL
         self.best_types = self.best_layers = NULL
@@ -153,7 +153,7 @@ cdef class SplitSearch:
         self.nu2 = _dcopy([0.0] * self.nt)
         self.narg = _ialloc(self.nt)
         self.rsum = _dcopy([0.0] * self.nt)
-        self.rw = _dcopy([0.0] * self.nt)
+        self.xs = _dcopy([0.0] * self.v)
         self.gam = _dcopy([0.0] * self.pp)
         self.sl_t = _ialloc(self.nt)
         self.sl_f = _dcopy([0.0] * self.nt)
@@ -183,7 +183,7 @@ cdef class SplitSearch:
         free(self.sb); free(self.sa); free(self.best_types); free(self.best_layers)
         free(self.ecap); free(self.kroom); free(self.ordr); free(self.ordn); free(self.marg); free(self.ph_t)
         free(self.mu1); free(self.mu2); free(self.rmt); free(self.ph_mu)
-        free(self.nu1); free(self.nu2); free(self.narg); free(self.rsum); free(self.rw); free(self.gam)
+        free(self.nu1); free(self.nu2); free(self.narg); free(self.rsum); free(self.gam); free(self.xs)
 
     # --- memory ---------------------------------------------------------------------------------
 
@@ -499,6 +499,52 @@ cdef class SplitSearch:
             return cost
         return INFINITY
 
+    cdef double _gammas(self, int q, int k, int* lb, int ns) noexcept nogil:
+        # see splits.SplitSearch._gammas
+        cdef int pp = self.pp, v = self.v, nt = self.nt, nv = self.nv, r, i, t, c, vs, j, s_lb, top
+        cdef int cf = q * nv, cr = q * pp
+        cdef bint even
+        cdef double gsum = 0.0, gmax, g, beta, acc, w
+        for r in range(k, pp):
+            s_lb = 0
+            for c in range(v):
+                s_lb += lb[c * pp + r]
+            even = True
+            for c in range(v):
+                if (s_lb + v - 1 - c) // v != lb[c * pp + r]:
+                    even = False
+            gmax = 0.0
+            for i in range(ns):
+                t = self.sl_t[i]
+                if self.ecap[r * nt + t] < 0:
+                    continue
+                beta = 0.0
+                for c in range(v):
+                    vs = c * pp + r
+                    self.xs[c] = self.coef_f[cf + vs] * self.sl_f[i] + self.coef_b[cf + vs] * self.sl_b[i] \
+                        + self.coef_ar[cr + r] * self.sl_a[i]
+                    beta += self.xs[c]
+                beta = beta / v
+                g = 0.0
+                if even:
+                    top = v - 1 if v - 1 < self.ecap[r * nt + t] else self.ecap[r * nt + t]
+                    acc = 0.0
+                    for j in range(1, top + 1):
+                        acc += self.xs[(s_lb + j - 1) % v]
+                        if beta * j - acc > g:
+                            g = beta * j - acc
+                else:
+                    w = 0.0
+                    for c in range(v):
+                        w += self.xs[c] * ((<double> (c + v * lb[c * pp + r])) / v)
+                    if w - beta * s_lb > g:
+                        g = w - beta * s_lb
+                if g > gmax:
+                    gmax = g
+            self.gam[r] = gmax
+            gsum += gmax
+        return gsum
+
     cdef int _path_caps(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil:
         cdef int pp = self.pp, v = self.v, nv = self.nv, nt = self.nt, vs, r, q, c, cf, cr
         cdef int changed = 0, ns, i, t, ct, top, kf, kb, ka, d
@@ -538,7 +584,7 @@ cdef class SplitSearch:
                 self.nu1[t] = INFINITY
                 self.nu2[t] = INFINITY
                 self.narg[t] = -1
-            gsum = 0.0
+            gsum = -1.0             # the gammas of this path: computed when first needed
             for r in range(k, pp):
                 rmin = INFINITY
                 s_lb = 0
@@ -546,7 +592,6 @@ cdef class SplitSearch:
                     t = self.sl_t[i]
                     self.rmt[t] = INFINITY
                     self.rsum[t] = 0.0
-                    self.rw[t] = 0.0
                 for c in range(v):
                     vs = c * pp + r
                     kf = self.coef_f[cf + vs]
@@ -561,7 +606,6 @@ cdef class SplitSearch:
                         if x < self.rmt[t]:
                             self.rmt[t] = x
                         self.rsum[t] += x
-                        self.rw[t] += x * ((<double> (c + v * lb[vs])) / v)
                     s_lb += lb[vs]
                     self.alpha[vs] = a
                     lift += lb[vs] * (a - (kf * self.mins[0] + kb * self.mins[1] + ka * self.mins[6]))
@@ -577,7 +621,6 @@ cdef class SplitSearch:
                     argr = r
                 elif rmin < b2:
                     b2 = rmin
-                gmax = 0.0
                 for i in range(ns):
                     t = self.sl_t[i]
                     y = self.rmt[t]
@@ -594,11 +637,6 @@ cdef class SplitSearch:
                         self.narg[t] = r
                     elif y < self.nu2[t]:
                         self.nu2[t] = y
-                    g = self.rw[t] - y * s_lb
-                    if g > gmax:
-                        gmax = g
-                self.gam[r] = gmax
-                gsum += gmax
             base += lift
             if base + extra * a1 >= limit:
                 return -1
@@ -661,6 +699,8 @@ cdef class SplitSearch:
                         if own < INFINITY:
                             y = self._phi(extra - d, r, t, ns, self.mu1, self.mu2, self.marg)
                             if v > 1 and own + y < rhs:
+                                if gsum < 0.0:
+                                    gsum = self._gammas(q, k, lb, ns)
                                 g = self._phi(extra - d, r, t, ns, self.nu1, self.nu2, self.narg) \
                                     - (gsum - self.gam[r])
                                 if g > y:

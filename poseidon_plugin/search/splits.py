@@ -347,7 +347,7 @@ class SplitSearch:
         other than ``r`` can hold on type ``t`` when ``r`` takes type ``t2`` (the ``n`` best of them,
         ``n`` = the type's remaining ranks); -1 when too few of them can host ``t``."""
         pp, v, nt = self.pp, self.v, self.nt
-        ecap = [-1] * (pp * nt)
+        ecap = self.ecap = [-1] * (pp * nt)
         order = []
         for t, _ft, _bt, _at in slopes:
             for r in range(k, pp):
@@ -407,6 +407,57 @@ class SplitSearch:
             e -= take
         return cost if e <= 0 else INF
 
+    def _gammas(self, q: int, k: int, lb, slopes) -> float:
+        """Per undecided rank ``r`` (``self.gam[r]``, max over its types): how far its cost along path
+        ``q`` of ``d`` layers above its lower bounds can fall below ``beta d`` (``beta``: the mean of its
+        chunk slopes), over the counts it can hold; returns their sum. Layer ``l + 1`` of a rank goes
+        to chunk ``l mod V``, so when the lower bounds are spread like a rank's layers the cost gains
+        ``V beta`` every ``V`` layers and only the first ``V - 1`` counts need a look; otherwise the
+        bound ``chunk c holds at least (l - c) / V`` gives the shortfall."""
+        pp, v, nt, nv = self.pp, self.v, self.nt, self.nv
+        paths = self.shape.paths
+        cf, cr = q * nv, q * pp
+        self.gam = gam = [0.0] * pp
+        gsum = 0.0
+        xs = [0.0] * v
+        for r in range(k, pp):
+            s_lb = 0
+            for c in range(v):
+                s_lb += lb[c * pp + r]
+            even = True
+            for c in range(v):
+                if chunk_layers(s_lb, c, v) != lb[c * pp + r]:
+                    even = False
+            gmax = 0.0
+            for t, ft, bt, at in slopes:
+                room = self.ecap[r * nt + t]
+                if room < 0:
+                    continue
+                beta = 0.0
+                for c in range(v):
+                    vs = c * pp + r
+                    xs[c] = paths.coef_f[cf + vs] * ft + paths.coef_b[cf + vs] * bt + paths.coef_ar[cr + r] * at
+                    beta += xs[c]
+                beta = beta / v
+                g = 0.0
+                if even:
+                    acc = 0.0
+                    for j in range(1, min(v - 1, room) + 1):
+                        acc += xs[(s_lb + j - 1) % v]
+                        if beta * j - acc > g:
+                            g = beta * j - acc
+                else:
+                    w = 0.0
+                    for c in range(v):
+                        w += xs[c] * ((c + v * lb[c * pp + r]) / v)
+                    if w - beta * s_lb > g:
+                        g = w - beta * s_lb
+                if g > gmax:
+                    gmax = g
+            gam[r] = gmax
+            gsum += gmax
+        return gsum
+
     def _path_caps(self, k: int, left: int, lb, cap, capt) -> int:
         """Tighten caps with the bound paths; -1: some path proves the node cannot beat ``tau``."""
         pp, v, nv, nt = self.pp, self.v, self.nv, self.nt
@@ -424,8 +475,7 @@ class SplitSearch:
         alpha = [0.0] * nv
         m_f, m_b, m_ar = self.mins[0], self.mins[1], self.mins[6]
         rmt = [INF] * nt
-        rsum, rw = [0.0] * nt, [0.0] * nt
-        gam = [0.0] * pp
+        rsum = [0.0] * nt
         for q in range(paths.count):
             cf = q * nv
             cr = q * pp
@@ -447,14 +497,13 @@ class SplitSearch:
             # per type, over ranks: the two smallest mean chunk slopes (beta); a rank's d extra
             # layers cost at least beta d - gamma (chunk c gets at least (l - c) / V of its l layers)
             nu1, nu2, narg = [INF] * nt, [INF] * nt, [-1] * nt
-            gsum = 0.0
+            gsum = -1.0              # the gammas of this path: computed when first needed
             for r in range(k, pp):
                 rmin = INF
                 s_lb = 0
                 for t, _ft, _bt, _at in slopes:
                     rmt[t] = INF
                     rsum[t] = 0.0
-                    rw[t] = 0.0
                 for c in range(v):
                     vs = c * pp + r
                     kf, kb, ka = paths.coef_f[cf + vs], paths.coef_b[cf + vs], paths.coef_ar[cr + r]
@@ -466,7 +515,6 @@ class SplitSearch:
                         if x < rmt[t]:
                             rmt[t] = x
                         rsum[t] += x
-                        rw[t] += x * ((c + v * lb[vs]) / v)
                     s_lb += lb[vs]
                     alpha[vs] = a
                     # the stage's lb layers cost at least its cheapest type's slope, not the
@@ -482,7 +530,6 @@ class SplitSearch:
                     b2, b1, argr = b1, rmin, r
                 elif rmin < b2:
                     b2 = rmin
-                gmax = 0.0
                 for t, _ft, _bt, _at in slopes:
                     y = rmt[t]
                     if y < mu1[t]:
@@ -494,11 +541,6 @@ class SplitSearch:
                         nu2[t], nu1[t], narg[t] = nu1[t], y, r
                     elif y < nu2[t]:
                         nu2[t] = y
-                    g = rw[t] - y * s_lb
-                    if g > gmax:
-                        gmax = g
-                gam[r] = gmax
-                gsum += gmax
             base += lift
             if base + extra * a1 >= limit:
                 return -1
@@ -561,8 +603,10 @@ class SplitSearch:
                         if own < INF:
                             y = self._phi(extra - d, r, t, K, mu1, mu2, marg, slopes)
                             if v > 1 and own + y < rhs:
+                                if gsum < 0.0:
+                                    gsum = self._gammas(q, k, lb, slopes)
                                 g = self._phi(extra - d, r, t, K, nu1, nu2, narg, slopes) \
-                                    - (gsum - gam[r])
+                                    - (gsum - self.gam[r])
                                 if g > y:
                                     y = g
                             if own + y < rhs:
