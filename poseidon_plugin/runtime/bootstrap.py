@@ -247,7 +247,8 @@ def _plan(job: _Job, phases: Phases, world: Any, device: Any, declared: Any, log
 
     def search() -> Plan:
         found = planning.plan_on_rank0(CostModel(cluster, model, outcome.profile), schedules=schedules,
-                                       keep=job.flags if opts.keep else None, time_limit_s=opts.timeout / 2)
+                                       keep=job.flags if opts.keep else None, time_limit_s=opts.timeout / 2,
+                                       mode=opts.search_mode)
         planning.check_plan_fits(found, world, job.flags, job.global_batch, "the searched plan")
         return found
 

@@ -58,6 +58,10 @@ class RuntimeOptions:
     """Pipeline schedules the search may choose from (comma list); empty means the search's default."""
     keep: bool = False
     """Keep the user's TP, PP and micro-batch size: plan only placement and the layer split."""
+    search_mode: str = "exact"
+    """``exact``: the proven optimum of the cost model (``poseidon plan --exact``); ``default``: the faster
+    search whose space rests on the paper's ridge rule (docs/SEARCH.md). Either stops at half the
+    timeout with the best plan found."""
     emulate: str | None = None
     """Emulated heterogeneous cluster on CPU, e.g. ``A2-2:2,A2-4:2`` (see ``runtime/emulation.py``)."""
     micro_batch_sizes: tuple[int, ...] = ()
@@ -103,6 +107,7 @@ _SPECS: tuple[_Spec, ...] = (
     _Spec(field="profile_cache", kind="out_path"),
     _Spec(field="schedules", kind="str_list"),
     _Spec(field="keep", kind="bool"),
+    _Spec(field="search_mode", kind="str", choices=("exact", "default")),
     _Spec(field="emulate", kind="str"),
     _Spec(field="micro_batch_sizes", kind="int_list", minimum=1),
     _Spec(field="timeout", kind="float", minimum=1.0),

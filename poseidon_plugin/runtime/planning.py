@@ -51,16 +51,18 @@ def job_name(script: str, job: JobFlags) -> str:
 
 
 def plan_on_rank0(cost_model: CostModel, *, schedules: Sequence[str], keep: JobFlags | None,
-                  time_limit_s: float) -> Plan:
+                  time_limit_s: float, mode: str = "exact") -> Plan:
     """The one call into the search: best plan for the cost model (NoFeasiblePlanError when none fits).
 
     ``keep`` (``--poseidon-keep``) pins TP, PP and mbs to the job's: only placement, layer split, DP and
-    schedule are searched. ``time_limit_s`` keeps the search shorter than the other ranks' wait for it.
+    schedule are searched. ``time_limit_s`` keeps the search shorter than the other ranks' wait for it;
+    ``mode`` is the search mode (``--poseidon-search-mode``: the proven optimum by default).
     """
     from poseidon_plugin.search import SearchOptions, search
 
     # the plan runs on Megatron: time it with Megatron's blocking p2p (docs/FIDELITY.md)
-    options: dict = {"schedules": tuple(schedules), "time_limit_s": time_limit_s, "comm_model": _COMM_MODEL}
+    options: dict = {"schedules": tuple(schedules), "time_limit_s": time_limit_s, "comm_model": _COMM_MODEL,
+                     "mode": mode}
     if keep is None:
         return search(cost_model, SearchOptions(**options)).plan
     options.update(tp_degrees=(keep.tensor_parallel,), micro_batch_sizes=(keep.micro_batch_size,),
