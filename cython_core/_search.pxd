@@ -72,6 +72,7 @@ cdef class SplitSearch:
     cdef double* rsum    # nt
     cdef double* gam     # pp
     cdef double* xs      # v
+    cdef double* xall    # nv * nt: slope of each undecided stage per remaining type on the current path
     cdef int* sl_t       # remaining types and their per-layer slopes (scratch)
     cdef double* sl_f
     cdef double* sl_b

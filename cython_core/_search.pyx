@@ -75,7 +75,7 @@ cdef class SplitSearch:
         self.capts = self.vals = self.sl_t = NULL
         self.ecap = self.kroom = self.ordr = self.ordn = self.marg = self.ph_t = NULL
         self.mu1 = self.mu2 = self.rmt = self.ph_mu = NULL
-        self.nu1 = self.nu2 = self.rsum = self.gam = self.xs = NULL
+        self.nu1 = self.nu2 = self.rsum = self.gam = self.xs = self.xall = NULL
         self.narg = NULL
         self.sl_f = self.sl_b = self.sl_a = NULL
         self.best_types = self.best_layers = NULL
@@ -154,6 +154,7 @@ cdef class SplitSearch:
         self.narg = _ialloc(self.nt)
         self.rsum = _dcopy([0.0] * self.nt)
         self.xs = _dcopy([0.0] * self.v)
+        self.xall = _dcopy([0.0] * (self.nv * self.nt))
         self.gam = _dcopy([0.0] * self.pp)
         self.sl_t = _ialloc(self.nt)
         self.sl_f = _dcopy([0.0] * self.nt)
@@ -183,7 +184,7 @@ cdef class SplitSearch:
         free(self.sb); free(self.sa); free(self.best_types); free(self.best_layers)
         free(self.ecap); free(self.kroom); free(self.ordr); free(self.ordn); free(self.marg); free(self.ph_t)
         free(self.mu1); free(self.mu2); free(self.rmt); free(self.ph_mu)
-        free(self.nu1); free(self.nu2); free(self.narg); free(self.rsum); free(self.gam); free(self.xs)
+        free(self.nu1); free(self.nu2); free(self.narg); free(self.rsum); free(self.gam); free(self.xs); free(self.xall)
 
     # --- memory ---------------------------------------------------------------------------------
 
@@ -520,9 +521,8 @@ cdef class SplitSearch:
                     continue
                 beta = 0.0
                 for c in range(v):
-                    vs = c * pp + r
-                    self.xs[c] = self.coef_f[cf + vs] * self.sl_f[i] + self.coef_b[cf + vs] * self.sl_b[i] \
-                        + self.coef_ar[cr + r] * self.sl_a[i]
+                    # the slopes the path loop stored (same operations as splits.py's)
+                    self.xs[c] = self.xall[(c * pp + r) * nt + i]
                     beta += self.xs[c]
                 beta = beta / v
                 g = 0.0
@@ -563,13 +563,11 @@ cdef class SplitSearch:
         for q in range(self.n_paths):
             cf = q * nv
             cr = q * pp
+            if self.owner[q] < k:
+                continue
             base = 0.0
             for e in range(self.term_ptr[q], self.term_ptr[q + 1]):
                 base += self.term_coef[e] * p[self.term_idx[e]]
-            if self.owner[q] < k:
-                if base >= limit:
-                    return -1
-                continue
             a1 = INFINITY
             amax = 0.0
             lift = 0.0
@@ -597,16 +595,26 @@ cdef class SplitSearch:
                     kf = self.coef_f[cf + vs]
                     kb = self.coef_b[cf + vs]
                     ka = self.coef_ar[cr + r]
+                    s_lb += lb[vs]
+                    if kf == 0 and kb == 0 and ka == 0:
+                        # off the path: every slope is 0 (what the loop below computes, faster)
+                        self.alpha[vs] = 0.0
+                        a1 = 0.0
+                        rmin = 0.0
+                        for i in range(ns):
+                            self.rmt[self.sl_t[i]] = 0.0
+                            self.xall[vs * nt + i] = 0.0
+                        continue
                     a = INFINITY
                     for i in range(ns):
                         x = kf * self.sl_f[i] + kb * self.sl_b[i] + ka * self.sl_a[i]
+                        self.xall[vs * nt + i] = x
                         if x < a:
                             a = x
                         t = self.sl_t[i]
                         if x < self.rmt[t]:
                             self.rmt[t] = x
                         self.rsum[t] += x
-                    s_lb += lb[vs]
                     self.alpha[vs] = a
                     lift += lb[vs] * (a - (kf * self.mins[0] + kb * self.mins[1] + ka * self.mins[6]))
                     if a < a1:

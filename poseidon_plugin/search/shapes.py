@@ -106,31 +106,6 @@ def _two_trips(schedule: str, pp: int, m: int, v: int, r: int):
     return rf, rb, rs, rar
 
 
-def _late_chunks(schedule: str, pp: int, m: int, v: int, r: int):
-    """Interleaved only, per chunk ``c >= 1``: micro-batch 0 forward through every virtual stage up to
-    rank ``r``'s chunk ``c``, rank ``r``'s ops from that forward on, then the tail
-    ``B(r-1, M-1) -> ... -> B(0, M-1) -> AR_0``. Rank ``r`` cannot run its chunk-``c`` ops before
-    micro-batch 0 has passed every earlier virtual stage: this is the interleaved bubble."""
-    nv = pp * v
-    ops = rank_order(schedule, pp, m, v, r)
-    rows = []
-    for chunk in range(1, v):
-        i0 = ops.index((FORWARD, chunk, 0))
-        vstar = chunk * pp + r
-        rf, rb, rs, rar = [0] * nv, [0] * nv, [0] * pp, [0] * pp
-        for vs in range(vstar):                 # micro-batch 0 down to rank r's chunk c
-            rf[vs] += 1
-            rs[vs % pp] += 1
-        for kind, c, _mb in ops[i0:]:           # rank r's ops from that forward on
-            (rf if kind == FORWARD else rb)[c * pp + r] += 1
-        for j in range(r):                      # tail to AR_0
-            rb[j] += 1
-            rs[j] += 1
-        rar[0] = 1
-        rows.append((rf, rb, rs, rar))
-    return rows
-
-
 def _detour(schedule: str, pp: int, m: int, v: int, r: int):
     """Interleaved only: rank ``r``'s ops up to its chunk-0 forward of micro-batch ``pp - 1``, that
     micro-batch down the chunk-0 stages to the last rank, the last rank's ops up to its first backward,
@@ -220,7 +195,6 @@ def bound_paths(schedule: str, pp: int, micro_batches: int, virtual_stages: int)
         two = _two_trips(schedule, pp, m, v, r)
         if two is not None:
             rows.append(two)
-        rows.extend(_late_chunks(schedule, pp, m, v, r))
         det = _detour(schedule, pp, m, v, r)
         if det is not None:
             rows.append(det)

@@ -479,14 +479,11 @@ class SplitSearch:
         for q in range(paths.count):
             cf = q * nv
             cr = q * pp
+            if paths.owner[q] < k:
+                continue        # the owner is decided: no caps (below); the DAG bound covers its cut
             base = 0.0
             for e in range(paths.term_ptr[q], paths.term_ptr[q + 1]):
                 base += paths.term_coef[e] * p[paths.term_idx[e]]
-            if paths.owner[q] < k:
-                # the owner is decided: the path gives no caps (below), only its plain cut
-                if base >= limit:
-                    return -1
-                continue
             # per-layer cost of each undecided stage in this path, at its cheapest possible type
             a1 = INF
             amax = 0.0
