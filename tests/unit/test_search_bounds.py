@@ -112,7 +112,7 @@ def test_bound_paths_are_tight_on_uniform_pipelines(schedule, pp, m, v, send):
     assert len(paths.owner) == paths.count and set(paths.owner) == set(range(pp))
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(80))
 def test_lower_bounds_never_exceed_any_completion(seed):
     """At random prefixes of random structures, with tau just above the best completion: the node is
     not pruned, every completion that beats tau lies within the propagated [lb, cap], and the
@@ -148,12 +148,14 @@ def test_lower_bounds_never_exceed_any_completion(seed):
         left = num_layers - sum(ss.layers)
         lb, cap, capt = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v * len(counts))
         assert ss._propagate(k, left, lb, cap, capt)
-        for t_ms, _types, lay in completions:
+        nt = len(counts)
+        for t_ms, typ, lay in completions:
             if t_ms < tau:
                 for r in range(k, pp):
                     for c in range(v):
                         vs = c * pp + r
                         assert lb[vs] <= lay[vs] <= cap[vs]
+                        assert lay[vs] <= capt[vs * nt + typ[r]]     # the cap of the type it takes
         ss._fill(lb)
         assert ss.kernel.longest(ss.params) <= best
 
