@@ -34,7 +34,7 @@ from .splits import SplitSearch as PySplitSearch
 INF = math.inf
 PURE_ENV = "POSEIDON_PURE_PYTHON"
 WARMUP_SHAPES = 16
-SEED_SHAPES = 64
+SEED_SHAPES = 16
 
 
 def use_pure_python(options: SearchOptions) -> bool:

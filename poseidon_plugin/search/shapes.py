@@ -71,14 +71,13 @@ def first_backward(schedule: str, pp: int, micro_batches: int, virtual_stages: i
     return counts, v - 1 - table[0][1]
 
 
-def _two_trips(schedule: str, pp: int, m: int, v: int, r: int):
+def _two_trips(pp: int, v: int, r: int, ops):
     """The *two trips* path of rank ``r``: micro-batch 0 down every virtual stage and back up to rank
     ``r``'s first backward, rank ``r``'s ops up to its last forward, that micro-batch down the rest of
     the virtual stages and back up through all of them, then ``AR_0``. Heterogeneous 1F1B pipelines
     run on it: a slow block of ranks paces the steady state between the first and the last trip.
     None when rank ``r`` has no forward after its first backward (GPipe, or M = 1)."""
     nv = pp * v
-    ops = rank_order(schedule, pp, m, v, r)
     i_b = next(i for i, op in enumerate(ops) if op[0] == BACKWARD)
     i_f = max(i for i, op in enumerate(ops) if op[0] == FORWARD)
     _k, c_b, mb_b = ops[i_b]
@@ -106,7 +105,7 @@ def _two_trips(schedule: str, pp: int, m: int, v: int, r: int):
     return rf, rb, rs, rar
 
 
-def _detour(schedule: str, pp: int, m: int, v: int, r: int):
+def _detour(pp: int, m: int, v: int, r: int, ops, last):
     """Interleaved only: rank ``r``'s ops up to its chunk-0 forward of micro-batch ``pp - 1``, that
     micro-batch down the chunk-0 stages to the last rank, the last rank's ops up to its first backward,
     the backward chain of micro-batch 0 back up to rank ``r``'s first backward, rank ``r``'s remaining
@@ -114,8 +113,6 @@ def _detour(schedule: str, pp: int, m: int, v: int, r: int):
     if v < 2 or r == pp - 1 or m < pp:
         return None
     nv = pp * v
-    ops = rank_order(schedule, pp, m, v, r)
-    last = rank_order(schedule, pp, m, v, pp - 1)
     i_b = next(i for i, op in enumerate(ops) if op[0] == BACKWARD)
     i_f = ops.index((FORWARD, 0, pp - 1))
     j_f = last.index((FORWARD, 0, pp - 1))
@@ -157,6 +154,7 @@ def bound_paths(schedule: str, pp: int, micro_batches: int, virtual_stages: int)
     nv = pp * v
     rows: list[tuple[list[int], list[int], list[int], list[int]]] = []
     owner = array("i")
+    orders = [rank_order(schedule, pp, m, v, r) for r in range(pp)]   # each rank's ops, in order
     for r in range(pp):
         own_chunks = [c * pp + r for c in range(v)]
         cf, cb, cs, car = [0] * nv, [0] * nv, [0] * pp, [0] * pp
@@ -192,10 +190,10 @@ def bound_paths(schedule: str, pp: int, micro_batches: int, virtual_stages: int)
             rs[j] += 1
         rar[0] = 1
         rows.append((rf, rb, rs, rar))
-        two = _two_trips(schedule, pp, m, v, r)
+        two = _two_trips(pp, v, r, orders[r])
         if two is not None:
             rows.append(two)
-        det = _detour(schedule, pp, m, v, r)
+        det = _detour(pp, m, v, r, orders[r], orders[pp - 1])
         if det is not None:
             rows.append(det)
         owner.extend([r] * (len(rows) - len(owner)))
