@@ -34,7 +34,7 @@ from .splits import SplitSearch as PySplitSearch
 INF = math.inf
 PURE_ENV = "POSEIDON_PURE_PYTHON"
 WARMUP_SHAPES = 16
-SEED_SHAPES = 16
+SEED_SHAPES = 64
 
 
 def use_pure_python(options: SearchOptions) -> bool:
@@ -235,18 +235,23 @@ class _Run:
             return True
         return sum(caps[:sg.pp]) < self.space.num_layers
 
+    def cut_at_root(self, sg: ShapeGroup) -> bool:
+        """The fluid cut or the root bound (types and layers free) proves the group cannot beat its
+        threshold."""
+        tau = self.board.threshold(sg.key) * self.shrink
+        if self.fluid_cut(sg, tau):
+            return True
+        root = self.splitter(sg).run(sg.group.slots, tau, root_only=True)
+        self.add(root.counters)
+        return root.time_ms == INF
+
     def run_shape_group(self, sg: ShapeGroup) -> None:
         key = sg.key
         g = sg.group
-        if self.fluid_cut(sg, self.board.threshold(key) * self.shrink):
+        if self.cut_at_root(sg):
             self.pruned_shapes += 1
             return
         splitter = self.splitter(sg)
-        root = splitter.run(g.slots, self.board.threshold(key) * self.shrink, root_only=True)
-        self.add(root.counters)
-        if root.time_ms == INF:
-            self.pruned_shapes += 1
-            return
         if sg.key not in self.board.best:
             self.seed(sg)
         vectors = self.space.count_vectors(sg)
@@ -277,7 +282,9 @@ class _Run:
         # a tight incumbent early is what makes the bounds cut
         head = sgs[:SEED_SHAPES]
         for sg in head:
-            self.seed(sg)
+            # a seed builds the group's DAG: only for groups the cheap bounds cannot cut already
+            if not self.cut_at_root(sg):
+                self.seed(sg)
         seeded = {sg.key: self.board.best.get(sg.key, (INF, None))[0] for sg in head}
         head.sort(key=lambda sg: seeded[sg.key])
         sgs = head + sgs[SEED_SHAPES:]
