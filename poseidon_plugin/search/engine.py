@@ -275,16 +275,18 @@ class _Run:
         if not sgs:
             return
         sgs.sort(key=self.estimate)
-        # the warm-up draws from the most promising shape groups: every shape it touches needs its
-        # DAG built, and random plans of hopeless shapes seed nothing useful
-        self.warmup_done = self.warmup(sgs[:WARMUP_SHAPES])
         # greedy seeds of the most promising groups, then search those with the best seeds first:
         # a tight incumbent early is what makes the bounds cut
         head = sgs[:SEED_SHAPES]
+        alive = []
         for sg in head:
             # a seed builds the group's DAG: only for groups the cheap bounds cannot cut already
             if not self.cut_at_root(sg):
                 self.seed(sg)
+                alive.append(sg)
+        # the warm-up (paper §4.2.3) draws from the most promising groups still alive: every shape it
+        # touches needs its DAG built, and random plans of hopeless shapes seed nothing useful
+        self.warmup_done = self.warmup((alive or sgs)[:WARMUP_SHAPES])
         seeded = {sg.key: self.board.best.get(sg.key, (INF, None))[0] for sg in head}
         head.sort(key=lambda sg: seeded[sg.key])
         sgs = head + sgs[SEED_SHAPES:]
