@@ -72,6 +72,12 @@ cdef class SplitSearch:
     cdef double* rsum    # nt
     cdef double* gam     # pp
     cdef double* xs      # v
+    cdef double* rlb
+    cdef double* gam0
+    cdef int* efull
+    cdef int* ordf
+    cdef int* ordfn
+    cdef int* kfull
     cdef double* xall    # nv * nt: slope of each undecided stage per remaining type on the current path
     cdef int* sl_t       # remaining types and their per-layer slopes (scratch)
     cdef double* sl_f
@@ -103,7 +109,8 @@ cdef class SplitSearch:
     cdef bint _propagate(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
     cdef int _type_slopes(self) noexcept nogil
     cdef void _type_room(self, int k, int* lb, int* cap, int* capt, int ns) noexcept nogil
-    cdef double _phi(self, int e, int r, int t2, int ns, double* mu1, double* mu2, int* marg) noexcept nogil
+    cdef double _phi(self, int e, int r, int t2, int ns, double* mu1, double* mu2, int* marg, int* kt) noexcept nogil
+    cdef double _gammas0(self, int q, int k, int ns) noexcept nogil
     cdef double _gammas(self, int q, int k, int* lb, int ns) noexcept nogil
     cdef int _path_caps(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
     cdef bint _type_mass(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil

@@ -75,7 +75,8 @@ cdef class SplitSearch:
         self.capts = self.vals = self.sl_t = NULL
         self.ecap = self.kroom = self.ordr = self.ordn = self.marg = self.ph_t = NULL
         self.mu1 = self.mu2 = self.rmt = self.ph_mu = NULL
-        self.nu1 = self.nu2 = self.rsum = self.gam = self.xs = self.xall = NULL
+        self.nu1 = self.nu2 = self.rsum = self.gam = self.xs = self.xall = self.rlb = self.gam0 = NULL
+        self.efull = self.ordf = self.ordfn = self.kfull = NULL
         self.narg = NULL
         self.sl_f = self.sl_b = self.sl_a = NULL
         self.best_types = self.best_layers = NULL
@@ -155,6 +156,12 @@ cdef class SplitSearch:
         self.rsum = _dcopy([0.0] * self.nt)
         self.xs = _dcopy([0.0] * self.v)
         self.xall = _dcopy([0.0] * (self.nv * self.nt))
+        self.efull = _ialloc(self.pp * self.nt)
+        self.ordf = _ialloc(self.nt * self.pp)
+        self.ordfn = _ialloc(self.nt)
+        self.kfull = _ialloc(self.pp * self.nt * self.nt)
+        self.rlb = _dcopy([0.0] * self.pp)
+        self.gam0 = _dcopy([0.0] * self.pp)
         self.gam = _dcopy([0.0] * self.pp)
         self.sl_t = _ialloc(self.nt)
         self.sl_f = _dcopy([0.0] * self.nt)
@@ -184,7 +191,8 @@ cdef class SplitSearch:
         free(self.sb); free(self.sa); free(self.best_types); free(self.best_layers)
         free(self.ecap); free(self.kroom); free(self.ordr); free(self.ordn); free(self.marg); free(self.ph_t)
         free(self.mu1); free(self.mu2); free(self.rmt); free(self.ph_mu)
-        free(self.nu1); free(self.nu2); free(self.narg); free(self.rsum); free(self.gam); free(self.xs); free(self.xall)
+        free(self.nu1); free(self.nu2); free(self.narg); free(self.rsum); free(self.gam); free(self.xs); free(self.xall); free(self.rlb); free(self.gam0)
+        free(self.efull); free(self.ordf); free(self.ordfn); free(self.kfull)
 
     # --- memory ---------------------------------------------------------------------------------
 
@@ -425,9 +433,11 @@ cdef class SplitSearch:
         cdef int n, total, got
         for i in range(pp * nt):
             self.ecap[i] = -1
+            self.efull[i] = -1
         for i in range(ns):
             t = self.sl_t[i]
             self.ordn[t] = 0
+            self.ordfn[t] = 0
             for r in range(k, pp):
                 s = 0
                 s_lb = 0
@@ -442,6 +452,13 @@ cdef class SplitSearch:
                     s += ct
                     s_lb += lb[vs]
                 if s >= 0:
+                    self.efull[r * nt + t] = s
+                    j = self.ordfn[t]
+                    while j > 0 and self.efull[self.ordf[t * pp + j - 1] * nt + t] < s:
+                        self.ordf[t * pp + j] = self.ordf[t * pp + j - 1]
+                        j -= 1
+                    self.ordf[t * pp + j] = r
+                    self.ordfn[t] += 1
                     y = s - s_lb
                     self.ecap[r * nt + t] = y
                     # stable insertion, largest first
@@ -469,14 +486,26 @@ cdef class SplitSearch:
                     if got < n and self.exact_counts:
                         total = -1
                     self.kroom[(r * nt + t2) * nt + t] = total
+                    total = 0
+                    got = 0
+                    for y in range(self.ordfn[t]):
+                        if got == n:
+                            break
+                        j = self.ordf[t * pp + y]
+                        if j != r:
+                            total += self.efull[j * nt + t]
+                            got += 1
+                    if got < n and self.exact_counts:
+                        total = -1
+                    self.kfull[(r * nt + t2) * nt + t] = total
 
-    cdef double _phi(self, int e, int r, int t2, int ns, double* mu1, double* mu2, int* marg) noexcept nogil:
+    cdef double _phi(self, int e, int r, int t2, int ns, double* mu1, double* mu2, int* marg, int* kt) noexcept nogil:
         # see splits.SplitSearch._phi
         cdef int nt = self.nt, i, j, t, kk, take, n = 0
         cdef double mu, cost = 0.0
         for i in range(ns):
             t = self.sl_t[i]
-            if self.kroom[(r * nt + t2) * nt + t] < 0:
+            if kt[(r * nt + t2) * nt + t] < 0:
                 return INFINITY
             mu = mu2[t] if marg[t] == r else mu1[t]
             j = n
@@ -490,7 +519,7 @@ cdef class SplitSearch:
         for i in range(n):
             if e <= 0:
                 break
-            kk = self.kroom[(r * nt + t2) * nt + self.ph_t[i]]
+            kk = kt[(r * nt + t2) * nt + self.ph_t[i]]
             if kk == 0:
                 continue
             take = e if e < kk else kk
@@ -545,12 +574,40 @@ cdef class SplitSearch:
             gsum += gmax
         return gsum
 
+    cdef double _gammas0(self, int q, int k, int ns) noexcept nogil:
+        # per rank: how far its cost of l layers (from 0) can fall below beta l (max over types)
+        cdef int pp = self.pp, v = self.v, nt = self.nt, r, i, t, c, j, top
+        cdef double gsum = 0.0, gmax, g, beta, acc
+        for r in range(k, pp):
+            gmax = 0.0
+            for i in range(ns):
+                t = self.sl_t[i]
+                if self.efull[r * nt + t] < 0:
+                    continue
+                beta = 0.0
+                for c in range(v):
+                    beta += self.xall[(c * pp + r) * nt + i]
+                beta = beta / v
+                g = 0.0
+                acc = 0.0
+                top = v - 1 if v - 1 < self.efull[r * nt + t] else self.efull[r * nt + t]
+                for j in range(1, top + 1):
+                    acc += self.xall[((j - 1) * pp + r) * nt + i]
+                    if beta * j - acc > g:
+                        g = beta * j - acc
+                if g > gmax:
+                    gmax = g
+            self.gam0[r] = gmax
+            gsum += gmax
+        return gsum
+
     cdef int _path_caps(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil:
         cdef int pp = self.pp, v = self.v, nv = self.nv, nt = self.nt, vs, r, q, c, cf, cr
         cdef int changed = 0, ns, i, t, ct, top, kf, kb, ka, d
         cdef int extra = left, e
         cdef double limit = self.tau * (1.0 + PATH_SLACK), base, a, a1, amax, m, slope, room, x, y
-        cdef double numer, lift, b1, b2, rmin, xmin, extra_t, rhs, g, gmax, gsum, own
+        cdef double numer, lift, b1, b2, rmin, xmin, extra_t, rhs, g, gmax, gsum, own, lbo, gsum0
+        cdef int elb = 0
         cdef int n
         cdef int argr, s_lb, ct_sum, u, c2, vs2, ok
         cdef double* p = self.params
@@ -585,6 +642,7 @@ cdef class SplitSearch:
             gsum = -1.0             # the gammas of this path: computed when first needed
             for r in range(k, pp):
                 rmin = INFINITY
+                self.rlb[r] = 0.0
                 s_lb = 0
                 for i in range(ns):
                     t = self.sl_t[i]
@@ -616,6 +674,7 @@ cdef class SplitSearch:
                             self.rmt[t] = x
                         self.rsum[t] += x
                     self.alpha[vs] = a
+                    self.rlb[r] += lb[vs] * a
                     lift += lb[vs] * (a - (kf * self.mins[0] + kb * self.mins[1] + ka * self.mins[6]))
                     if a < a1:
                         a1 = a
@@ -654,6 +713,8 @@ cdef class SplitSearch:
             if b2 == INFINITY:
                 continue
             r = self.owner[q]
+            lbo = -1.0
+            gsum0 = -1.0
             if r >= k:
                 m = b2 if r == argr else b1
                 numer = limit - base - m * extra
@@ -705,14 +766,34 @@ cdef class SplitSearch:
                             own += n * (self.coef_f[cf + vs] * self.sl_f[i] + self.coef_b[cf + vs] * self.sl_b[i]
                                         + ka * self.sl_a[i])
                         if own < INFINITY:
-                            y = self._phi(extra - d, r, t, ns, self.mu1, self.mu2, self.marg)
+                            y = self._phi(extra - d, r, t, ns, self.mu1, self.mu2, self.marg, self.kroom)
                             if v > 1 and own + y < rhs:
                                 if gsum < 0.0:
                                     gsum = self._gammas(q, k, lb, ns)
-                                g = self._phi(extra - d, r, t, ns, self.nu1, self.nu2, self.narg) \
+                                g = self._phi(extra - d, r, t, ns, self.nu1, self.nu2, self.narg, self.kroom) \
                                     - (gsum - self.gam[r])
                                 if g > y:
                                     y = g
+                            if own + y < rhs:
+                                # all the other ranks' layers placed by type (their lower bounds too)
+                                if lbo < 0.0:
+                                    lbo = 0.0
+                                    elb = 0
+                                    for c2 in range(k, pp):
+                                        if c2 != r:
+                                            lbo += self.rlb[c2]
+                                            for c in range(v):
+                                                elb += lb[c * pp + c2]
+                                g = self._phi(elb + extra - d, r, t, ns, self.mu1, self.mu2, self.marg, self.kfull) - lbo
+                                if g > y:
+                                    y = g
+                                if v > 1 and own + y < rhs:
+                                    if gsum0 < 0.0:
+                                        gsum0 = self._gammas0(q, k, ns)
+                                    g = self._phi(elb + extra - d, r, t, ns, self.nu1, self.nu2, self.narg, self.kfull) \
+                                        - (gsum0 - self.gam0[r]) - lbo
+                                    if g > y:
+                                        y = g
                             if own + y < rhs:
                                 break
                         d -= 1

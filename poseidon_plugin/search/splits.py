@@ -348,7 +348,8 @@ class SplitSearch:
         ``n`` = the type's remaining ranks); -1 when too few of them can host ``t``."""
         pp, v, nt = self.pp, self.v, self.nt
         ecap = self.ecap = [-1] * (pp * nt)
-        order = []
+        efull = self.efull = [-1] * (pp * nt)
+        order, order_full = [], []
         for t, _ft, _bt, _at in slopes:
             for r in range(k, pp):
                 s_lb = s = 0
@@ -364,10 +365,14 @@ class SplitSearch:
                     s_lb += lb[vs]
                 if s >= 0:
                     ecap[r * nt + t] = s - s_lb
+                    efull[r * nt + t] = s
             # ranks by room on t, largest first (ties: lower rank first)
             order.append(sorted((r for r in range(k, pp) if ecap[r * nt + t] >= 0),
                                 key=lambda r, t=t: -ecap[r * nt + t]))
+            order_full.append(sorted((r for r in range(k, pp) if efull[r * nt + t] >= 0),
+                                     key=lambda r, t=t: -efull[r * nt + t]))
         K = [0] * (pp * nt * nt)
+        self.kfull = kfull = [0] * (pp * nt * nt)
         for r in range(k, pp):
             for t2, _f2, _b2, _a2 in slopes:
                 for i, (t, _ft, _bt, _at) in enumerate(slopes):
@@ -382,6 +387,16 @@ class SplitSearch:
                     if got < n and self.exact_counts:
                         total = -1
                     K[(r * nt + t2) * nt + t] = total
+                    total = got = 0                 # the same with whole capacities (kfull)
+                    for j in order_full[i]:
+                        if got == n:
+                            break
+                        if j != r:
+                            total += efull[j * nt + t]
+                            got += 1
+                    if got < n and self.exact_counts:
+                        total = -1
+                    kfull[(r * nt + t2) * nt + t] = total
         return K
 
     def _phi(self, e: int, r: int, t2: int, K, mu1, mu2, marg, slopes) -> float:
@@ -458,6 +473,38 @@ class SplitSearch:
             gsum += gmax
         return gsum
 
+    def _gammas0(self, q: int, k: int, slopes) -> float:
+        """As :meth:`_gammas`, for a rank's whole layer count (from 0; ``self.gam0``): layer ``j`` of a
+        rank goes to chunk ``j - 1`` for ``j <= V``."""
+        pp, v, nt, nv = self.pp, self.v, self.nt, self.nv
+        paths = self.shape.paths
+        cf, cr = q * nv, q * pp
+        self.gam0 = gam0 = [0.0] * pp
+        gsum = 0.0
+        xs = [0.0] * v
+        for r in range(k, pp):
+            gmax = 0.0
+            for t, ft, bt, at in slopes:
+                room = self.efull[r * nt + t]
+                if room < 0:
+                    continue
+                beta = 0.0
+                for c in range(v):
+                    vs = c * pp + r
+                    xs[c] = paths.coef_f[cf + vs] * ft + paths.coef_b[cf + vs] * bt + paths.coef_ar[cr + r] * at
+                    beta += xs[c]
+                beta = beta / v
+                g = acc = 0.0
+                for j in range(1, min(v - 1, room) + 1):
+                    acc += xs[j - 1]
+                    if beta * j - acc > g:
+                        g = beta * j - acc
+                if g > gmax:
+                    gmax = g
+            gam0[r] = gmax
+            gsum += gmax
+        return gsum
+
     def _path_caps(self, k: int, left: int, lb, cap, capt) -> int:
         """Tighten caps with the bound paths; -1: some path proves the node cannot beat ``tau``."""
         pp, v, nv, nt = self.pp, self.v, self.nv, self.nt
@@ -495,6 +542,7 @@ class SplitSearch:
             # layers cost at least beta d - gamma (chunk c gets at least (l - c) / V of its l layers)
             nu1, nu2, narg = [INF] * nt, [INF] * nt, [-1] * nt
             gsum = -1.0              # the gammas of this path: computed when first needed
+            rlb = [0.0] * pp              # per rank: its lb layers along the path, as priced in base
             for r in range(k, pp):
                 rmin = INF
                 s_lb = 0
@@ -514,6 +562,7 @@ class SplitSearch:
                         rsum[t] += x
                     s_lb += lb[vs]
                     alpha[vs] = a
+                    rlb[r] += lb[vs] * a
                     # the stage's lb layers cost at least its cheapest type's slope, not the
                     # per-column minimum the DAG fill used
                     lift += lb[vs] * (a - (kf * m_f + kb * m_b + ka * m_ar))
@@ -551,6 +600,8 @@ class SplitSearch:
             # the other extra layers at least the cheapest slope of another rank's stage (closed
             # form), and at least their cheapest placement by type (the scan below)
             # (only for the path's owner rank: the other ranks' slopes on it are small)
+            lbo = gsum0 = -1.0
+            elb = 0
             for r in range(paths.owner[q], paths.owner[q] + 1 if paths.owner[q] >= k else 0):
                 m = b2 if r == argr else b1
                 numer = limit - base - m * extra
@@ -606,6 +657,27 @@ class SplitSearch:
                                     - (gsum - self.gam[r])
                                 if g > y:
                                     y = g
+                            if own + y < rhs:
+                                # all the other ranks' layers placed by type, their lower bounds too
+                                # (base priced those at each stage's cheapest type: take them out)
+                                if lbo < 0.0:
+                                    lbo = 0.0
+                                    elb = 0
+                                    for j in range(k, pp):
+                                        if j != r:
+                                            lbo += rlb[j]
+                                            for c in range(v):
+                                                elb += lb[c * pp + j]
+                                g = self._phi(elb + extra - d, r, t, self.kfull, mu1, mu2, marg, slopes) - lbo
+                                if g > y:
+                                    y = g
+                                if v > 1 and own + y < rhs:
+                                    if gsum0 < 0.0:
+                                        gsum0 = self._gammas0(q, k, slopes)
+                                    g = self._phi(elb + extra - d, r, t, self.kfull, nu1, nu2, narg, slopes) \
+                                        - (gsum0 - self.gam0[r]) - lbo
+                                    if g > y:
+                                        y = g
                             if own + y < rhs:
                                 break
                         d -= 1
