@@ -109,6 +109,8 @@ cdef class SplitSearch:
     cdef bint _propagate(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
     cdef int _type_slopes(self) noexcept nogil
     cdef void _type_room(self, int k, int* lb, int* cap, int* capt, int ns) noexcept nogil
+    cdef int _top_sum(self, int* order, int* count, int* vals, int t, int r, int n) noexcept nogil
+    cdef int _rank_capacity(self, int r, int t, int* lb, int* cap, int* capt) noexcept nogil
     cdef double _phi(self, int e, int r, int t2, int ns, double* mu1, double* mu2, int* marg, int* kt) noexcept nogil
     cdef double _gammas0(self, int q, int k, int ns) noexcept nogil
     cdef double _gammas(self, int q, int k, int* lb, int ns) noexcept nogil

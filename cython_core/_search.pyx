@@ -429,8 +429,7 @@ cdef class SplitSearch:
 
     cdef void _type_room(self, int k, int* lb, int* cap, int* capt, int ns) noexcept nogil:
         # kroom[(r * nt + t2) * nt + t]: see splits.SplitSearch._type_room
-        cdef int pp = self.pp, v = self.v, nt = self.nt, i, i2, t, t2, r, c, vs, ct, s, s_lb, j, y
-        cdef int n, total, got
+        cdef int pp = self.pp, v = self.v, nt = self.nt, i, i2, t, t2, r, c, vs, ct, s, s_lb, j, y, n
         for i in range(pp * nt):
             self.ecap[i] = -1
             self.efull[i] = -1
@@ -439,19 +438,11 @@ cdef class SplitSearch:
             self.ordn[t] = 0
             self.ordfn[t] = 0
             for r in range(k, pp):
-                s = 0
-                s_lb = 0
-                for c in range(v):
-                    vs = c * pp + r
-                    ct = capt[vs * nt + t]
-                    if ct > cap[vs]:
-                        ct = cap[vs]
-                    if ct < lb[vs]:
-                        s = -1
-                        break
-                    s += ct
-                    s_lb += lb[vs]
+                s = self._rank_capacity(r, t, lb, cap, capt)
                 if s >= 0:
+                    s_lb = 0
+                    for c in range(v):
+                        s_lb += lb[c * pp + r]
                     self.efull[r * nt + t] = s
                     j = self.ordfn[t]
                     while j > 0 and self.efull[self.ordf[t * pp + j - 1] * nt + t] < s:
@@ -474,30 +465,36 @@ cdef class SplitSearch:
                 for i in range(ns):
                     t = self.sl_t[i]
                     n = self.remaining[t] - (1 if t == t2 else 0)
-                    total = 0
-                    got = 0
-                    for y in range(self.ordn[t]):
-                        if got == n:
-                            break
-                        j = self.ordr[t * pp + y]
-                        if j != r:
-                            total += self.ecap[j * nt + t]
-                            got += 1
-                    if got < n and self.exact_counts:
-                        total = -1
-                    self.kroom[(r * nt + t2) * nt + t] = total
-                    total = 0
-                    got = 0
-                    for y in range(self.ordfn[t]):
-                        if got == n:
-                            break
-                        j = self.ordf[t * pp + y]
-                        if j != r:
-                            total += self.efull[j * nt + t]
-                            got += 1
-                    if got < n and self.exact_counts:
-                        total = -1
-                    self.kfull[(r * nt + t2) * nt + t] = total
+                    self.kroom[(r * nt + t2) * nt + t] = self._top_sum(self.ordr, self.ordn, self.ecap, t, r, n)
+                    self.kfull[(r * nt + t2) * nt + t] = self._top_sum(self.ordf, self.ordfn, self.efull, t, r, n)
+
+    cdef int _rank_capacity(self, int r, int t, int* lb, int* cap, int* capt) noexcept nogil:
+        # most layers rank r holds on type t (its chunks' caps); -1 when a chunk's cap is below its lb
+        cdef int c, vs, ct, s = 0
+        for c in range(self.v):
+            vs = c * self.pp + r
+            ct = capt[vs * self.nt + t]
+            if ct > cap[vs]:
+                ct = cap[vs]
+            if ct < lb[vs]:
+                return -1
+            s += ct
+        return s
+
+    cdef int _top_sum(self, int* order, int* count, int* vals, int t, int r, int n) noexcept nogil:
+        # the n largest vals[j * nt + t] over ranks j != r (order: ranks by vals, largest first);
+        # -1 when fewer than n ranks can host t and the counts are exact
+        cdef int total = 0, got = 0, y, j
+        for y in range(count[t]):
+            if got == n:
+                break
+            j = order[t * self.pp + y]
+            if j != r:
+                total += vals[j * self.nt + t]
+                got += 1
+        if got < n and self.exact_counts:
+            return -1
+        return total
 
     cdef double _phi(self, int e, int r, int t2, int ns, double* mu1, double* mu2, int* marg, int* kt) noexcept nogil:
         # see splits.SplitSearch._phi
@@ -840,16 +837,7 @@ cdef class SplitSearch:
                 continue
             nvals = 0
             for r in range(k, pp):
-                s = 0
-                for c in range(v):
-                    vs = c * pp + r
-                    ct = capt[vs * nt + t]
-                    if ct > cap[vs]:
-                        ct = cap[vs]
-                    if ct < lb[vs]:
-                        s = -1
-                        break
-                    s += ct
+                s = self._rank_capacity(r, t, lb, cap, capt)
                 if s >= 0:
                     # insertion into a descending list
                     j = nvals

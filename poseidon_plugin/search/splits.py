@@ -352,18 +352,11 @@ class SplitSearch:
         order, order_full = [], []
         for t, _ft, _bt, _at in slopes:
             for r in range(k, pp):
-                s_lb = s = 0
-                for c in range(v):
-                    vs = c * pp + r
-                    ct = capt[vs * nt + t]
-                    if ct > cap[vs]:
-                        ct = cap[vs]
-                    if ct < lb[vs]:
-                        s = -1
-                        break
-                    s += ct
-                    s_lb += lb[vs]
+                s = self._rank_capacity(r, t, lb, cap, capt)
                 if s >= 0:
+                    s_lb = 0
+                    for c in range(v):
+                        s_lb += lb[c * pp + r]
                     ecap[r * nt + t] = s - s_lb
                     efull[r * nt + t] = s
             # ranks by room on t, largest first (ties: lower rank first)
@@ -371,32 +364,24 @@ class SplitSearch:
                                 key=lambda r, t=t: -ecap[r * nt + t]))
             order_full.append(sorted((r for r in range(k, pp) if efull[r * nt + t] >= 0),
                                      key=lambda r, t=t: -efull[r * nt + t]))
+        def top_sum(ranks, vals, t: int, r: int, n: int) -> int:
+            total = got = 0
+            for j in ranks:
+                if got == n:
+                    break
+                if j != r:
+                    total += vals[j * nt + t]
+                    got += 1
+            return -1 if got < n and self.exact_counts else total
+
         K = [0] * (pp * nt * nt)
-        self.kfull = kfull = [0] * (pp * nt * nt)
+        self.kfull = kfull = [0] * (pp * nt * nt)   # the same with whole capacities
         for r in range(k, pp):
             for t2, _f2, _b2, _a2 in slopes:
                 for i, (t, _ft, _bt, _at) in enumerate(slopes):
                     n = self.remaining[t] - (1 if t == t2 else 0)
-                    total = got = 0
-                    for j in order[i]:
-                        if got == n:
-                            break
-                        if j != r:
-                            total += ecap[j * nt + t]
-                            got += 1
-                    if got < n and self.exact_counts:
-                        total = -1
-                    K[(r * nt + t2) * nt + t] = total
-                    total = got = 0                 # the same with whole capacities (kfull)
-                    for j in order_full[i]:
-                        if got == n:
-                            break
-                        if j != r:
-                            total += efull[j * nt + t]
-                            got += 1
-                    if got < n and self.exact_counts:
-                        total = -1
-                    kfull[(r * nt + t2) * nt + t] = total
+                    K[(r * nt + t2) * nt + t] = top_sum(order[i], ecap, t, r, n)
+                    kfull[(r * nt + t2) * nt + t] = top_sum(order_full[i], efull, t, r, n)
         return K
 
     def _phi(self, e: int, r: int, t2: int, K, mu1, mu2, marg, slopes) -> float:
@@ -429,9 +414,7 @@ class SplitSearch:
         to chunk ``l mod V``, so when the lower bounds are spread like a rank's layers the cost gains
         ``V beta`` every ``V`` layers and only the first ``V - 1`` counts need a look; otherwise the
         bound ``chunk c holds at least (l - c) / V`` gives the shortfall."""
-        pp, v, nt, nv = self.pp, self.v, self.nt, self.nv
-        paths = self.shape.paths
-        cf, cr = q * nv, q * pp
+        pp, v, nt = self.pp, self.v, self.nt
         self.gam = gam = [0.0] * pp
         gsum = 0.0
         xs = [0.0] * v
@@ -448,12 +431,7 @@ class SplitSearch:
                 room = self.ecap[r * nt + t]
                 if room < 0:
                     continue
-                beta = 0.0
-                for c in range(v):
-                    vs = c * pp + r
-                    xs[c] = paths.coef_f[cf + vs] * ft + paths.coef_b[cf + vs] * bt + paths.coef_ar[cr + r] * at
-                    beta += xs[c]
-                beta = beta / v
+                beta = self._chunk_slopes(q, r, ft, bt, at, xs)
                 g = 0.0
                 if even:
                     acc = 0.0
@@ -473,12 +451,23 @@ class SplitSearch:
             gsum += gmax
         return gsum
 
+    def _chunk_slopes(self, q: int, r: int, ft: float, bt: float, at: float, xs) -> float:
+        """Rank ``r``'s per-layer slope of each chunk along path ``q`` on a type (into ``xs``); their
+        mean."""
+        pp, v, nv = self.pp, self.v, self.nv
+        paths = self.shape.paths
+        cf, cr = q * nv, q * pp
+        beta = 0.0
+        for c in range(v):
+            vs = c * pp + r
+            xs[c] = paths.coef_f[cf + vs] * ft + paths.coef_b[cf + vs] * bt + paths.coef_ar[cr + r] * at
+            beta += xs[c]
+        return beta / v
+
     def _gammas0(self, q: int, k: int, slopes) -> float:
         """As :meth:`_gammas`, for a rank's whole layer count (from 0; ``self.gam0``): layer ``j`` of a
         rank goes to chunk ``j - 1`` for ``j <= V``."""
-        pp, v, nt, nv = self.pp, self.v, self.nt, self.nv
-        paths = self.shape.paths
-        cf, cr = q * nv, q * pp
+        pp, v, nt = self.pp, self.v, self.nt
         self.gam0 = gam0 = [0.0] * pp
         gsum = 0.0
         xs = [0.0] * v
@@ -488,12 +477,7 @@ class SplitSearch:
                 room = self.efull[r * nt + t]
                 if room < 0:
                     continue
-                beta = 0.0
-                for c in range(v):
-                    vs = c * pp + r
-                    xs[c] = paths.coef_f[cf + vs] * ft + paths.coef_b[cf + vs] * bt + paths.coef_ar[cr + r] * at
-                    beta += xs[c]
-                beta = beta / v
+                beta = self._chunk_slopes(q, r, ft, bt, at, xs)
                 g = acc = 0.0
                 for j in range(1, min(v - 1, room) + 1):
                     acc += xs[j - 1]
@@ -714,10 +698,23 @@ class SplitSearch:
         """The undecided ranks, each on one remaining type, must be able to hold ``left`` layers."""
         return self._type_capacity(k, lb, cap, capt) >= left
 
+    def _rank_capacity(self, r: int, t: int, lb, cap, capt) -> int:
+        """Most layers rank ``r`` holds on type ``t`` (its chunks' caps); -1 when a chunk's cap on ``t``
+        is below its lower bound."""
+        pp, v, nt = self.pp, self.v, self.nt
+        s = 0
+        for c in range(v):
+            vs = c * pp + r
+            ct = min(capt[vs * nt + t], cap[vs])
+            if ct < lb[vs]:
+                return -1
+            s += ct
+        return s
+
     def _type_capacity(self, k: int, lb, cap, capt) -> int:
         """Most layers ranks ``k..pp-1`` can hold, each on one remaining type (per type its ``n``
         largest rank capacities); -1 when fewer ranks can host a type than ranks of it remain."""
-        pp, v, nt = self.pp, self.v, self.nt
+        pp, nt = self.pp, self.nt
         exact = self.exact_counts
         total = 0
         for t in range(nt):
@@ -726,16 +723,7 @@ class SplitSearch:
                 continue
             vals = []
             for r in range(k, pp):
-                s = 0
-                for c in range(v):
-                    vs = c * pp + r
-                    ct = capt[vs * nt + t]
-                    if ct > cap[vs]:
-                        ct = cap[vs]
-                    if ct < lb[vs]:
-                        s = -1
-                        break
-                    s += ct
+                s = self._rank_capacity(r, t, lb, cap, capt)
                 if s >= 0:
                     vals.append(s)
             if exact and len(vals) < n:
