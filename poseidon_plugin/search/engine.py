@@ -320,7 +320,8 @@ class _Run:
             wall_s=time.perf_counter() - self.t0, complete=self.complete, structures=self.structures,
             shapes=len(self.shapes), warmup_samples=getattr(self, "warmup_done", 0),
             simulator_calls=self.sim_calls + c[SIM_CALLS], bound_evaluations=c[BOUND_EVALS],
-            nodes=c[NODES], pruned=pruned, comm_model=self.options.comm_model)
+            nodes=c[NODES], pruned=pruned, comm_model=self.options.comm_model,
+            alternatives_proven=self.board.exact_alternatives and self.complete)
 
     def result(self) -> SearchResult:
         ranked = self.board.ranked()

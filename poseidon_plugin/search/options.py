@@ -164,6 +164,7 @@ class SearchStats:
     nodes: int                      # search-tree nodes
     pruned: Mapping[str, int]       # branches cut, per rule
     comm_model: str = "dag"         # simulator communication model the times come from
+    alternatives_proven: bool = False   # each runner-up is proven the best plan of its shape
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for ``Plan.search_stats`` and ``--json``."""
@@ -171,7 +172,8 @@ class SearchStats:
                 "complete": self.complete, "structures": self.structures, "shapes": self.shapes,
                 "warmup_samples": self.warmup_samples, "simulator_calls": self.simulator_calls,
                 "bound_evaluations": self.bound_evaluations, "nodes": self.nodes,
-                "pruned": dict(self.pruned), "comm_model": self.comm_model}
+                "pruned": dict(self.pruned), "comm_model": self.comm_model,
+                "alternatives_proven": self.alternatives_proven}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

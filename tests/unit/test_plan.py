@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -206,7 +207,9 @@ def test_render_table_shows_every_stage(cm):
     assert [r.split()[1] for r in rows] == ["A2-2", "A2-2", "A2-3", "A2-3"]
     assert "--pipeline-model-parallel-layout Et*7|t*9|t*9|t*7L" in text
     assert "--num-layer-list 7,9,9,7" in text and "simulator_calls=5" in text
-    assert "alternatives:" in text
+    assert "alternatives (each the best plan of its parallel shape):" in text
+    unproven = render_table(replace(p, search_stats={"alternatives_proven": False}))
+    assert "alternatives (best plans of other shapes met during the search, not proven" in unproven
 
 
 def test_planning_core_does_not_import_torch():
