@@ -763,7 +763,26 @@ cdef class SplitSearch:
                             own += n * (self.coef_f[cf + vs] * self.sl_f[i] + self.coef_b[cf + vs] * self.sl_b[i]
                                         + ka * self.sl_a[i])
                         if own < INFINITY:
-                            y = self._phi(extra - d, r, t, ns, self.mu1, self.mu2, self.marg, self.kroom)
+                            # the four placement bounds of splits.py, strongest first (the scan only
+                            # asks whether their maximum stays below rhs - own: order-free)
+                            if lbo < 0.0:
+                                lbo = 0.0
+                                elb = 0
+                                for c2 in range(k, pp):
+                                    if c2 != r:
+                                        lbo += self.rlb[c2]
+                                        for c in range(v):
+                                            elb += lb[c * pp + c2]
+                            y = -INFINITY
+                            if v > 1:
+                                if gsum0 < 0.0:
+                                    gsum0 = self._gammas0(q, k, ns)
+                                y = self._phi(elb + extra - d, r, t, ns, self.nu1, self.nu2, self.narg, self.kfull) \
+                                    - (gsum0 - self.gam0[r]) - lbo
+                            if own + y < rhs:
+                                g = self._phi(elb + extra - d, r, t, ns, self.mu1, self.mu2, self.marg, self.kfull) - lbo
+                                if g > y:
+                                    y = g
                             if v > 1 and own + y < rhs:
                                 if gsum < 0.0:
                                     gsum = self._gammas(q, k, lb, ns)
@@ -772,25 +791,9 @@ cdef class SplitSearch:
                                 if g > y:
                                     y = g
                             if own + y < rhs:
-                                # all the other ranks' layers placed by type (their lower bounds too)
-                                if lbo < 0.0:
-                                    lbo = 0.0
-                                    elb = 0
-                                    for c2 in range(k, pp):
-                                        if c2 != r:
-                                            lbo += self.rlb[c2]
-                                            for c in range(v):
-                                                elb += lb[c * pp + c2]
-                                g = self._phi(elb + extra - d, r, t, ns, self.mu1, self.mu2, self.marg, self.kfull) - lbo
+                                g = self._phi(extra - d, r, t, ns, self.mu1, self.mu2, self.marg, self.kroom)
                                 if g > y:
                                     y = g
-                                if v > 1 and own + y < rhs:
-                                    if gsum0 < 0.0:
-                                        gsum0 = self._gammas0(q, k, ns)
-                                    g = self._phi(elb + extra - d, r, t, ns, self.nu1, self.nu2, self.narg, self.kfull) \
-                                        - (gsum0 - self.gam0[r]) - lbo
-                                    if g > y:
-                                        y = g
                             if own + y < rhs:
                                 break
                         d -= 1
