@@ -530,8 +530,8 @@ def render_table(plan: Plan, max_alternatives: int = 5) -> str:
         if plan.search_stats.get("alternatives_proven", True):
             lines += ["", "alternatives (each the best plan of its parallel shape):"]
         else:
-            lines += ["", "alternatives (best plans of other shapes met during the search, not proven; "
-                          "--exact-alternatives proves them):"]
+            lines += ["", "alternatives (best plans of other shapes met during the search, not proven "
+                          "the best of their shapes):"]
         for a in plan.alternatives[:max_alternatives]:
             lines.append(f"  {a.predicted_iteration_ms:,.1f} ms  TP {a.tp} PP {a.pp} DP {a.dp} "
                          f"mbs {a.micro_batch_size} {a.schedule} V {a.virtual_stages}  "
