@@ -74,6 +74,7 @@ cdef class SplitSearch:
     cdef double* xs      # v
     cdef double* rlb
     cdef double* gam0
+    cdef int* zero_lb    # nv zeros (_gammas of whole layer counts)
     cdef int* efull
     cdef int* ordf
     cdef int* ordfn
@@ -112,8 +113,7 @@ cdef class SplitSearch:
     cdef int _top_sum(self, int* order, int* count, int* vals, int t, int r, int n) noexcept nogil
     cdef int _rank_capacity(self, int r, int t, int* lb, int* cap, int* capt) noexcept nogil
     cdef double _phi(self, int e, int r, int t2, int ns, double* mu1, double* mu2, int* marg, int* kt) noexcept nogil
-    cdef double _gammas0(self, int q, int k, int ns) noexcept nogil
-    cdef double _gammas(self, int q, int k, int* lb, int ns) noexcept nogil
+    cdef double _gammas(self, int q, int k, int* lb, int* room_of, double* gam, int ns) noexcept nogil
     cdef int _path_caps(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
     cdef bint _type_mass(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
     cdef int _type_capacity(self, int k, int* lb, int* cap, int* capt) noexcept nogil

@@ -76,6 +76,7 @@ cdef class SplitSearch:
         self.ecap = self.kroom = self.ordr = self.ordn = self.marg = self.ph_t = NULL
         self.mu1 = self.mu2 = self.rmt = self.ph_mu = NULL
         self.nu1 = self.nu2 = self.rsum = self.gam = self.xs = self.xall = self.rlb = self.gam0 = NULL
+        self.zero_lb = NULL
         self.efull = self.ordf = self.ordfn = self.kfull = NULL
         self.narg = NULL
         self.sl_f = self.sl_b = self.sl_a = NULL
@@ -162,6 +163,9 @@ cdef class SplitSearch:
         self.kfull = _ialloc(self.pp * self.nt * self.nt)
         self.rlb = _dcopy([0.0] * self.pp)
         self.gam0 = _dcopy([0.0] * self.pp)
+        self.zero_lb = _ialloc(self.nv)
+        for c in range(self.nv):
+            self.zero_lb[c] = 0
         self.gam = _dcopy([0.0] * self.pp)
         self.sl_t = _ialloc(self.nt)
         self.sl_f = _dcopy([0.0] * self.nt)
@@ -191,7 +195,7 @@ cdef class SplitSearch:
         free(self.sb); free(self.sa); free(self.best_types); free(self.best_layers)
         free(self.ecap); free(self.kroom); free(self.ordr); free(self.ordn); free(self.marg); free(self.ph_t)
         free(self.mu1); free(self.mu2); free(self.rmt); free(self.ph_mu)
-        free(self.nu1); free(self.nu2); free(self.narg); free(self.rsum); free(self.gam); free(self.xs); free(self.xall); free(self.rlb); free(self.gam0)
+        free(self.nu1); free(self.nu2); free(self.narg); free(self.rsum); free(self.gam); free(self.xs); free(self.xall); free(self.rlb); free(self.gam0); free(self.zero_lb)
         free(self.efull); free(self.ordf); free(self.ordfn); free(self.kfull)
 
     # --- memory ---------------------------------------------------------------------------------
@@ -526,10 +530,9 @@ cdef class SplitSearch:
             return cost
         return INFINITY
 
-    cdef double _gammas(self, int q, int k, int* lb, int ns) noexcept nogil:
+    cdef double _gammas(self, int q, int k, int* lb, int* room_of, double* gam, int ns) noexcept nogil:
         # see splits.SplitSearch._gammas
-        cdef int pp = self.pp, v = self.v, nt = self.nt, nv = self.nv, r, i, t, c, vs, j, s_lb, top
-        cdef int cf = q * nv, cr = q * pp
+        cdef int pp = self.pp, v = self.v, nt = self.nt, r, i, t, c, j, s_lb, top
         cdef bint even
         cdef double gsum = 0.0, gmax, g, beta, acc, w
         for r in range(k, pp):
@@ -543,7 +546,7 @@ cdef class SplitSearch:
             gmax = 0.0
             for i in range(ns):
                 t = self.sl_t[i]
-                if self.ecap[r * nt + t] < 0:
+                if room_of[r * nt + t] < 0:
                     continue
                 beta = 0.0
                 for c in range(v):
@@ -553,7 +556,7 @@ cdef class SplitSearch:
                 beta = beta / v
                 g = 0.0
                 if even:
-                    top = v - 1 if v - 1 < self.ecap[r * nt + t] else self.ecap[r * nt + t]
+                    top = v - 1 if v - 1 < room_of[r * nt + t] else room_of[r * nt + t]
                     acc = 0.0
                     for j in range(1, top + 1):
                         acc += self.xs[(s_lb + j - 1) % v]
@@ -567,34 +570,7 @@ cdef class SplitSearch:
                         g = w - beta * s_lb
                 if g > gmax:
                     gmax = g
-            self.gam[r] = gmax
-            gsum += gmax
-        return gsum
-
-    cdef double _gammas0(self, int q, int k, int ns) noexcept nogil:
-        # per rank: how far its cost of l layers (from 0) can fall below beta l (max over types)
-        cdef int pp = self.pp, v = self.v, nt = self.nt, r, i, t, c, j, top
-        cdef double gsum = 0.0, gmax, g, beta, acc
-        for r in range(k, pp):
-            gmax = 0.0
-            for i in range(ns):
-                t = self.sl_t[i]
-                if self.efull[r * nt + t] < 0:
-                    continue
-                beta = 0.0
-                for c in range(v):
-                    beta += self.xall[(c * pp + r) * nt + i]
-                beta = beta / v
-                g = 0.0
-                acc = 0.0
-                top = v - 1 if v - 1 < self.efull[r * nt + t] else self.efull[r * nt + t]
-                for j in range(1, top + 1):
-                    acc += self.xall[((j - 1) * pp + r) * nt + i]
-                    if beta * j - acc > g:
-                        g = beta * j - acc
-                if g > gmax:
-                    gmax = g
-            self.gam0[r] = gmax
+            gam[r] = gmax
             gsum += gmax
         return gsum
 
@@ -776,7 +752,7 @@ cdef class SplitSearch:
                             y = -INFINITY
                             if v > 1:
                                 if gsum0 < 0.0:
-                                    gsum0 = self._gammas0(q, k, ns)
+                                    gsum0 = self._gammas(q, k, self.zero_lb, self.efull, self.gam0, ns)
                                 y = self._phi(elb + extra - d, r, t, ns, self.nu1, self.nu2, self.narg, self.kfull) \
                                     - (gsum0 - self.gam0[r]) - lbo
                             if own + y < rhs:
@@ -785,7 +761,7 @@ cdef class SplitSearch:
                                     y = g
                             if v > 1 and own + y < rhs:
                                 if gsum < 0.0:
-                                    gsum = self._gammas(q, k, lb, ns)
+                                    gsum = self._gammas(q, k, lb, self.ecap, self.gam, ns)
                                 g = self._phi(extra - d, r, t, ns, self.nu1, self.nu2, self.narg, self.kroom) \
                                     - (gsum - self.gam[r])
                                 if g > y:

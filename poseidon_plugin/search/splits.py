@@ -102,6 +102,7 @@ class SplitSearch:
         self.pp, self.v, self.nv = pp, v, pp * v
         self.stride = table.max_slots
         self.params = shape.new_params()
+        self.zero_lb = [0] * self.nv
         self.kernel = None
         # memory: most layers rank r holds on type t (all chunks; < V when the rank cannot be used)
         self.cap_rank = array("i", [0]) * (self.nt * pp)
@@ -407,15 +408,16 @@ class SplitSearch:
             e -= take
         return cost if e <= 0 else INF
 
-    def _gammas(self, q: int, k: int, lb, slopes) -> float:
-        """Per undecided rank ``r`` (``self.gam[r]``, max over its types): how far its cost along path
-        ``q`` of ``d`` layers above its lower bounds can fall below ``beta d`` (``beta``: the mean of its
-        chunk slopes), over the counts it can hold; returns their sum. Layer ``l + 1`` of a rank goes
-        to chunk ``l mod V``, so when the lower bounds are spread like a rank's layers the cost gains
-        ``V beta`` every ``V`` layers and only the first ``V - 1`` counts need a look; otherwise the
-        bound ``chunk c holds at least (l - c) / V`` gives the shortfall."""
+    def _gammas(self, q: int, k: int, lb, room_of, gam, slopes) -> float:
+        """Per undecided rank ``r`` (into ``gam[r]``, max over its types): how far its cost along path
+        ``q`` of ``d`` layers above its lower bounds ``lb`` can fall below ``beta d`` (``beta``: the
+        mean of its chunk slopes), over the counts ``room_of[r * nt + t]`` it can hold (-1: not that
+        type); returns their sum. Layer ``l + 1`` of a rank goes to chunk ``l mod V``, so when the
+        lower bounds are spread like a rank's layers the cost gains ``V beta`` every ``V`` layers and
+        only the first ``V - 1`` counts need a look; otherwise the bound ``chunk c holds at least
+        (l - c) / V`` gives the shortfall. With ``lb`` all zero this is the shortfall of a rank's
+        whole layer count."""
         pp, v, nt = self.pp, self.v, self.nt
-        self.gam = gam = [0.0] * pp
         gsum = 0.0
         xs = [0.0] * v
         for r in range(k, pp):
@@ -428,7 +430,7 @@ class SplitSearch:
                     even = False
             gmax = 0.0
             for t, ft, bt, at in slopes:
-                room = self.ecap[r * nt + t]
+                room = room_of[r * nt + t]
                 if room < 0:
                     continue
                 beta = self._chunk_slopes(q, r, ft, bt, at, xs)
@@ -464,31 +466,6 @@ class SplitSearch:
             beta += xs[c]
         return beta / v
 
-    def _gammas0(self, q: int, k: int, slopes) -> float:
-        """As :meth:`_gammas`, for a rank's whole layer count (from 0; ``self.gam0``): layer ``j`` of a
-        rank goes to chunk ``j - 1`` for ``j <= V``."""
-        pp, v, nt = self.pp, self.v, self.nt
-        self.gam0 = gam0 = [0.0] * pp
-        gsum = 0.0
-        xs = [0.0] * v
-        for r in range(k, pp):
-            gmax = 0.0
-            for t, ft, bt, at in slopes:
-                room = self.efull[r * nt + t]
-                if room < 0:
-                    continue
-                beta = self._chunk_slopes(q, r, ft, bt, at, xs)
-                g = acc = 0.0
-                for j in range(1, min(v - 1, room) + 1):
-                    acc += xs[j - 1]
-                    if beta * j - acc > g:
-                        g = beta * j - acc
-                if g > gmax:
-                    gmax = g
-            gam0[r] = gmax
-            gsum += gmax
-        return gsum
-
     def _path_caps(self, k: int, left: int, lb, cap, capt) -> int:
         """Tighten caps with the bound paths; -1: some path proves the node cannot beat ``tau``."""
         pp, v, nv, nt = self.pp, self.v, self.nv, self.nt
@@ -507,6 +484,7 @@ class SplitSearch:
         m_f, m_b, m_ar = self.mins[0], self.mins[1], self.mins[6]
         rmt = [INF] * nt
         rsum = [0.0] * nt
+        gam, gam0 = [0.0] * pp, [0.0] * pp     # per rank, see _gammas (above lb / whole count)
         for q in range(paths.count):
             cf = q * nv
             cr = q * pp
@@ -636,9 +614,9 @@ class SplitSearch:
                             y = self._phi(extra - d, r, t, K, mu1, mu2, marg, slopes)
                             if v > 1 and own + y < rhs:
                                 if gsum < 0.0:
-                                    gsum = self._gammas(q, k, lb, slopes)
+                                    gsum = self._gammas(q, k, lb, self.ecap, gam, slopes)
                                 g = self._phi(extra - d, r, t, K, nu1, nu2, narg, slopes) \
-                                    - (gsum - self.gam[r])
+                                    - (gsum - gam[r])
                                 if g > y:
                                     y = g
                             if own + y < rhs:
@@ -657,9 +635,9 @@ class SplitSearch:
                                     y = g
                                 if v > 1 and own + y < rhs:
                                     if gsum0 < 0.0:
-                                        gsum0 = self._gammas0(q, k, slopes)
+                                        gsum0 = self._gammas(q, k, self.zero_lb, self.efull, gam0, slopes)
                                     g = self._phi(elb + extra - d, r, t, self.kfull, nu1, nu2, narg, slopes) \
-                                        - (gsum0 - self.gam0[r]) - lbo
+                                        - (gsum0 - gam0[r]) - lbo
                                     if g > y:
                                         y = g
                             if own + y < rhs:
