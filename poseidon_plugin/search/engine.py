@@ -111,6 +111,7 @@ class _Run:
         self.gap = options.gap if options.mode == "default" else 0.0
         self.shrink = 1.0 / (1.0 + self.gap)
         self.memory_blocked: list[tuple[float, str, float]] = []   # (need GB, type, usable GB)
+        self._splitters: dict[tuple, Any] = {}   # seeded groups that passed their root check
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -235,23 +236,30 @@ class _Run:
             return True
         return sum(caps[:sg.pp]) < self.space.num_layers
 
-    def cut_at_root(self, sg: ShapeGroup) -> bool:
-        """The fluid cut or the root bound (types and layers free) proves the group cannot beat its
-        threshold."""
+    def root_splitter(self, sg: ShapeGroup):
+        """The group's structure search, or None when the fluid cut or the root bound (types and
+        layers free) proves the group cannot beat its threshold. The splitter of a group that
+        survives is kept: the seed phase checks the group before its own turn comes."""
         tau = self.board.threshold(sg.key) * self.shrink
         if self.fluid_cut(sg, tau):
-            return True
-        root = self.splitter(sg).run(sg.group.slots, tau, root_only=True)
+            return None
+        splitter = self._splitters.get(sg.key) or self.splitter(sg)
+        root = splitter.run(sg.group.slots, tau, root_only=True)
         self.add(root.counters)
-        return root.time_ms == INF
+        if root.time_ms == INF:
+            self._splitters.pop(sg.key, None)
+            return None
+        self._splitters[sg.key] = splitter
+        return splitter
 
     def run_shape_group(self, sg: ShapeGroup) -> None:
         key = sg.key
         g = sg.group
-        if self.cut_at_root(sg):
+        splitter = self.root_splitter(sg)
+        self._splitters.pop(key, None)         # this is the group's turn: no later use
+        if splitter is None:
             self.pruned_shapes += 1
             return
-        splitter = self.splitter(sg)
         if sg.key not in self.board.best:
             self.seed(sg)
         vectors = self.space.count_vectors(sg)
@@ -281,7 +289,7 @@ class _Run:
         alive = []
         for sg in head:
             # a seed builds the group's DAG: only for groups the cheap bounds cannot cut already
-            if not self.cut_at_root(sg):
+            if self.root_splitter(sg) is not None:
                 self.seed(sg)
                 alive.append(sg)
         # the warm-up (paper §4.2.3) draws from the most promising groups still alive: every shape it
