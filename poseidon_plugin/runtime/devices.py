@@ -71,82 +71,66 @@ class Device:
         return 1.0
 
 
-class CudaDevice(Device):
+class _RuntimeDevice(Device):
+    """An accelerator behind a torch.cuda-like runtime module (``torch.cuda``, or ``torch.npu`` from
+    torch_npu, which mirrors its API): memory queries, stream events and synchronisation go to
+    ``self._rt``, on the device ``set_device`` made current."""
+
+    def __init__(self, local_rank: int, runtime: Any) -> None:
+        super().__init__(local_rank)
+        self._rt = runtime
+        # the name and memory queries refer to the *current* device
+        self._rt.set_device(local_rank)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.kind, self.local_rank)
+
+    def total_memory(self) -> int:
+        return int(self._rt.get_device_properties(self.local_rank).total_memory)
+
+    def synchronize(self) -> None:
+        self._rt.synchronize()
+
+    def reset_peak_memory(self) -> None:
+        self._rt.reset_peak_memory_stats()
+
+    def peak_memory(self) -> int | None:
+        return int(self._rt.max_memory_allocated())
+
+    def mark(self) -> Any:
+        event = self._rt.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ms_between(self, start: Any, stop: Any) -> float:
+        return float(start.elapsed_time(stop))
+
+
+class CudaDevice(_RuntimeDevice):
     """An NVIDIA GPU through torch.cuda (nccl)."""
 
     kind = "cuda"
     backend = "nccl"
 
     def __init__(self, local_rank: int) -> None:
-        super().__init__(local_rank)
-        torch.cuda.set_device(local_rank)
-
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device("cuda", self.local_rank)
+        super().__init__(local_rank, torch.cuda)
 
     def name(self) -> str:
-        return torch.cuda.get_device_name(self.local_rank)
-
-    def total_memory(self) -> int:
-        return int(torch.cuda.get_device_properties(self.local_rank).total_memory)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()
-
-    def reset_peak_memory(self) -> None:
-        torch.cuda.reset_peak_memory_stats()
-
-    def peak_memory(self) -> int | None:
-        return int(torch.cuda.max_memory_allocated())
-
-    def mark(self) -> Any:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def ms_between(self, start: Any, stop: Any) -> float:
-        return float(start.elapsed_time(stop))
+        return self._rt.get_device_name(self.local_rank)
 
 
-class NpuDevice(Device):
+class NpuDevice(_RuntimeDevice):
     """An Ascend NPU through torch_npu (hccl). Written against torch_npu's API; not runnable here."""
 
     kind = "npu"
     backend = "hccl"
 
     def __init__(self, local_rank: int) -> None:
-        super().__init__(local_rank)
-        self._npu = torch.npu  # type: ignore[attr-defined]  # present once torch_npu is imported
-        # get_device_name() and the memory queries refer to the *current* device.
-        self._npu.set_device(local_rank)
-
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device("npu", self.local_rank)
+        super().__init__(local_rank, torch.npu)  # type: ignore[attr-defined]  # present once torch_npu is imported
 
     def name(self) -> str:
-        return str(self._npu.get_device_name())
-
-    def total_memory(self) -> int:
-        return int(self._npu.get_device_properties(self.local_rank).total_memory)
-
-    def synchronize(self) -> None:
-        self._npu.synchronize()
-
-    def reset_peak_memory(self) -> None:
-        self._npu.reset_peak_memory_stats()
-
-    def peak_memory(self) -> int | None:
-        return int(self._npu.max_memory_allocated())
-
-    def mark(self) -> Any:
-        event = self._npu.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def ms_between(self, start: Any, stop: Any) -> float:
-        return float(start.elapsed_time(stop))
+        return str(self._rt.get_device_name())
 
 
 class EmulatedDevice(Device):
