@@ -126,7 +126,10 @@ def test_disable_is_plain_torchrun(tmp_path):
                              env={"POSEIDON_DISABLE": "1"})
     assert code == 0, out[-4000:]
     assert len(losses(out)) == 3
-    assert "poseidon" not in out.lower().replace("poseidon_plugin", "")
+    # Poseidon speaks only through lines that start with its prefix; library warnings may quote file paths,
+    # and the checkout may live in a folder named poseidon/, so look at line starts, not at the whole text.
+    ours = [line for line in out.splitlines() if re.match(r"\s*(\[[^]]*\]:?\s*)?poseidon(\[rank \d+\])?:", line)]
+    assert not ours, ours[:5]
 
 
 def test_emulated_training_applies_saved_plan(tmp_path):
