@@ -1,7 +1,13 @@
-"""Build Poseidon: the planning package, the runtime, and the Cython core (every cython_core/*.pyx)."""
+"""Build Poseidon: the planning package, the runtime, and the Cython core (every cython_core/*.pyx).
+
+Everything installs under the one package ``poseidon_plugin``: the repository's top-level folders
+``cython_core/`` and ``patches/`` are reached through the links ``poseidon_plugin/_core`` and
+``poseidon_plugin/patches``, so nothing generic lands in site-packages.
+"""
 
 import glob
 import os
+import re
 
 from setuptools import Extension, find_packages, setup
 
@@ -14,29 +20,34 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 os.chdir(HERE)
 
 extensions = [
-    Extension(f"cython_core.{os.path.splitext(os.path.basename(pyx))[0]}", [pyx],
-              extra_compile_args=["-O3"])
+    Extension(f"poseidon_plugin._core.{os.path.splitext(os.path.basename(pyx))[0]}",
+              [os.path.join("poseidon_plugin", "_core", os.path.basename(pyx))], extra_compile_args=["-O3"])
     for pyx in sorted(glob.glob("cython_core/*.pyx"))
 ]
 
+# the one version string lives in poseidon_plugin/__init__.py
+with open(os.path.join("poseidon_plugin", "__init__.py"), encoding="utf-8") as f:
+    VERSION = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+
+CPU_STACK = ["torch==2.13.0", "megatron-core==0.16.1"]
+
 setup(
     name="poseidon-plugin",
-    version="0.1.0",
+    version=VERSION,
     description="Heterogeneity-aware parallelism planning and launching for Megatron-LM / MindSpeed-LLM",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["poseidon_plugin", "poseidon_plugin.*", "cython_core", "patches",
-                                    "patches.*"]),
+    packages=find_packages(include=["poseidon_plugin", "poseidon_plugin.*"]),
     package_data={"poseidon_plugin": ["specs/presets/*.yaml", "specs/presets/*.json"],
-                  "cython_core": ["*.pxd", "*.pyx"]},
+                  "poseidon_plugin._core": ["*.pxd", "*.pyx"]},
     ext_modules=cythonize(extensions, compiler_directives={"language_level": "3"}, include_path=[HERE]),
     install_requires=["PyYAML>=5.4"],
     extras_require={
         # the CPU stack the distributed tests and the CPU demo run on (pinned: see README)
-        "cpu": ["torch==2.13.0", "megatron-core==0.16.1", "numpy", "packaging"],
-        "test": ["pytest>=7", "hypothesis>=6", "torch==2.13.0", "megatron-core==0.16.1", "numpy",
-                 "packaging"],
+        "cpu": CPU_STACK,
+        # the test extra builds on the cpu one
+        "test": [*CPU_STACK, "pytest>=7", "hypothesis>=6"],
     },
     entry_points={"console_scripts": [
         "poseidon = poseidon_plugin.cli:main",

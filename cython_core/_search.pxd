@@ -1,7 +1,7 @@
 # Compiled twin of poseidon_plugin.search.splits.SplitSearch (same algorithm, counters and results).
-# The search loop touches only C arrays and calls the DAG kernel (cython_core._dag) per bound.
+# The search loop touches only C arrays and calls the DAG kernel (poseidon_plugin._core._dag) per bound.
 
-from cython_core._dag cimport DagKernel
+from poseidon_plugin._core._dag cimport DagKernel
 
 cdef class SplitSearch:
     cdef DagKernel kernel

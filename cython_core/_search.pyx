@@ -4,14 +4,14 @@
 Same algorithm, the same floating-point operations in the same order, the same counters: the search
 results of the two are identical (tests run both). Read splits.py for the commented reference; this
 file mirrors it function by function. The hot loop builds no Python objects: it fills a C parameter
-vector and calls the DAG kernel's ``run`` (cython_core._dag).
+vector and calls the DAG kernel's ``run`` (poseidon_plugin._core._dag).
 """
 
 from libc.math cimport ceil, INFINITY
 from libc.stdlib cimport free, malloc
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
-from cython_core._dag cimport DagKernel, copy_ints
+from poseidon_plugin._core._dag cimport DagKernel, copy_ints
 
 cdef enum:
     N_MINS = 10

@@ -4,6 +4,6 @@ Tables: ``layer_assignment`` (layers per pipeline stage on stacks without a layo
 (slow compute down per emulated device type), ``watch`` (record built layers, time iterations).
 """
 
-from patches.table import Patch, PatchError, PatchTable, resolve
+from .table import Patch, PatchError, PatchTable, resolve
 
 __all__ = ["Patch", "PatchError", "PatchTable", "resolve"]

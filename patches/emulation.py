@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from patches.table import Patch, PatchTable
+from .table import Patch, PatchTable
 
 _state = {"factor": 1.0}
 

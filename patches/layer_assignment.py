@@ -23,7 +23,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from patches.table import Patch, PatchTable
+from .table import Patch, PatchTable
 
 NUM_LAYERS = "megatron.core.transformer.transformer_block.get_num_layers_to_build"
 LAYER_OFFSET = "megatron.core.transformer.transformer_layer.get_transformer_layer_offset"

@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from patches.table import Patch, PatchTable
+from .table import Patch, PatchTable
 
 # Global layer numbers built in this process since the table was applied.
 built_layers: list[int] = []

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from patches import layer_assignment
-from patches.table import PatchTable
+from poseidon_plugin.patches import layer_assignment
+from poseidon_plugin.patches.table import PatchTable
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.plan import MEGATRON_SCHEDULES, Plan, megatron_args, mindspeed_args
 

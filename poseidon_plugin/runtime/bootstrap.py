@@ -183,7 +183,7 @@ def _device(job: _Job, declared: Any) -> tuple[Any, Any]:
 
         cpu_shim.install()
     if device.slowdown() > 1.0:
-        from patches import emulation as emulation_patch
+        from poseidon_plugin.patches import emulation as emulation_patch
 
         emulation_patch.set_factor(device.slowdown())
         emulation_patch.TABLE.apply()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-from patches import watch as watch_patch
+from poseidon_plugin.patches import watch as watch_patch
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.plan import Plan
 from poseidon_plugin.plan import format_ranges as ranges

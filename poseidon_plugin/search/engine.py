@@ -13,14 +13,13 @@
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
 import random
 import time
 from array import array
 from typing import Any
 
+from ..backend import compiled
 from ..costmodel import Candidate, CostModel
 from ..errors import NoFeasiblePlanError, PoseidonError
 from .evaluate import greedy_split, plan_fits, simulate_plan, spread
@@ -32,7 +31,6 @@ from .splits import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES, PR
 from .splits import SplitSearch as PySplitSearch
 
 INF = math.inf
-PURE_ENV = "POSEIDON_PURE_PYTHON"
 WARMUP_SHAPES = 16
 SEED_SHAPES = 64
 
@@ -40,16 +38,9 @@ SEED_SHAPES = 64
 def use_pure_python(options: SearchOptions) -> bool:
     """Whether this search runs the pure-Python loop: ``POSEIDON_PURE_PYTHON=1`` forces it (as it does
     for every compiled piece), else ``options.pure_python``, else the compiled core when it is built."""
-    if os.environ.get(PURE_ENV, "") not in ("", "0"):
+    if options.pure_python:
         return True
-    pure = bool(options.pure_python)
-    if not pure:
-        try:
-            importlib.import_module("cython_core._dag")
-            importlib.import_module("cython_core._search")
-        except ImportError:
-            return True
-    return pure
+    return compiled("_dag") is None or compiled("_search") is None
 
 
 class Leaderboard:
@@ -125,7 +116,7 @@ class _Run:
         if self.pure:
             return PySplitSearch(table, shape, self.space.num_layers, ridge=self.ridge,
                                  blocks=self.blocks, type_class=cls, gap=self.gap)
-        from cython_core._search import SplitSearch
+        from poseidon_plugin._core._search import SplitSearch
         return SplitSearch(table, shape, self.space.num_layers, ridge=self.ridge, blocks=self.blocks,
                            type_class=cls, gap=self.gap)
 

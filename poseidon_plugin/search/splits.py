@@ -7,7 +7,7 @@ complete plan that can still beat the threshold ``tau``. With ``V`` chunks per r
 are spread over its chunks as evenly as possible, earlier chunks first (``chunk_layers``): virtual
 stage ``vs = chunk x pp + rank`` holds ``(l + V - 1 - chunk) // V`` of the rank's ``l`` layers.
 
-This module is the pure-Python reference of ``cython_core._search.SplitSearch``: same algorithm, same
+This module is the pure-Python reference of ``poseidon_plugin._core._search.SplitSearch``: same algorithm, same
 floating-point operations in the same order, same counters. docs/SEARCH.md explains the bounds and why
 each pruning rule is safe:
 
@@ -36,7 +36,7 @@ from .tables import TypeTable
 
 INF = math.inf
 
-# counters (same indices in cython_core._search)
+# counters (same indices in poseidon_plugin._core._search)
 NODES, BOUND_EVALS, SIM_CALLS, PRUNED_BOUND, PRUNED_PATH, PRUNED_MEMORY, PRUNED_RIDGE, \
     PRUNED_ORDER, IMPROVED = range(9)
 COUNTER_NAMES = ("nodes", "bound_evals", "sim_calls", "pruned_bound", "pruned_path", "pruned_memory",

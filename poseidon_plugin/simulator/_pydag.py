@@ -1,4 +1,4 @@
-"""Pure-Python longest-path kernel: the reference twin of ``cython_core._dag.DagKernel``.
+"""Pure-Python longest-path kernel: the reference twin of ``poseidon_plugin._core._dag.DagKernel``.
 
 Same API and the same floating-point operations in the same order, so both give identical results.
 """

@@ -3,27 +3,20 @@
 from __future__ import annotations
 
 import math
-import os
 from array import array
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..backend import compiled
 from ..errors import InputError
 from . import _pydag
 from .graph import ALLREDUCE, JOIN, Graph, build_graph, extra_params
 from .schedules import FORWARD, peak_live_microbatches
 
-_PURE_ENV = "POSEIDON_PURE_PYTHON"
-
 
 def _compiled_kernel_class():
-    if os.environ.get(_PURE_ENV, "") not in ("", "0"):
-        return None
-    try:
-        from cython_core._dag import DagKernel  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    return DagKernel
+    core = compiled("_dag")
+    return None if core is None else core.DagKernel
 
 
 def kernel_name() -> str:

@@ -186,7 +186,7 @@ def topo_pack_py(n: int, ptr, src, ew):
     """Kahn's algorithm (FIFO) over predecessor lists in builder order; relabel in topological order.
 
     Returns ``(order, pred_ptr, pred_src, pred_weight)`` or ``None`` for a cyclic graph. The compiled
-    twin ``cython_core._dag.topo_pack`` returns the same arrays.
+    twin ``poseidon_plugin._core._dag.topo_pack`` returns the same arrays.
     """
     succs: list[list[int]] = [[] for _ in range(n)]
     indeg = [ptr[v + 1] - ptr[v] for v in range(n)]
@@ -217,15 +217,10 @@ def topo_pack_py(n: int, ptr, src, ew):
 
 def _topo_pack():
     """The compiled ``topo_pack`` unless ``POSEIDON_PURE_PYTHON`` is set or the core is not built."""
-    import os
+    from ..backend import compiled
 
-    if os.environ.get("POSEIDON_PURE_PYTHON", "") in ("", "0"):
-        try:
-            from cython_core._dag import topo_pack  # type: ignore[import-not-found]
-            return topo_pack
-        except ImportError:
-            pass
-    return topo_pack_py
+    core = compiled("_dag")
+    return topo_pack_py if core is None else core.topo_pack
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

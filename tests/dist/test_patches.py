@@ -37,7 +37,7 @@ def _build_with_layer_patch(rank: int, world: int, layers: tuple[int, ...]) -> d
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer import transformer_layer
 
-    from patches import layer_assignment
+    from poseidon_plugin.patches import layer_assignment
     from poseidon_plugin.runtime import cpu_shim
     from poseidon_plugin.runtime.job_flags import read_job
     from poseidon_plugin.runtime.megatron_model import gpt_model, transformer_config
@@ -91,7 +91,7 @@ _MCORE012_BODY = textwrap.dedent("""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_block import TransformerBlock
-    from patches import layer_assignment
+    from poseidon_plugin.patches import layer_assignment
     ps.set_tensor_model_parallel_world_size(1)
     ps.set_tensor_model_parallel_rank(0)
     ps.set_pipeline_model_parallel_world_size(2)
@@ -139,7 +139,7 @@ class _Block(torch.nn.Module):
 
 
 def test_emulation_stretches_forward_and_backward_without_changing_numbers(monkeypatch):
-    from patches import emulation
+    from poseidon_plugin.patches import emulation
 
     sleeps: list[float] = []
     monkeypatch.setattr(emulation, "_sleep", sleeps.append)
@@ -164,7 +164,7 @@ def test_emulation_stretches_forward_and_backward_without_changing_numbers(monke
 def test_emulation_and_watch_tables_apply_to_installed_megatron():
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from patches import emulation, watch
+    from poseidon_plugin.patches import emulation, watch
 
     original = TransformerLayer.forward
     for table in (emulation.TABLE, watch.TABLE):
@@ -180,7 +180,7 @@ def test_emulation_and_watch_tables_apply_to_installed_megatron():
 
 
 def test_emulation_factor_must_not_speed_up():
-    from patches import emulation
+    from poseidon_plugin.patches import emulation
 
     with pytest.raises(ValueError, match="must be >= 1.0"):
         emulation.set_factor(0.5)

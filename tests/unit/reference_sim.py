@@ -49,6 +49,19 @@ def orders(schedule, pp, m, v):
 
 def simulate(schedule, pp, m, v, fwd, bwd, send, ar):
     """Iteration time by executing ops in order; fwd/bwd indexed [rank*v+chunk]."""
+    clock = rank_clocks(schedule, pp, m, v, fwd, bwd, send)
+    return max(clock[r] + ar[r] for r in range(pp))
+
+
+def simulate_data_parallel(schedule, pp, m, v, fwd, bwd, send, ar, dp):
+    """``dp`` pipeline replicas run side by side; the gradient all-reduce of pipeline rank r is one
+    collective over the r-th rank of every replica, so it starts when the slowest of them is done."""
+    clocks = [rank_clocks(schedule, pp, m, v, fwd, bwd, send) for _ in range(dp)]
+    return max(max(c[r] for c in clocks) + ar[r] for r in range(pp))
+
+
+def rank_clocks(schedule, pp, m, v, fwd, bwd, send):
+    """When each rank finishes its last compute op."""
     ords = orders(schedule, pp, m, v)
     done = {}
     pos = [0] * pp
@@ -78,4 +91,4 @@ def simulate(schedule, pp, m, v, fwd, bwd, send, ar):
                 pos[r] += 1
                 progress = True
     assert all(pos[r] == len(ords[r]) for r in range(pp)), "reference deadlocked"
-    return max(clock[r] + ar[r] for r in range(pp))
+    return clock

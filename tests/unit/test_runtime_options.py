@@ -138,7 +138,7 @@ def test_torch_free_modules_do_not_import_torch():
     code = (
         "import sys\n"
         "import poseidon_plugin.runtime.options, poseidon_plugin.runtime.job_flags, poseidon_plugin.runtime.emulation\n"
-        "import patches.table\n"
+        "import poseidon_plugin.patches.table\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from patches import table as table_mod
-from patches.table import Patch, PatchError, PatchTable, resolve
+from poseidon_plugin.patches import table as table_mod
+from poseidon_plugin.patches.table import Patch, PatchError, PatchTable, resolve
 
 
 @pytest.fixture

@@ -171,7 +171,7 @@ def test_structure_search_matches_brute_force(seed, pure_python):
         ss = PySplitSearch(table, shape, num_layers, ridge=False, blocks=False,
                            type_class=array("i", range(len(counts))))
     else:
-        from cython_core._search import SplitSearch
+        from poseidon_plugin._core._search import SplitSearch
         ss = SplitSearch(table, shape, num_layers, ridge=False, blocks=False,
                          type_class=array("i", range(len(counts))))
     for tau in (math.inf, ref * (1 + 1e-7) if ref < math.inf else math.inf):
@@ -185,7 +185,7 @@ def test_structure_search_matches_brute_force(seed, pure_python):
 @pytest.mark.parametrize("seed", range(20))
 @pytest.mark.parametrize("ridge,blocks", [(False, False), (True, True), (True, False)])
 def test_compiled_and_pure_loops_identical(seed, ridge, blocks):
-    from cython_core._search import SplitSearch
+    from poseidon_plugin._core._search import SplitSearch
     table, shape_py, counts, num_layers = random_structure(2000 + seed, True)
     shape_c = ShapeData(shape_py.schedule, shape_py.pp, shape_py.micro_batches,
                         shape_py.virtual_stages, False)
