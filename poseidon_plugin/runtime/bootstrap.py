@@ -239,10 +239,16 @@ def _plan(job: _Job, phases: Phases, world: Any, device: Any, declared: Any, log
 
     outcome = phases.run("profiling", profile)
     phases.notes["profiling"] = f"cache: reused {outcome.reused} of {outcome.reused + outcome.measured} configurations"
+    for why in outcome.unstored:
+        log.rank_line(f"warning: profile cache entry not stored ({why}); it will be measured again next launch")
     merged = os.path.join(cache_dir, f"{model.name}-profile.json")
+    written = f"written to {merged}"
     if job.rank == 0:  # the job's whole profile, for `poseidon plan --profile` later
-        write_profile(merged, outcome.profile)
-    log.job_line(f"profile: {phases.notes['profiling']} in {cache_dir}; written to {merged}")
+        try:
+            write_profile(merged, outcome.profile)
+        except OSError as exc:
+            written = f"not written to {merged} ({exc.strerror or type(exc).__name__})"
+    log.job_line(f"profile: {phases.notes['profiling']} in {cache_dir}; {written}")
     schedules = opts.schedules or apply.allowed_schedules(apply.resolve_style(opts.flag_style))
 
     def search() -> Plan:

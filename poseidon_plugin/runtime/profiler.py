@@ -122,23 +122,33 @@ def cache_path(cache_dir: str, key: dict[str, str]) -> str:
 
 
 def load_cached(cache_dir: str, key: dict[str, str], request: ProfileRequest) -> ProfileEntry | None:
-    """The cached entry for ``key``, or None (absent, unreadable or stale files are ignored, not trusted)."""
+    """The cached entry for ``key``, or None: absent, unreadable (not UTF-8, not JSON, a directory, no
+    permission), invalid or stale entries are re-measured, never trusted and never fatal."""
     path = cache_path(cache_dir, key)
     if not os.path.isfile(path):
         return None
     try:
         profile = load_profile(path)
-    except InputError:
+    except (InputError, OSError, UnicodeError, ValueError, RecursionError):
         return None
     entry = profile.get(*request.key)
     return entry if entry is not None and dict(profile.software) == key else None
 
 
-def store_cached(cache_dir: str, key: dict[str, str], entry: ProfileEntry, job: JobFlags) -> None:
-    """Write one entry as a one-entry profile file, atomically."""
+def store_cached(cache_dir: str, key: dict[str, str], entry: ProfileEntry, job: JobFlags) -> str | None:
+    """Write one entry as a one-entry profile file, atomically; the reason it could not be stored, or None.
+
+    A cache that cannot take the entry (a directory squats its name, the disk is full, no permission)
+    costs a re-measurement next launch, not this one: the measured entry is used all the same.
+    """
     profile = ProfileSpec(model="layer-cache", seq_length=job.seq_length, dtype=job.dtype, entries=(entry,),
                           source="measured", software=key)
-    write_profile(cache_path(cache_dir, key), profile)
+    path = cache_path(cache_dir, key)
+    try:
+        write_profile(path, profile)
+    except OSError as exc:
+        return f"{path}: {exc.strerror or type(exc).__name__}"
+    return None
 
 
 # --- measuring ----------------------------------------------------------------------------------
@@ -304,6 +314,8 @@ class ProfileOutcome:
     profile: ProfileSpec
     reused: int
     measured: int
+    unstored: tuple[str, ...] = ()
+    """Cache files this rank could not write (why, per file); the measurements were used all the same."""
 
 
 def _profiling_groups(world: World, requests: Sequence[ProfileRequest], rank: int) -> dict[int, Any]:
@@ -368,14 +380,18 @@ def profile_world(*, world: World, rank: int, device: Device, job: JobFlags, mod
                     f"{req.tp} devices"
                 )
             merged[req.key] = _median_entry(docs)
+    unstored = []
     if _writes_cache(world, rank):
         for key, cache in keys.items():
             if key not in local:
-                store_cached(cache_dir, cache, ProfileEntry(**_entry_fields(merged[key])), job)
+                why = store_cached(cache_dir, cache, ProfileEntry(**_entry_fields(merged[key])), job)
+                if why is not None:
+                    unstored.append(why)
     entries = tuple(ProfileEntry(**_entry_fields(merged[req.key])) for req in requests)
     profile = ProfileSpec(model=model.name, seq_length=model.seq_length, dtype=model.dtype, entries=entries,
                           source="measured", software=software_versions())
-    return ProfileOutcome(profile=profile, reused=len(requests) - len(missing), measured=len(missing))
+    return ProfileOutcome(profile=profile, reused=len(requests) - len(missing), measured=len(missing),
+                          unstored=tuple(unstored))
 
 
 def _writes_cache(world: World, rank: int) -> bool:
