@@ -20,7 +20,7 @@ from typing import Any
 
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.runtime import options as runtime_options
-from poseidon_plugin.runtime.collectives import Phases, PhaseFailed, parse_fault
+from poseidon_plugin.runtime.collectives import Liveness, Phases, PhaseFailed, parse_fault
 
 
 class Log:
@@ -83,7 +83,11 @@ def _stopped(log: Log) -> None:
     if recorded is not None:
         log.error(str(recorded))
         _exit(2 if recorded.user_error else 1)
-    log.error("stopped by the launcher: another rank failed during Poseidon's start-up (see its message)")
+    lost = phases.lost_ranks() if phases is not None else []
+    if lost:
+        log.error(f"stopped by the launcher: lost {'; '.join(lost)}, during Poseidon's start-up")
+    else:
+        log.error("stopped by the launcher: another rank failed during Poseidon's start-up (see its message)")
     _exit(1)
 
 
@@ -126,8 +130,10 @@ def _run(argv: list[str], rank: int, log: Log) -> int | None:
     device, declared_entry = _device(job, declared)
 
     dist.init_process_group(device.backend, timeout=datetime.timedelta(seconds=job.opts.timeout))
-    phases = Phases(device=device.torch_device, rank=rank, store=dist.distributed_c10d._get_default_store(),
-                    fault=parse_fault(os.environ.get(runtime_options.ENV_INJECT_FAULT)))
+    store = dist.distributed_c10d._get_default_store()
+    phases = Phases(device=device.torch_device, rank=rank, store=store,
+                    fault=parse_fault(os.environ.get(runtime_options.ENV_INJECT_FAULT)),
+                    liveness=Liveness(store, rank, world_size).start())
     _state["phases"] = phases
     phases.seconds["start-up"] = time.perf_counter() - started
 
@@ -288,9 +294,7 @@ def _apply_and_run(job: _Job, phases: Phases, world: Any, device: Any, plan: Any
     if layer_table is not None:
         phases.run("apply", layer_table.apply)
     new_rank = placement.planned_ranks(plan, world).get(job.rank)
-    regroup_start = time.perf_counter()
-    placement.regroup(new_rank, plan.world_size, device.backend, opts.timeout)
-    phases.seconds["apply"] += time.perf_counter() - regroup_start
+    phases.run("placement", lambda: placement.regroup(new_rank, plan.world_size, device.backend, opts.timeout))
     me = world.ranks[job.rank]
     if new_rank is None:
         log.rank_line(f"{me.device_type} device is not used by the plan; leaving")
@@ -301,8 +305,9 @@ def _apply_and_run(job: _Job, phases: Phases, world: Any, device: Any, plan: Any
     watch = Watch(plan=plan, global_rank=new_rank, stage=stage, device=device, iterations=opts.watch_iterations,
                   log=log.rank_line, log_rank0=log.job_line)
     if opts.watch_iterations:
-        watch.install()
+        phases.run("hand-over", watch.install)
     log.job_line("overhead: " + phases.summary())
+    phases.liveness.stop()  # from here on, failures are the training script's, and torchrun reports them
     code = _run_script(job, new_args)
     if opts.watch_iterations and len(watch.measured_ms) < opts.watch_iterations:
         watch.summarize()

@@ -12,9 +12,13 @@ Data crosses ranks as JSON (validated by the receiver), never pickled.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import signal
+import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,6 +76,79 @@ def broadcast_json(obj: Any, device: torch.device, src: int = 0) -> Any:
 
 
 FAILURE_KEY = "poseidon/failure"
+WHO_KEY = "poseidon/who/{}"
+BEAT_KEY = "poseidon/beat/{}"
+
+
+class Liveness:
+    """Each rank's heartbeat in the launch's key-value store, so that a lost rank can be *named*.
+
+    Every rank registers its host and pid, and a daemon thread stamps its wall clock every ``beat_s``
+    seconds through a store client of its own (a blocking store call of the main thread must not stall
+    it). A rank that is gone is then told apart from one that is only slow: on this host by its process
+    (absent or a zombie), elsewhere by a beat older than ``silent_s``. A stopped (SIGSTOP) or hung rank
+    stops beating too. A store that is not a TCPStore (no address to connect to) disables it: messages then
+    fall back to not naming the rank.
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, *, beat_s: float = 1.0, silent_s: float = 5.0):
+        self.rank, self.world_size, self.beat_s, self.silent_s = rank, world_size, beat_s, silent_s
+        self.host = socket.gethostname()
+        self._stop = threading.Event()
+        self._client = None
+        tcp = store
+        while hasattr(tcp, "underlying_store"):  # torchrun and the process group each add a PrefixStore
+            tcp = tcp.underlying_store
+        if isinstance(tcp, dist.TCPStore):
+            try:
+                self._client = dist.TCPStore(tcp.host, tcp.port, is_master=False,
+                                             timeout=datetime.timedelta(seconds=max(5.0, 4 * beat_s)))
+            except Exception:  # noqa: BLE001  (no liveness is better than no start)
+                self._client = None
+
+    def start(self) -> "Liveness":
+        """Register this rank and start beating."""
+        if self._client is not None:
+            self._client.set(WHO_KEY.format(self.rank), json.dumps({"host": self.host, "pid": os.getpid()}))
+            self._client.set(BEAT_KEY.format(self.rank), repr(time.time()))
+            threading.Thread(target=self._beat, name="poseidon-liveness", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        """Stop beating (the training script's own failures are torchrun's to report)."""
+        self._stop.set()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.beat_s):
+            try:
+                self._client.set(BEAT_KEY.format(self.rank), repr(time.time()))
+            except Exception:  # noqa: BLE001  (the store is gone: the launch is ending)
+                return
+
+    def lost(self) -> list[str]:
+        """The other ranks that are gone or silent, each described (``rank 2 (pid 81 on node-a): died``)."""
+        if self._client is None:
+            return []
+        out = []
+        now = time.time()
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            try:
+                who = json.loads(self._client.get(WHO_KEY.format(rank))) \
+                    if self._client.check([WHO_KEY.format(rank)]) else None
+                beat = float(self._client.get(BEAT_KEY.format(rank))) \
+                    if self._client.check([BEAT_KEY.format(rank)]) else None
+            except Exception:  # noqa: BLE001
+                return out
+            if who is None:
+                continue  # never registered: it is still starting, or failed before the process group
+            where = f"rank {rank} (pid {who['pid']} on {who['host']})"
+            if who["host"] == self.host and not _process_alive(int(who["pid"])):
+                out.append(f"{where}: its process is gone")
+            elif beat is not None and now - beat > self.silent_s:
+                out.append(f"{where}: silent for {now - beat:.0f} s (stopped, hung or dead)")
+        return out
 
 
 @dataclass(kw_only=True, slots=True)
@@ -93,10 +170,19 @@ class Phases:
     """Test-only injected fault ``(phase, rank, "raise" | "exit")`` (``POSEIDON_INJECT_FAULT``)."""
     failing: bool = False
     """Set once this rank is on its way out with a failure (a SIGTERM then must not cut its message)."""
+    liveness: Liveness | None = None
+    """Names the rank that was lost when a collective fails without any rank's recorded message."""
+
+    stall_s: float = 15.0
+    """After this long in one phase, name every rank that is gone or silent (once each, on stderr)."""
 
     def run(self, name: str, fn: Callable[[], T]) -> T:
         """``fn()``; PhaseFailed (the same message on every rank) if this or another rank failed."""
         start = time.perf_counter()
+        done = threading.Event()
+        if self.liveness is not None:
+            threading.Thread(target=self._watch_stall, args=(name, done), name="poseidon-stall",
+                             daemon=True).start()
         try:
             self._maybe_inject(name)
             result = fn()
@@ -110,14 +196,33 @@ class Phases:
             if recorded is not None:
                 raise recorded from None
             if _is_peer_loss(exc):
+                lost = self.lost_ranks()
                 raise PhaseFailed(
+                    f"{name}: lost contact with {'; '.join(lost)}" if lost else
                     f"{name}: lost contact with the other ranks ({type(exc).__name__}: {_first_line(exc)}); "
                     f"another rank died or did not answer within the timeout, see its output above",
                     user_error=False,
                 ) from None
             self.fail(name, f"{type(exc).__name__}: {_first_line(exc)}", user_error=False)
+        finally:
+            done.set()
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
         return result
+
+    def _watch_stall(self, name: str, done: threading.Event) -> None:
+        """While phase ``name`` waits longer than ``stall_s``, say which ranks it may be waiting for."""
+        said: set[str] = set()
+        if done.wait(self.stall_s):
+            return
+        while not done.is_set():
+            for line in self.lost_ranks():
+                rank = line.partition(" (")[0]
+                if rank not in said:
+                    said.add(rank)
+                    sys.stderr.write(f"poseidon[rank {self.rank}]: {name} is waiting for {line}; it fails "
+                                     f"when the timeout (--poseidon-timeout) runs out\n")
+                    sys.stderr.flush()
+            done.wait(5.0)
 
     def fail(self, name: str, error: str, *, user_error: bool) -> None:
         """Record this rank's failure of phase ``name`` for the others, then raise it here."""
@@ -151,6 +256,10 @@ class Phases:
                 return None
             time.sleep(0.05)
 
+    def lost_ranks(self) -> list[str]:
+        """Other ranks known to be gone or silent, described; empty when none is known (or no liveness)."""
+        return self.liveness.lost() if self.liveness is not None else []
+
     def _maybe_inject(self, name: str) -> None:
         if self.fault is None or self.fault[0] != name or self.fault[1] != self.rank:
             return
@@ -158,6 +267,8 @@ class Phases:
             sys.stderr.write(f"poseidon[rank {self.rank}]: injected hard exit in {name}\n")
             sys.stderr.flush()
             os._exit(3)
+        if self.fault[2] in ("kill", "stop"):  # a rank lost without a word: killed, or frozen
+            os.kill(os.getpid(), signal.SIGKILL if self.fault[2] == "kill" else signal.SIGSTOP)
         raise RuntimeError(f"injected fault in {name} (POSEIDON_INJECT_FAULT)")
 
     def summary(self) -> str:
@@ -177,13 +288,31 @@ def _is_peer_loss(exc: BaseException) -> bool:
                                          "broken pipe", "peer"))
 
 
+FAULT_KINDS = ("raise", "exit", "kill", "stop")
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` on this host runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            return True
+        return True
+
+
 def parse_fault(text: str | None) -> tuple[str, int, str] | None:
     """``"profiling:2"`` or ``"profiling:2:exit"`` -> ``("profiling", 2, "exit")``; None when unset."""
     if not text:
         return None
     parts = text.split(":")
-    if len(parts) not in (2, 3) or not parts[1].isdigit() or (len(parts) == 3 and parts[2] not in ("raise", "exit")):
-        raise PoseidonError(f"POSEIDON_INJECT_FAULT={text!r} is not PHASE:RANK[:raise|exit]")
+    if len(parts) not in (2, 3) or not parts[1].isdigit() or (len(parts) == 3 and parts[2] not in FAULT_KINDS):
+        raise PoseidonError(f"POSEIDON_INJECT_FAULT={text!r} is not PHASE:RANK[:{'|'.join(FAULT_KINDS)}]")
     return parts[0], int(parts[1]), parts[2] if len(parts) == 3 else "raise"
 
 

@@ -127,13 +127,25 @@ def launch(torchrun_args: list[str]) -> int:
     try:
         torchrun.run(torchrun.parse_args(torchrun_args))
     except ChildFailedError as exc:
-        ranks = sorted(exc.failures)
-        _, first = exc.get_first_failure()
-        codes = [first.exitcode] + [f.exitcode for f in exc.failures.values()]
-        print(f"poseidon-run: {len(ranks)} rank(s) failed (ranks {ranks}, first exit code {first.exitcode}); "
-              f"each rank's message is above", file=sys.stderr, flush=True)
+        print(failure_summary(exc.failures, *exc.get_first_failure()), file=sys.stderr, flush=True)
+        codes = [exc.get_first_failure()[1].exitcode] + [f.exitcode for f in exc.failures.values()]
         return next((code for code in codes if code > 0), 1)
     return 0
+
+
+def failure_summary(failures: dict, first_rank: int, first) -> str:
+    """One line: which rank failed first (pid, host, exit code or signal), and how many failed in all.
+
+    ``failures`` maps a global rank to torchrun's ``ProcessFailure`` (``exitcode``, ``pid``, ``signal_name()``).
+    """
+    import socket
+
+    how = (f"was killed by {first.signal_name()}" if first.exitcode < 0
+           else f"exited with code {first.exitcode}")
+    others = sorted(rank for rank in failures if rank != first_rank)
+    rest = f"; then rank(s) {others} were stopped or failed too" if others else ""
+    return (f"poseidon-run: rank {first_rank} (pid {first.pid} on {socket.gethostname()}) {how} first{rest}; "
+            f"each rank's message is above")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,65 @@
+"""Faults at every phase end on every rank with one shared line that names the rank (issue 9, items 2 and 11).
+
+Each case is a real ``poseidon-run`` launch on gloo with an injected fault (``POSEIDON_INJECT_FAULT``):
+``raise`` (an exception), ``kill`` (SIGKILL: the rank vanishes without a word) or ``stop`` (SIGSTOP: the
+rank freezes, as a hung host would).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from tests.dist.test_launcher import JOB, SCRIPT, emulated_plan, poseidon_run  # noqa: E402
+
+TWO = ["--nproc-per-node", "2", SCRIPT, *JOB, "--poseidon-emulate", "A2-2:1,A2-4:1"]
+
+
+def _error_lines(out: str) -> dict[str, str]:
+    return dict(re.findall(r"^poseidon\[rank (\d)\]: error: (.*)$", out, re.M))
+
+
+def _saved_plan(tmp_path) -> str:
+    return emulated_plan(tmp_path / "plan.json", [("A2-2", 1), ("A2-4", 1)], stage_types=["A2-2", "A2-4"],
+                         layers=[5, 3])
+
+
+@pytest.mark.parametrize("phase", ["apply", "placement"])
+def test_late_phase_failure_ends_every_rank_with_one_line(tmp_path, phase):
+    """Apply has no collective of its own: the other rank learns of the failure at the placement barrier."""
+    code, out = poseidon_run([*TWO, "--poseidon-plan", _saved_plan(tmp_path)], tmp_path,
+                             env={"POSEIDON_INJECT_FAULT": f"{phase}:1"})
+    assert code == 1, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    errors = _error_lines(out)
+    assert set(errors) == {"0", "1"}, out[-4000:]
+    for message in errors.values():
+        assert message == f"{phase} failed on rank 1: RuntimeError: injected fault in {phase} (POSEIDON_INJECT_FAULT)"
+
+
+def test_killed_rank_is_named_by_the_others_and_the_launcher(tmp_path):
+    code, out = poseidon_run([*TWO, "--poseidon-timeout", "60"], tmp_path,
+                             env={"POSEIDON_INJECT_FAULT": "profiling:1:kill"})
+    assert code != 0
+    assert "Traceback" not in out, out[-4000:]
+    errors = _error_lines(out)
+    assert set(errors) == {"0"}, out[-4000:]  # rank 1 died without a word
+    assert re.fullmatch(r"(profiling: lost contact with|stopped by the launcher: lost) rank 1 \(pid \d+ on \S+\): "
+                        r"its process is gone(, during Poseidon's start-up)?", errors["0"]), errors["0"]
+    assert re.search(r"^poseidon-run: rank 1 \(pid \d+ on \S+\) was killed by SIGKILL first", out, re.M), out[-2000:]
+
+
+def test_frozen_rank_is_named_while_waiting_and_at_the_timeout(tmp_path):
+    code, out = poseidon_run([*TWO, "--poseidon-timeout", "25"], tmp_path,
+                             env={"POSEIDON_INJECT_FAULT": "profiling:1:stop"})
+    assert code != 0
+    assert re.search(r"^poseidon\[rank 0\]: profiling is waiting for rank 1 \(pid \d+ on \S+\): silent for \d+ s "
+                     r"\(stopped, hung or dead\); it fails when the timeout \(--poseidon-timeout\) runs out$",
+                     out, re.M), out[-4000:]
+    errors = _error_lines(out)
+    assert re.fullmatch(r"profiling: lost contact with rank 1 \(pid \d+ on \S+\): silent for \d+ s "
+                        r"\(stopped, hung or dead\)", errors.get("0", "")), out[-4000:]
