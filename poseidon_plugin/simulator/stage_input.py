@@ -28,7 +28,7 @@ MAX_VIRTUAL_STAGES = 1 << 10
 MAX_DATA_PARALLEL = 1 << 20
 """DP degree (it does not change the simulated time; bounded like a cluster's devices)."""
 MAX_SIMULATED_OPS = 1 << 20
-"""Forwards + backwards simulated (2 x pp x V x M): about 1-2 GB and under a minute per input."""
+"""Forwards + backwards simulated (2 x pp x V x M): about 1-2 GB and a minute at most per input."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

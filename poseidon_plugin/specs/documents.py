@@ -58,7 +58,7 @@ def quote(value: Any, limit: int = MAX_QUOTE_CHARS) -> str:
             return repr(value)
         return f"{value[:limit]!r}... ({len(value):,} characters)"
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
-        return f"<an integer of {len(str(value)) if value.bit_length() < 10000 else 'thousands of'} digits>"
+        return f"<an integer of about {int(value.bit_length() * 0.30103) + 1:,} digits>"  # no str(): slow
     text = _SHORT.repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 
