@@ -115,7 +115,8 @@ def parse_stage_input(doc) -> StageInput:
     dp = _int_field(doc, "data_parallel", MAX_DATA_PARALLEL, 1)
     stages = doc.get("stages")
     if not isinstance(stages, list) or not stages:
-        raise InputError(f"stages must be a non-empty list (one entry per pipeline rank), got {quote(stages)}")
+        raise InputError(f"stages must be a non-empty list (one entry per pipeline rank), "
+                         f"got {quote(stages)}")
     ops = 2 * len(stages) * v * micro_batches
     if ops > MAX_SIMULATED_OPS:  # checked before the graph (about 1 KB per operation) is built
         raise InputError(

@@ -101,7 +101,7 @@ def read_document(path: str | Path, what: str, *, allow_stdin: bool = False,
 
 def parse_document(data: bytes | str, source: str, *, yaml_syntax: bool = False,
                    nonfinite: Rule | None = None) -> Any:
-    """Parse JSON (or YAML) text or UTF-8 bytes with the checks of this module; errors start with ``source``."""
+    """Parse JSON (or YAML) text or UTF-8 bytes with this module's checks; errors start with ``source``."""
     if isinstance(data, (bytes, bytearray)):
         if len(data) > MAX_DOCUMENT_BYTES:
             raise _too_big(source, len(data))

@@ -18,9 +18,9 @@ from typing import Any, Iterable, Mapping
 from ..errors import InputError
 from .documents import quote, read_document
 
-__all__ = ["MAX_NAME_CHARS", "PRESET_DIR", "check_keys", "field_name", "get_bool", "get_float", "get_int", "get_list",
-           "get_mapping", "get_str", "load_document_or_preset", "preset_names", "quote", "read_document",
-           "write_json_atomic"]
+__all__ = ["MAX_NAME_CHARS", "PRESET_DIR", "check_keys", "field_name", "get_bool", "get_float", "get_int",
+           "get_list", "get_mapping", "get_str", "load_document_or_preset", "preset_names", "quote",
+           "read_document", "write_json_atomic"]
 
 _MISSING = object()
 

@@ -86,8 +86,8 @@ class ProfileSpec:
     def __post_init__(self) -> None:
         for e in self.entries:
             if e.key in self._index:
-                raise InputError(f"{self.origin}: duplicate profile entry for device_type={quote(e.device_type)}"
-                                 f" tp={e.tp} mbs={e.mbs}; keep one")
+                raise InputError(f"{self.origin}: duplicate profile entry for device_type="
+                                 f"{quote(e.device_type)} tp={e.tp} mbs={e.mbs}; keep one")
             self._index[e.key] = e
 
     def get(self, device_type: str, tp: int, mbs: int) -> ProfileEntry | None:
@@ -99,9 +99,9 @@ class ProfileSpec:
         e = self._index.get((device_type, tp, mbs))
         if e is None:
             have = sorted({(k[1], k[2]) for k in self._index if k[0] == device_type})
-            raise InputError(f"profile {self.origin} has no entry for device_type={quote(device_type)} tp={tp} "
-                             f"mbs={mbs}; it has (tp, mbs) = {have or 'none for this type'}; re-profile "
-                             "with that combination or restrict the search to profiled ones")
+            raise InputError(f"profile {self.origin} has no entry for device_type={quote(device_type)} "
+                             f"tp={tp} mbs={mbs}; it has (tp, mbs) = {have or 'none for this type'}; "
+                             "re-profile with that combination or restrict the search to profiled ones")
         return e
 
     def device_types(self) -> tuple[str, ...]:
@@ -160,7 +160,8 @@ def parse_profile(doc: Any, origin: str = "<profile>") -> ProfileSpec:
     get_mapping(software, f"{origin}: software")
     entries = tuple(_parse_entry(e, f"{origin}: entries[{i}]")
                     for i, e in enumerate(get_list(doc, "entries", root)))
-    return ProfileSpec(model=get_str(doc, "model", root), seq_length=get_int(doc, "seq_length", root, maximum=MODEL_LIMITS["seq_length"]),
+    return ProfileSpec(model=get_str(doc, "model", root),
+                       seq_length=get_int(doc, "seq_length", root, maximum=MODEL_LIMITS["seq_length"]),
                        dtype=get_str(doc, "dtype", root, choices=DTYPE_BYTES),
                        source=get_str(doc, "source", root, choices=PROFILE_SOURCES, default="measured"),
                        software={str(k): str(v) for k, v in software.items()}, entries=entries,
@@ -186,8 +187,8 @@ def merge_profiles(profiles: Iterable[ProfileSpec], origin: str = "<merged>") ->
     for p in profiles[1:]:
         for attr in ("model", "seq_length", "dtype"):
             if getattr(p, attr) != getattr(first, attr):
-                raise InputError(f"cannot merge profiles: {p.origin} has {attr}={quote(getattr(p, attr))} but "
-                                 f"{first.origin} has {quote(getattr(first, attr))}")
+                raise InputError(f"cannot merge profiles: {p.origin} has {attr}={quote(getattr(p, attr))} "
+                                 f"but {first.origin} has {quote(getattr(first, attr))}")
     sources = {p.source for p in profiles}
     software: dict[str, str] = {}
     for p in profiles:
