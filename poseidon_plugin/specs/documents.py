@@ -37,7 +37,7 @@ MAX_DOCUMENT_BYTES = 64 << 20
 """Largest document read (64 MiB): a measured profile or a plan of a 1M-device cluster is far smaller."""
 
 MAX_NESTING_DEPTH = 64
-"""Deepest nesting of lists/objects (our formats need at most 6 levels)."""
+"""Deepest nesting of lists/objects (our formats need a handful of levels)."""
 
 MAX_QUOTE_CHARS = 80
 """Characters of a value that an error message shows (longer values are cut, with their length)."""
@@ -126,7 +126,7 @@ def parse_document(data: bytes | str, source: str, *, yaml_syntax: bool = False,
                          ) from None
     except yaml.YAMLError as exc:
         raise InputError(f"{source}: malformed YAML: {_yaml_reason(exc)}") from None
-    except RecursionError:  # not reached with the depth checks above; kept so no traceback can escape
+    except RecursionError:  # only the pure-Python YAML composer (no libyaml) recurses before our check
         raise InputError(f"{source}: nested too deeply (more than {MAX_NESTING_DEPTH} levels)") from None
     if marks.any:
         found = _find_marked(doc, "")
@@ -201,7 +201,7 @@ _YAML_BASE = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built
 class _DocumentLoader(_YAML_BASE):  # type: ignore[misc, valid-type]
     """``yaml.safe_load`` minus aliases and duplicate keys, with non-finite floats marked for a path."""
 
-    marks: "_Marks"
+    refused: "_Marks"  # not "marks": the pure-Python scanner uses that name
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -223,13 +223,13 @@ class _DocumentLoader(_YAML_BASE):  # type: ignore[misc, valid-type]
         value = super().construct_yaml_float(node)
         if math.isfinite(value):
             return value
-        self.marks.any = True
+        self.refused.any = True
         return _BadValue(str(node.value), _NONFINITE, nonfinite=True)
 
     def construct_yaml_int(self, node):
         digits = sum(ch.isdigit() for ch in str(node.value))
         if digits > MAX_INTEGER_DIGITS:
-            self.marks.any = True
+            self.refused.any = True
             return _BadValue(str(node.value), f"is not allowed: integers have at most "
                                               f"{MAX_INTEGER_DIGITS} digits")
         return super().construct_yaml_int(node)
@@ -241,7 +241,7 @@ _DocumentLoader.add_constructor("tag:yaml.org,2002:int", _DocumentLoader.constru
 
 def _parse_yaml(text: str, marks: "_Marks") -> Any:
     loader = _DocumentLoader(text)
-    loader.marks = marks
+    loader.refused = marks
     try:
         node = loader.get_single_node()   # libyaml itself stops at 1000 levels; the tree is not built yet
         if node is None:

@@ -4,6 +4,9 @@ the documented size limits, the memory reserve check and non-finite simulated ti
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -304,3 +307,24 @@ def test_yaml_keys_of_mixed_types_are_reported_not_crashed(tmp_path, capsys):
     assert code == 2 and err == (f"poseidon simulate: error: {path}: unknown field 1; allowed fields: "
                                  "schedule, micro_batches, virtual_stages, data_parallel, comm_model, "
                                  "stages")
+
+
+def test_pure_python_yaml_fallback_refuses_the_same(tmp_path):
+    """Without libyaml the reader uses PyYAML's pure-Python loader: same refusals, no traceback."""
+    script = ("import yaml; del yaml.CSafeLoader\n"
+              "from poseidon_plugin.specs.documents import parse_document\n"
+              "import sys\n"
+              "for text in sys.argv[1:]:\n"
+              "    try: parse_document(text, 'f', yaml_syntax=True)\n"
+              "    except ValueError as exc: print(exc)\n")
+    texts = [BOMB + "x: *l9\n", "- " * 2000 + "x", "a: 1\na: 2\n", "a: [.inf]\n"]
+    out = subprocess.run([sys.executable, "-c", script, *texts], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path, env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "f: line 1, column 5: this value is anchored (&name) and used again through an alias (*name); "
+        "Poseidon documents do not allow YAML aliases: write the value out where it is used",
+        "f: nested too deeply (more than 64 levels)",
+        "f: line 2, column 1: duplicate key 'a'; keep one",
+        "f: a[0] = .inf is not allowed: numbers must be finite",
+    ]
