@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 from .errors import InputError, PoseidonError
+from .specs.documents import parse_document
 from .specs.fields import read_document, write_json_atomic
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -131,11 +132,7 @@ class Plan:
     @classmethod
     def from_json(cls, text: str, where: str = "plan") -> "Plan":
         """Parse and validate JSON text."""
-        try:
-            doc = json.loads(text, parse_constant=_reject_constant)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{where}: malformed JSON: {exc}") from None
-        return _plan_from_dict(doc, where)
+        return _plan_from_dict(parse_document(text, where), where)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan JSON atomically."""
@@ -155,10 +152,6 @@ class Plan:
 
 
 # --- validation and (de)serialisation --------------------------------------------------------
-
-def _reject_constant(name: str):
-    raise InputError(f"plan: {name} is not allowed in a plan file")
-
 
 def _plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .stage_input import load_stage_input
+from .stage_input import checked_result, load_stage_input
 from .trace import trace_events, write_json_atomic
 
 
@@ -21,7 +21,8 @@ def run(args) -> int:
     """Simulate the file and print a table (or JSON)."""
     spec = load_stage_input(args.file)
     sim = spec.simulator()
-    result = sim.run(*spec.times())
+    where = "<stdin>" if args.file == "-" else args.file
+    result = checked_result(sim.run(*spec.times()), where)  # before the trace: it would hold inf too
     if args.trace:
         try:
             write_json_atomic(args.trace, trace_events(sim, *spec.times()))

@@ -9,19 +9,26 @@ Example::
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
-from pathlib import Path
-
-import yaml
 
 from ..errors import InputError
-from .core import SimResult, Simulator, check_time, check_times
+from ..specs.documents import quote, read_document
+from .core import SimResult, Simulator
 from .graph import COMM_MODELS, extra_params
 from .schedules import SCHEDULES, validate_shape
 
 TOP_FIELDS = ("schedule", "micro_batches", "virtual_stages", "data_parallel", "comm_model", "stages")
 STAGE_FIELDS = ("forward_ms", "backward_ms", "send_ms", "allreduce_ms")
+
+MAX_MICRO_BATCHES = 1 << 16
+"""Micro-batches per iteration (65,536)."""
+MAX_VIRTUAL_STAGES = 1 << 10
+"""Model chunks per rank (1,024)."""
+MAX_DATA_PARALLEL = 1 << 20
+"""DP degree (it does not change the simulated time; bounded like a cluster's devices)."""
+MAX_SIMULATED_OPS = 1 << 20
+"""Forwards + backwards simulated (2 x pp x V x M): about 1-2 GB and a minute at most per input."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,13 +62,35 @@ class StageInput:
         return self.forward_ms, self.backward_ms, self.send_ms, self.allreduce_ms
 
 
-def _int_field(doc: dict, name: str, default=None) -> int:
+def _int_field(doc: dict, name: str, maximum: int, default=None) -> int:
     value = doc.get(name, default)
     if value is None:
         raise InputError(f"missing required field {name!r}")
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InputError(f"{name}={value!r} must be an integer >= 1")
+        raise InputError(f"{name}={quote(value)} must be an integer >= 1")
+    if value > maximum:
+        raise InputError(f"{name}={quote(value)} is too large: the simulator takes at most {maximum:,}")
     return value
+
+
+def _check_time(field: str, x) -> None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not _finite(x) or x < 0:
+        raise InputError(f"{field}={quote(x)} must be a finite number of milliseconds >= 0")
+
+
+def _check_times(field: str, values, length: int) -> None:
+    if not isinstance(values, (list, tuple)) or len(values) != length:
+        got = f"{len(values)} entries" if isinstance(values, (list, tuple)) else quote(values)
+        raise InputError(f"{field} must be a list of {length} time(s) in ms (one per chunk), got {got}")
+    for i, x in enumerate(values):
+        _check_time(f"{field}[{i}]", x)
+
+
+def _finite(x: int | float) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond the float range
+        return False
 
 
 def parse_stage_input(doc) -> StageInput:
@@ -69,39 +98,47 @@ def parse_stage_input(doc) -> StageInput:
     if not isinstance(doc, dict):
         raise InputError(f"the stage-level input must be a JSON object, got {type(doc).__name__}")
     comm_model = doc.get("comm_model", "dag")
-    if comm_model not in COMM_MODELS:
-        raise InputError(f"comm_model={comm_model!r} is unknown; allowed: {', '.join(COMM_MODELS)}")
+    if not isinstance(comm_model, str) or comm_model not in COMM_MODELS:
+        raise InputError(f"comm_model={quote(comm_model)} is unknown; allowed: {', '.join(COMM_MODELS)}")
     extra_specs = extra_params(comm_model)
     allowed = TOP_FIELDS + tuple(name for name, _d, _doc in extra_specs)
-    unknown = sorted(set(doc) - set(allowed))
-    if unknown:
-        raise InputError(f"unknown field {unknown[0]!r}; allowed fields: {', '.join(allowed)}")
+    unknown = next((key for key in doc if key not in allowed), None)
+    if unknown is not None:
+        raise InputError(f"unknown field {quote(unknown)}; allowed fields: {', '.join(allowed)}")
     schedule = doc.get("schedule")
     if schedule is None:
         raise InputError("missing required field 'schedule'; allowed: " + ", ".join(SCHEDULES))
-    if schedule not in SCHEDULES:
-        raise InputError(f"schedule={schedule!r} is unknown; allowed: {', '.join(SCHEDULES)}")
-    micro_batches = _int_field(doc, "micro_batches")
-    v = _int_field(doc, "virtual_stages", 1)
-    dp = _int_field(doc, "data_parallel", 1)
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
+        raise InputError(f"schedule={quote(schedule)} is unknown; allowed: {', '.join(SCHEDULES)}")
+    micro_batches = _int_field(doc, "micro_batches", MAX_MICRO_BATCHES)
+    v = _int_field(doc, "virtual_stages", MAX_VIRTUAL_STAGES, 1)
+    dp = _int_field(doc, "data_parallel", MAX_DATA_PARALLEL, 1)
     stages = doc.get("stages")
     if not isinstance(stages, list) or not stages:
-        raise InputError(f"stages must be a non-empty list (one entry per pipeline rank), got {stages!r}")
+        raise InputError(f"stages must be a non-empty list (one entry per pipeline rank), "
+                         f"got {quote(stages)}")
+    ops = 2 * len(stages) * v * micro_batches
+    if ops > MAX_SIMULATED_OPS:  # checked before the graph (about 1 KB per operation) is built
+        raise InputError(
+            f"the input asks for {ops:,} forward and backward operations (2 x {len(stages)} stages x "
+            f"virtual_stages={v} x micro_batches={micro_batches:,}); the simulator takes at most "
+            f"{MAX_SIMULATED_OPS:,}: simulate fewer micro-batches (the bubble share settles after a few "
+            "times the pipeline size)")
     validate_shape(schedule, len(stages), micro_batches, v)
     fwd, bwd, send, ar = [], [], [], []
     for r, st in enumerate(stages):
         if not isinstance(st, dict):
             raise InputError(f"stages[{r}] must be an object with {', '.join(STAGE_FIELDS)}")
-        bad = sorted(set(st) - set(STAGE_FIELDS))
-        if bad:
-            raise InputError(f"stages[{r}]: unknown field {bad[0]!r}; allowed: {', '.join(STAGE_FIELDS)}")
+        bad = next((key for key in st if key not in STAGE_FIELDS), None)
+        if bad is not None:
+            raise InputError(f"stages[{r}]: unknown field {quote(bad)}; allowed: {', '.join(STAGE_FIELDS)}")
         for name in STAGE_FIELDS:
             if name not in st:
                 raise InputError(f"stages[{r}]: missing required field {name!r}")
-        check_times(f"stages[{r}].forward_ms", st["forward_ms"], v)
-        check_times(f"stages[{r}].backward_ms", st["backward_ms"], v)
-        check_time(f"stages[{r}].send_ms", st["send_ms"])
-        check_time(f"stages[{r}].allreduce_ms", st["allreduce_ms"])
+        _check_times(f"stages[{r}].forward_ms", st["forward_ms"], v)
+        _check_times(f"stages[{r}].backward_ms", st["backward_ms"], v)
+        _check_time(f"stages[{r}].send_ms", st["send_ms"])
+        _check_time(f"stages[{r}].allreduce_ms", st["allreduce_ms"])
         fwd.extend(float(x) for x in st["forward_ms"])
         bwd.extend(float(x) for x in st["backward_ms"])
         send.append(float(st["send_ms"]))
@@ -109,7 +146,7 @@ def parse_stage_input(doc) -> StageInput:
     extras = []
     for name, _default, _doc in extra_specs:
         if name in doc:
-            check_time(name, doc[name])
+            _check_time(name, doc[name])
             extras.append((name, float(doc[name])))
     return StageInput(schedule=schedule, micro_batches=micro_batches, virtual_stages=v,
                       data_parallel=dp, comm_model=comm_model, forward_ms=tuple(fwd),
@@ -118,30 +155,29 @@ def parse_stage_input(doc) -> StageInput:
 
 
 def simulate(doc, pure_python: bool | None = None) -> SimResult:
-    """Validate a stage-level document and simulate it in full detail."""
+    """Validate a stage-level document and simulate it in full detail (the result must be finite)."""
     spec = doc if isinstance(doc, StageInput) else parse_stage_input(doc)
-    return spec.simulator(pure_python).run(*spec.times())
+    return checked_result(spec.simulator(pure_python).run(*spec.times()))
+
+
+def checked_result(result: SimResult, where: str = "") -> SimResult:
+    """``result``, unless its times overflowed: finite inputs can still add up past the double range."""
+    values = [result.iteration_ms] + [x for s in result.stages for x in (s.busy_ms, s.bubble_ms)]
+    if all(math.isfinite(x) for x in values):
+        return result
+    raise InputError(f"{where + ': ' if where else ''}the simulated iteration time is "
+                     f"{result.iteration_ms} ms: the input's times add "
+                     "up past the largest double (about 1.8e308); give realistic times in milliseconds")
+
+
+def _time_rule(path: str) -> str:
+    return "is not a valid time; times must be finite numbers of milliseconds >= 0" if "_ms" in path else ""
 
 
 def load_stage_input(path: str) -> StageInput:
     """Read a stage-level file (JSON; YAML when the name ends in .yaml/.yml; ``-`` for stdin)."""
-    import sys
-
+    doc = read_document(path, "stage-level input", allow_stdin=True, nonfinite=_time_rule)
     try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InputError(f"cannot read stage-level input {path!r}: {exc.strerror}") from None
-    try:
-        if path.endswith((".yaml", ".yml")):
-            doc = yaml.safe_load(text)
-        else:
-            doc = json.loads(text, parse_constant=_reject_constant)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise InputError(f"{path}: malformed {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'}: "
-                         f"{str(exc).splitlines()[0]}") from None
-    return parse_stage_input(doc)
-
-
-def _reject_constant(name: str):
-    # json accepts NaN/Infinity by default; a time of NaN is never meaningful.
-    raise InputError(f"{name} is not a valid time; times must be finite numbers of milliseconds >= 0")
+        return parse_stage_input(doc)
+    except InputError as exc:
+        raise InputError(f"{'<stdin>' if path == '-' else path}: {exc}") from None

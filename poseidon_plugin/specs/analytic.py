@@ -21,9 +21,10 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 from ..errors import InputError
-from .cluster import LINK_INTRA_NODE, ClusterSpec
+from .cluster import LINK_INTRA_NODE, ClusterSpec, check_memory_reserve
 from .constants import CostConstants, resolve_constants
 from .model import ModelSpec
+from .documents import quote
 from .profile import ProfileEntry, ProfileSpec
 
 DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -31,10 +32,16 @@ DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
 
 def constants_for(cluster: ClusterSpec, model: ModelSpec,
                   constants: Mapping[str, Any] | CostConstants | None = None) -> CostConstants:
-    """Defaults, then the cluster file's, the model file's, and finally ``constants`` overrides."""
-    return resolve_constants((cluster.constants, f"{cluster.source}: constants"),
-                             (model.constants, f"{model.source}: constants"),
-                             (constants, "constants"))
+    """Defaults, then the cluster file's, the model file's, and finally ``constants`` overrides.
+
+    The result must leave every device type some memory above the reserve (checked here because the
+    model file and the caller may change the reserve the cluster file was checked with).
+    """
+    result = resolve_constants((cluster.constants, f"{cluster.source}: constants"),
+                               (model.constants, f"{model.source}: constants"),
+                               (constants, "constants"))
+    check_memory_reserve(cluster.device_types, result, f"{cluster.source} with {model.source}")
+    return result
 
 
 def valid_tp_degrees(cluster: ClusterSpec, model: ModelSpec, device_type: str) -> tuple[int, ...]:
@@ -173,7 +180,7 @@ def analytic_profile(cluster: ClusterSpec, model: ModelSpec, *,
                                                                                   constants)
     mbs_list = tuple(sorted(set(micro_batch_sizes)))
     if not mbs_list or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in mbs_list):
-        raise InputError(f"micro_batch_sizes = {mbs_list!r} is invalid: must be integers >= 1")
+        raise InputError(f"micro_batch_sizes = {quote(mbs_list)} is invalid: must be integers >= 1")
     entries = []
     for name in cluster.type_names:
         allowed = valid_tp_degrees(cluster, model, name)
@@ -183,7 +190,7 @@ def analytic_profile(cluster: ClusterSpec, model: ModelSpec, *,
             tps = tuple(tp_degrees.get(name, ()) if isinstance(tp_degrees, Mapping) else tp_degrees)
             bad = [t for t in tps if t not in allowed]
             if bad:
-                raise InputError(f"tp_degrees for {name!r}: {bad} not allowed; allowed: {allowed} "
+                raise InputError(f"tp_degrees for {quote(name)}: {bad} not allowed; allowed: {allowed} "
                                  "(powers of two within a node dividing heads, KV groups and FFN)")
         for tp in tps:
             for mbs in mbs_list:

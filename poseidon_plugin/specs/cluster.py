@@ -7,6 +7,11 @@ Links: a transfer between two devices uses one of three link classes, each with 
 a latency (µs): ``intra_node`` (same node), ``inter_node`` (different nodes of the same device type) and
 ``cross_type`` (nodes of different device types: different clusters in the paper's setting). A device
 type may override ``intra_node`` / ``inter_node`` for its own nodes.
+
+Sizes are bounded (:data:`MAX_DEVICES` in all, :data:`MAX_DEVICES_PER_NODE`, :data:`MAX_DEVICE_TYPES`)
+and checked from the node groups' counts before anything is built per device. The spec itself stores
+node groups only; :meth:`ClusterSpec.devices` builds the per-device list on demand (O(devices)), and
+counts (``num_devices``, ``num_devices_of_type``) are O(node groups).
 """
 
 from __future__ import annotations
@@ -14,18 +19,25 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from ..errors import InputError
 from .fields import (PRESET_DIR, check_keys, get_float, get_int, get_list, get_mapping, get_str,
-                     load_document_or_preset, preset_names, read_document)
+                     load_document_or_preset, preset_names, quote, read_document)
 
 LINK_INTRA_NODE = 0
 LINK_INTER_NODE = 1
 LINK_CROSS_TYPE = 2
 LINK_NAMES = ("intra_node", "inter_node", "cross_type")
 
+MAX_DEVICES = 1 << 20
+"""Devices in a cluster (1,048,576): room for million-device planning, checked before any per-device list."""
 
+MAX_DEVICES_PER_NODE = 4096
+"""Devices in one node (real nodes hold 8-16; rack-scale "supernodes" a few hundred)."""
+
+MAX_DEVICE_TYPES = 256
+"""Device types in a cluster."""
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinkSpec:
@@ -92,17 +104,28 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         names = [t.name for t in self.device_types]
-        if len(set(names)) != len(names):
-            raise InputError(f"{self.source}: device_types: duplicate name in {names}")
+        if len(names) > MAX_DEVICE_TYPES:
+            raise InputError(f"{self.source}: device_types has {len(names):,} entries; a cluster has at "
+                             f"most {MAX_DEVICE_TYPES} device types")
+        seen: set[str] = set()
+        for i, name in enumerate(names):
+            if name in seen:
+                raise InputError(f"{self.source}: device_types[{i}].name = {quote(name)} is declared twice; "
+                                 "give each device type one entry")
+            seen.add(name)
+        total = 0
         for i, group in enumerate(self.nodes):
-            if group.device_type not in names:
-                raise InputError(f"{self.source}: nodes[{i}].device_type = {group.device_type!r} is "
-                                 f"not a declared device type; declared: {', '.join(names)}")
+            if group.device_type not in seen:
+                raise InputError(f"{self.source}: nodes[{i}].device_type = {quote(group.device_type)} is "
+                                 f"not a declared device type; declared: {_names(names)}")
+            total += group.count * group.devices_per_node
+            if total > MAX_DEVICES:
+                raise InputError(_too_many_devices(f"{self.source}: nodes[{i}]", total))
         used = {g.device_type for g in self.nodes}
         for name in names:
             if name not in used:
-                raise InputError(f"{self.source}: device type {name!r} has no nodes; add a nodes entry "
-                                 f"with device_type: {name} or remove it from device_types")
+                raise InputError(f"{self.source}: device type {quote(name)} has no nodes; add a nodes "
+                                 "entry with that device_type or remove it from device_types")
 
     @property
     def type_names(self) -> tuple[str, ...]:
@@ -114,25 +137,30 @@ class ClusterSpec:
         for t in self.device_types:
             if t.name == name:
                 return t
-        raise InputError(f"device type {name!r} is not in cluster {self.name!r}; "
-                         f"known: {', '.join(self.type_names)}")
+        raise InputError(f"device type {quote(name)} is not in cluster {quote(self.name)}; "
+                         f"known: {_names(self.type_names)}")
 
     def devices(self) -> tuple[Device, ...]:
-        """Every device, in enumeration order (node group, node, local index)."""
-        out: list[Device] = []
-        node = 0
+        """Every device, in enumeration order (node group, node, local index); built on each call."""
+        return tuple(self.iter_devices())
+
+    def iter_devices(self, device_type: str | None = None) -> Iterator[Device]:
+        """The devices (of one type, if given) in enumeration order, without building a list."""
+        index = node = 0
         for group in self.nodes:
-            for _ in range(group.count):
-                for local in range(group.devices_per_node):
-                    out.append(Device(index=len(out), node=node, local=local,
-                                      device_type=group.device_type))
-                node += 1
-        return tuple(out)
+            size = group.count * group.devices_per_node
+            if device_type is None or group.device_type == device_type:
+                for n in range(group.count):
+                    for local in range(group.devices_per_node):
+                        yield Device(index=index + n * group.devices_per_node + local, node=node + n,
+                                     local=local, device_type=group.device_type)
+            index += size
+            node += group.count
 
     def devices_of_type(self, name: str) -> tuple[Device, ...]:
         """The devices of one type, in enumeration order."""
         self.device_type(name)
-        return tuple(d for d in self.devices() if d.device_type == name)
+        return tuple(self.iter_devices(name))
 
     @property
     def num_devices(self) -> int:
@@ -196,6 +224,30 @@ def _device_presets() -> tuple[dict, dict]:
     return doc["device_types"], doc["link_presets"]
 
 
+def _names(names) -> str:
+    """Declared names for a message: each quoted, and at most a few dozen."""
+    shown = ", ".join(quote(n, 40) for n in list(names)[:20])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+
+
+def _too_many_devices(where: str, total: int) -> str:
+    return (f"{where}: the cluster reaches {total:,} devices here; Poseidon plans clusters of at most "
+            f"{MAX_DEVICES:,} devices (docs/SPECS.md, Limits)")
+
+
+def check_memory_reserve(device_types, constants, where: str) -> None:
+    """Refuse a device type whose memory does not exceed the reserve (``memory_reserve_*`` constants)."""
+    for t in device_types:
+        reserve = t.memory_gb * constants.memory_reserve_fraction + constants.memory_reserve_gb
+        if reserve >= t.memory_gb:
+            raise InputError(
+                f"{where}: device type {quote(t.name)} has memory_gb = {t.memory_gb:g} but the memory "
+                f"reserve is {reserve:.3g} GiB (memory_reserve_gb = {constants.memory_reserve_gb:g} + "
+                f"memory_reserve_fraction = {constants.memory_reserve_fraction:g} of its memory), which "
+                "leaves nothing for the model; fix memory_gb (GiB per device), or lower "
+                "constants.memory_reserve_gb if this device's runtime needs less")
+
+
 def _parse_link(doc: Any, where: str) -> LinkSpec:
     get_mapping(doc, where, "a mapping with bandwidth_gbps and latency_us")
     check_keys(doc, where, ("bandwidth_gbps", "latency_us"), ("bandwidth_gbps",))
@@ -207,7 +259,7 @@ def _parse_link(doc: Any, where: str) -> LinkSpec:
 def _parse_links(doc: Any, where: str, kinds: tuple[str, ...], link_presets: Mapping) -> dict:
     if isinstance(doc, str):
         if doc not in link_presets:
-            raise InputError(f"{where} = {doc!r} is not a link preset; presets: "
+            raise InputError(f"{where} = {quote(doc)} is not a link preset; presets: "
                              f"{', '.join(link_presets)}; or give a mapping with {', '.join(kinds)}")
         doc = link_presets[doc]
     get_mapping(doc, where, f"a link preset name ({', '.join(link_presets)}) or a mapping")
@@ -218,7 +270,7 @@ def _parse_links(doc: Any, where: str, kinds: tuple[str, ...], link_presets: Map
 def _parse_device_type(doc: Any, where: str, presets: Mapping, link_presets: Mapping) -> DeviceType:
     if isinstance(doc, str):
         if doc not in presets:
-            raise InputError(f"{where} = {doc!r} is not a device preset; presets: {', '.join(presets)}; "
+            raise InputError(f"{where} = {quote(doc)} is not a device preset; presets: {', '.join(presets)}; "
                              "or give a mapping with name, memory_gb, peak_tflops")
         doc = {"name": doc}
     get_mapping(doc, where, "a device preset name or a mapping")
@@ -245,28 +297,40 @@ def parse_cluster(doc: Any, source: str = "<cluster>") -> ClusterSpec:
     check_keys(doc, root, ("name", "description", "device_types", "nodes", "links", "constants"),
                ("device_types", "nodes", "links"))
     presets, link_presets = _device_presets()
+    type_docs = get_list(doc, "device_types", root)
+    if len(type_docs) > MAX_DEVICE_TYPES:
+        raise InputError(f"{source}: device_types has {len(type_docs):,} entries; a cluster has at most "
+                         f"{MAX_DEVICE_TYPES} device types")
     types = tuple(_parse_device_type(d, f"{source}: device_types[{i}]", presets, link_presets)
-                  for i, d in enumerate(get_list(doc, "device_types", root)))
+                  for i, d in enumerate(type_docs))
     nodes = []
+    total = 0
     for i, nd in enumerate(get_list(doc, "nodes", root)):
         w = f"{source}: nodes[{i}]"
         get_mapping(nd, w, "a mapping with device_type, count, devices_per_node")
         check_keys(nd, w, ("device_type", "count", "devices_per_node"), ("device_type",))
-        nodes.append(NodeGroup(device_type=get_str(nd, "device_type", w),
-                               count=get_int(nd, "count", w, default=1),
-                               devices_per_node=get_int(nd, "devices_per_node", w, default=8)))
+        group = NodeGroup(device_type=get_str(nd, "device_type", w),
+                          count=get_int(nd, "count", w, default=1, maximum=MAX_DEVICES),
+                          devices_per_node=get_int(nd, "devices_per_node", w, default=8,
+                                                   maximum=MAX_DEVICES_PER_NODE))
+        total += group.count * group.devices_per_node
+        if total > MAX_DEVICES:  # before the spec, or anything per device, exists
+            raise InputError(_too_many_devices(w, total))
+        nodes.append(group)
     links = _parse_links(doc["links"], f"{source}: links", LINK_NAMES, link_presets)
     for k in LINK_NAMES:
         if k not in links:
             raise InputError(f"{source}: links.{k}: missing required field (bandwidth_gbps, latency_us)")
     constants = doc.get("constants")
+    from .constants import DEFAULT_CONSTANTS  # validate names and values now, not at first use
+    effective = DEFAULT_CONSTANTS
     if constants is not None:
         get_mapping(constants, f"{source}: constants")
-        from .constants import DEFAULT_CONSTANTS  # validate names and values now, not at first use
-        DEFAULT_CONSTANTS.override(constants, f"{source}: constants")
+        effective = DEFAULT_CONSTANTS.override(constants, f"{source}: constants")
+    check_memory_reserve(types, effective, f"{source}: device_types")
     description = doc.get("description") or ""
     if not isinstance(description, str):
-        raise InputError(f"{source}: description = {description!r} is invalid: must be a string")
+        raise InputError(f"{source}: description = {quote(description)} is invalid: must be a string")
     return ClusterSpec(
         name=get_str(doc, "name", root, default=Path(source).stem), description=description,
         device_types=types, nodes=tuple(nodes), constants=constants,

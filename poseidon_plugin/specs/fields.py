@@ -2,7 +2,8 @@
 
 Every reader takes the mapping, the key, and ``where`` (``"cluster.yaml: nodes[1]"``) and raises
 :class:`~poseidon_plugin.errors.InputError` whose message names the file, the field, the bad value and
-what is allowed. Spec files are data: they are read with ``yaml.safe_load`` / ``json.loads`` only.
+what is allowed. Spec files are data, read by :mod:`.documents` (JSON, or YAML without aliases); a
+message shows at most ~80 characters of a value (:func:`~.documents.quote`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,17 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-import yaml
-
 from ..errors import InputError
+from .documents import quote, read_document
+
+__all__ = ["MAX_NAME_CHARS", "PRESET_DIR", "check_keys", "field_name", "get_bool", "get_float", "get_int",
+           "get_list", "get_mapping", "get_str", "load_document_or_preset", "preset_names", "quote",
+           "read_document", "write_json_atomic"]
 
 _MISSING = object()
+
+MAX_NAME_CHARS = 256
+"""Longest name (cluster, model, device type): names end up in tables, plans and flags."""
 
 
 def field_name(where: str, key: str) -> str:
@@ -28,7 +35,7 @@ def field_name(where: str, key: str) -> str:
 
 def _fail(where: str, key: str, value: Any, allowed: str, fix: str = "") -> InputError:
     tail = f"; {fix}" if fix else ""
-    return InputError(f"{field_name(where, key)} = {value!r} is invalid: must be {allowed}{tail}")
+    return InputError(f"{field_name(where, key)} = {quote(value)} is invalid: must be {allowed}{tail}")
 
 
 def check_keys(doc: Mapping, where: str, allowed: Iterable[str], required: Iterable[str] = ()) -> None:
@@ -36,7 +43,8 @@ def check_keys(doc: Mapping, where: str, allowed: Iterable[str], required: Itera
     allowed = tuple(allowed)
     for key in doc:
         if key not in allowed:
-            raise InputError(f"{field_name(where, str(key))}: unknown field; allowed fields: "
+            name = key if isinstance(key, str) and len(key) <= 80 else quote(key)
+            raise InputError(f"{field_name(where, name)}: unknown field; allowed fields: "
                              f"{', '.join(allowed)}")
     for key in required:
         if key not in doc:
@@ -50,13 +58,17 @@ def get_mapping(doc: Any, where: str, what: str = "a mapping") -> Mapping:
     return doc
 
 
-def get_int(doc: Mapping, key: str, where: str, *, minimum: int = 1, default: Any = _MISSING) -> int:
-    """An integer field >= ``minimum`` (booleans are rejected: YAML ``yes`` is not a count)."""
+def get_int(doc: Mapping, key: str, where: str, *, minimum: int = 1, maximum: int | None = None,
+            default: Any = _MISSING) -> int:
+    """An integer field in ``[minimum, maximum]`` (booleans are rejected: YAML ``yes`` is not a count)."""
     value = doc.get(key, default)
+    allowed = f"an integer >= {minimum}" + (f" and <= {maximum:,}" if maximum is not None else "")
     if value is _MISSING:
-        raise InputError(f"{field_name(where, key)}: missing required field (an integer >= {minimum})")
+        raise InputError(f"{field_name(where, key)}: missing required field ({allowed})")
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise _fail(where, key, value, f"an integer >= {minimum}")
+        raise _fail(where, key, value, allowed)
+    if maximum is not None and value > maximum:
+        raise _fail(where, key, value, allowed, "the limits are in docs/SPECS.md (Limits)")
     return value
 
 
@@ -68,11 +80,18 @@ def get_float(doc: Mapping, key: str, where: str, *, minimum: float = 0.0, stric
     allowed = f"a finite number {cmp} {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
     if value is _MISSING:
         raise InputError(f"{field_name(where, key)}: missing required field ({allowed})")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
         raise _fail(where, key, value, allowed)
     if value < minimum or (strict and value == minimum) or (maximum is not None and value > maximum):
         raise _fail(where, key, value, allowed)
     return float(value)
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond the float range
+        return False
 
 
 def get_str(doc: Mapping, key: str, where: str, *, choices: Iterable[str] | None = None,
@@ -85,8 +104,8 @@ def get_str(doc: Mapping, key: str, where: str, *, choices: Iterable[str] | None
         choices = tuple(choices)
         if value not in choices:
             raise _fail(where, key, value, "one of " + ", ".join(choices))
-    elif not isinstance(value, str) or not value:
-        raise _fail(where, key, value, "a non-empty string")
+    elif not isinstance(value, str) or not value or len(value) > MAX_NAME_CHARS:
+        raise _fail(where, key, value, f"a non-empty string of at most {MAX_NAME_CHARS} characters")
     return value
 
 
@@ -111,22 +130,6 @@ def get_list(doc: Mapping, key: str, where: str, *, nonempty: bool = True,
     return value
 
 
-def read_document(path: str | os.PathLike, what: str) -> Any:
-    """Parse a YAML (``.yaml``/``.yml``) or JSON file as plain data; errors name the file."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InputError(f"cannot read {what} file {str(p)!r}: {exc.strerror}") from None
-    try:
-        if p.suffix in (".yaml", ".yml"):
-            return yaml.safe_load(text)
-        return json.loads(text, parse_constant=_reject_constant)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        kind = "YAML" if p.suffix in (".yaml", ".yml") else "JSON"
-        raise InputError(f"{p}: malformed {kind}: {str(exc).splitlines()[0]}") from None
-
-
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 
 
@@ -142,18 +145,21 @@ def load_document_or_preset(name_or_path: str | os.PathLike, kind: str, parse):
     The error for a name that is neither names the flag (``--cluster``, ``--model``) and lists presets.
     """
     p = Path(name_or_path)
-    if p.is_file():
+    if _is_file(p):
         return parse(read_document(p, kind), str(p))
     name = str(name_or_path)
     preset = PRESET_DIR / f"{name}.{kind}.yaml"
-    if preset.is_file() and os.sep not in name:
+    if os.sep not in name and _is_file(preset):
         return parse(read_document(preset, f"{kind} preset"), f"preset {name}")
-    raise InputError(f"--{kind} {name!r} is neither a file nor a preset; presets: "
+    raise InputError(f"--{kind} {quote(name)} is neither a file nor a preset; presets: "
                      f"{', '.join(preset_names(kind))}")
 
 
-def _reject_constant(name: str):
-    raise InputError(f"{name} is not allowed in spec files; use finite numbers")
+def _is_file(p: Path) -> bool:
+    try:
+        return p.is_file()
+    except (OSError, ValueError):  # a name too long for the OS, or with a NUL byte: not a file
+        return False
 
 
 def write_json_atomic(path: str | os.PathLike, doc: Any) -> None:

@@ -14,10 +14,25 @@ from typing import Any, Mapping
 
 from ..errors import InputError
 from .fields import (check_keys, get_bool, get_int, get_mapping, get_str, load_document_or_preset,
-                     preset_names)
+                     preset_names, quote)
 
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+MODEL_LIMITS = {
+    "num_layers": 4096,                 # published models: <= ~130
+    "hidden_size": 1 << 20,
+    "ffn_hidden_size": 1 << 22,
+    "num_attention_heads": 1 << 16,
+    "num_query_groups": 1 << 16,
+    "vocab_size": 1 << 24,
+    "seq_length": 1 << 24,              # 16M-token contexts
+    "global_batch_size": 1 << 16,       # 65,536 samples; it bounds the micro-batches a plan simulates
+    "num_experts": 1 << 16,
+    "moe_top_k": 1 << 16,
+}
+"""Largest value of each integer field (docs/SPECS.md, Limits): far above real models, low enough that
+the planner never sizes work or memory by an absurd number."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,7 +61,7 @@ class ModelSpec:
     def __post_init__(self) -> None:
         where = f"{self.source}: "
         if self.dtype not in DTYPE_BYTES:
-            raise InputError(f"{where}dtype = {self.dtype!r} is invalid: must be one of "
+            raise InputError(f"{where}dtype = {quote(self.dtype)} is invalid: must be one of "
                              f"{', '.join(DTYPE_BYTES)}")
         if self.hidden_size % self.num_attention_heads:
             raise InputError(f"{where}hidden_size = {self.hidden_size} is invalid: must be a multiple of "
@@ -89,9 +104,10 @@ class ModelSpec:
         for key, value in (("global_batch_size", global_batch_size), ("seq_length", seq_length)):
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MODEL_LIMITS[key]:
                 flag = "--" + key.replace("_", "-")
-                raise InputError(f"{flag} {value!r} is invalid: must be an integer >= 1")
+                raise InputError(f"{flag} {quote(value)} is invalid: must be an integer >= 1 and <= "
+                                 f"{MODEL_LIMITS[key]:,}")
             changes[key] = value
         return dataclasses.replace(self, **changes) if changes else self
 
@@ -116,11 +132,13 @@ def parse_model(doc: Any, source: str = "<model>") -> ModelSpec:
     root = f"{source}: "
     get_mapping(doc, root, "a mapping with num_layers, hidden_size, ...")
     check_keys(doc, root, _ALL_FIELDS, _INT_FIELDS)
-    values: dict[str, Any] = {k: get_int(doc, k, root) for k in _INT_FIELDS}
-    values["num_query_groups"] = get_int(doc, "num_query_groups", root,
+    lim = MODEL_LIMITS
+    values: dict[str, Any] = {k: get_int(doc, k, root, maximum=lim[k]) for k in _INT_FIELDS}
+    values["num_query_groups"] = get_int(doc, "num_query_groups", root, maximum=lim["num_query_groups"],
                                          default=values["num_attention_heads"])
-    values["num_experts"] = get_int(doc, "num_experts", root, minimum=0, default=0)
-    values["moe_top_k"] = get_int(doc, "moe_top_k", root, minimum=0, default=0)
+    values["num_experts"] = get_int(doc, "num_experts", root, minimum=0, maximum=lim["num_experts"],
+                                    default=0)
+    values["moe_top_k"] = get_int(doc, "moe_top_k", root, minimum=0, maximum=lim["moe_top_k"], default=0)
     values["dtype"] = get_str(doc, "dtype", root, choices=DTYPE_BYTES, default="bf16")
     defaults = {f.name: f.default for f in dataclasses.fields(ModelSpec)}
     for k in _BOOL_FIELDS:

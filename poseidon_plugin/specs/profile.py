@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from ..errors import InputError
-from .fields import (check_keys, get_float, get_int, get_list, get_mapping, get_str, read_document,
-                     write_json_atomic)
-from .model import DTYPE_BYTES
+from .fields import (check_keys, get_float, get_int, get_list, get_mapping, get_str, quote,
+                     read_document, write_json_atomic)
+from .cluster import MAX_DEVICES_PER_NODE
+from .model import DTYPE_BYTES, MODEL_LIMITS
 
 PROFILE_FORMAT = "poseidon-profile"
 PROFILE_VERSION = 1
@@ -85,8 +86,8 @@ class ProfileSpec:
     def __post_init__(self) -> None:
         for e in self.entries:
             if e.key in self._index:
-                raise InputError(f"{self.origin}: duplicate profile entry for device_type={e.device_type!r}"
-                                 f" tp={e.tp} mbs={e.mbs}; keep one")
+                raise InputError(f"{self.origin}: duplicate profile entry for device_type="
+                                 f"{quote(e.device_type)} tp={e.tp} mbs={e.mbs}; keep one")
             self._index[e.key] = e
 
     def get(self, device_type: str, tp: int, mbs: int) -> ProfileEntry | None:
@@ -98,9 +99,9 @@ class ProfileSpec:
         e = self._index.get((device_type, tp, mbs))
         if e is None:
             have = sorted({(k[1], k[2]) for k in self._index if k[0] == device_type})
-            raise InputError(f"profile {self.origin} has no entry for device_type={device_type!r} tp={tp} "
-                             f"mbs={mbs}; it has (tp, mbs) = {have or 'none for this type'}; re-profile "
-                             "with that combination or restrict the search to profiled ones")
+            raise InputError(f"profile {self.origin} has no entry for device_type={quote(device_type)} "
+                             f"tp={tp} mbs={mbs}; it has (tp, mbs) = {have or 'none for this type'}; "
+                             "re-profile with that combination or restrict the search to profiled ones")
         return e
 
     def device_types(self) -> tuple[str, ...]:
@@ -129,7 +130,8 @@ def _parse_entry(doc: Any, where: str) -> ProfileEntry:
     allowed = ("device_type", "tp", "mbs", *_ENTRY_FLOATS, *_ENTRY_INTS)
     check_keys(doc, where, allowed, _ENTRY_REQUIRED)
     values: dict[str, Any] = {"device_type": get_str(doc, "device_type", where),
-                              "tp": get_int(doc, "tp", where), "mbs": get_int(doc, "mbs", where)}
+                              "tp": get_int(doc, "tp", where, maximum=MAX_DEVICES_PER_NODE),
+                              "mbs": get_int(doc, "mbs", where, maximum=MODEL_LIMITS["global_batch_size"])}
     for k in _ENTRY_FLOATS:
         if k in doc:
             values[k] = get_float(doc, k, where)
@@ -149,16 +151,17 @@ def parse_profile(doc: Any, origin: str = "<profile>") -> ProfileSpec:
     check_keys(doc, root, ("format", "version", "source", "model", "seq_length", "dtype", "software",
                            "entries"), ("format", "version", "model", "seq_length", "dtype", "entries"))
     if doc["format"] != PROFILE_FORMAT:
-        raise InputError(f"{root}format = {doc['format']!r} is invalid: must be {PROFILE_FORMAT!r} "
+        raise InputError(f"{root}format = {quote(doc['format'])} is invalid: must be {PROFILE_FORMAT!r} "
                          "(is this a Poseidon profile file?)")
     if doc["version"] != PROFILE_VERSION:
-        raise InputError(f"{root}version = {doc['version']!r} is not supported: this Poseidon reads "
+        raise InputError(f"{root}version = {quote(doc['version'])} is not supported: this Poseidon reads "
                          f"version {PROFILE_VERSION}; re-run the profiler")
     software = doc.get("software", {})
     get_mapping(software, f"{origin}: software")
     entries = tuple(_parse_entry(e, f"{origin}: entries[{i}]")
                     for i, e in enumerate(get_list(doc, "entries", root)))
-    return ProfileSpec(model=get_str(doc, "model", root), seq_length=get_int(doc, "seq_length", root),
+    return ProfileSpec(model=get_str(doc, "model", root),
+                       seq_length=get_int(doc, "seq_length", root, maximum=MODEL_LIMITS["seq_length"]),
                        dtype=get_str(doc, "dtype", root, choices=DTYPE_BYTES),
                        source=get_str(doc, "source", root, choices=PROFILE_SOURCES, default="measured"),
                        software={str(k): str(v) for k, v in software.items()}, entries=entries,
@@ -184,8 +187,8 @@ def merge_profiles(profiles: Iterable[ProfileSpec], origin: str = "<merged>") ->
     for p in profiles[1:]:
         for attr in ("model", "seq_length", "dtype"):
             if getattr(p, attr) != getattr(first, attr):
-                raise InputError(f"cannot merge profiles: {p.origin} has {attr}={getattr(p, attr)!r} but "
-                                 f"{first.origin} has {getattr(first, attr)!r}")
+                raise InputError(f"cannot merge profiles: {p.origin} has {attr}={quote(getattr(p, attr))} "
+                                 f"but {first.origin} has {quote(getattr(first, attr))}")
     sources = {p.source for p in profiles}
     software: dict[str, str] = {}
     for p in profiles:
