@@ -23,6 +23,7 @@ PAPER_DEVICES = {  # name: (memory GB, peak TFLOP/s), paper §6.1
     "A2-2": (64, 376), "A2-3": (64, 313), "A2-4": (32, 280),
     "A100-80G": (80, 312), "RTX-4090": (24, 330), "RTX-3090": (24, 71),
 }
+EXTRA_DEVICES = {"910A": (32, 256)}  # the frontier presets' 4th type (not in the paper)
 
 PAPER_CLUSTERS = {  # preset: {type: devices}, paper §6.1 settings
     "paper-setting-1": {"A2-2": 8, "A2-3": 8},
@@ -34,17 +35,21 @@ PAPER_CLUSTERS = {  # preset: {type: devices}, paper §6.1 settings
     "paper-setting-6-192": {"A2-2": 32, "A2-3": 32, "A2-4": 128},
     "paper-setting-6-288": {"A2-2": 48, "A2-3": 48, "A2-4": 192},
 }
+FRONTIER_CLUSTERS = {  # issue 12: four NPU generations by the thousand
+    "frontier-1024": {"A2-2": 256, "A2-3": 256, "A2-4": 256, "910A": 256},
+    "frontier-4096": {"A2-2": 1024, "A2-3": 1024, "A2-4": 1024, "910A": 1024},
+}
 
 # published total parameter counts (billions), embeddings and output layer included
 MODEL_SIZES_B = {"llama3-8b": 8.03, "llama2-13b": 13.0, "llama-30b": 32.5, "llama3-70b": 70.6,
-                 "mixtral-8x7b": 46.7}
+                 "mixtral-8x7b": 46.7, "llama3-405b": 405.9}
 
 
 def test_list_presets_is_complete():
     presets = list_presets()
-    assert set(presets["clusters"]) == set(PAPER_CLUSTERS)
+    assert set(presets["clusters"]) == set(PAPER_CLUSTERS) | set(FRONTIER_CLUSTERS)
     assert set(presets["models"]) == set(MODEL_SIZES_B)
-    assert set(presets["devices"]) == set(PAPER_DEVICES)
+    assert set(presets["devices"]) == set(PAPER_DEVICES) | set(EXTRA_DEVICES)
 
 
 @pytest.mark.parametrize("name", sorted(PAPER_CLUSTERS))
@@ -69,6 +74,15 @@ def test_cluster_presets_match_paper(name):
     for d in devs:
         by_node.setdefault(d.node, set()).add(d.device_type)
     assert all(len(v) == 1 for v in by_node.values())
+
+
+@pytest.mark.parametrize("name", sorted(FRONTIER_CLUSTERS))
+def test_frontier_cluster_presets(name):
+    c = load_cluster(name)
+    assert {t: c.num_devices_of_type(t) for t in c.type_names} == FRONTIER_CLUSTERS[name]
+    for t in c.device_types:
+        assert (t.memory_gb, t.peak_tflops) == {**PAPER_DEVICES, **EXTRA_DEVICES}[t.name]
+        assert c.devices_per_node(t.name) == 8
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_SIZES_B))
@@ -98,7 +112,7 @@ def test_model_round_trips_and_overrides():
 
 def test_unknown_preset_lists_the_presets():
     with pytest.raises(PoseidonError, match=r"--cluster 'nope' is neither a file nor a preset; "
-                                            r"presets: paper-setting-1"):
+                                            r"presets: frontier-1024, frontier-4096, paper-setting-1"):
         load_cluster("nope")
     with pytest.raises(PoseidonError, match=r"--model 'gpt5'.*llama3-70b"):
         load_model("gpt5")
