@@ -510,14 +510,20 @@ class CostModel:
     def iteration_ms(self, cand: Candidate, comm_model: str = "dag") -> float:
         """Simulated iteration time of ``cand`` under the simulator's ``comm_model`` (extras at their
         defaults, as the search uses them)."""
-        from .simulator import Simulator
-        m = self._m(cand)
-        key = (cand.schedule, cand.pp, m, cand.virtual_stages, comm_model)
+        sim = self.simulator(cand.schedule, cand.pp, self._m(cand), cand.virtual_stages, comm_model)
+        return sim.iteration_time(*self.stage_times(cand))
+
+    def simulator(self, schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1,
+                  comm_model: str = "dag"):
+        """The :class:`~poseidon_plugin.simulator.Simulator` of a shape that :meth:`iteration_ms`
+        uses (built once per shape and comm model)."""
+        key = (schedule, pp, micro_batches, virtual_stages, comm_model)
         sim = self._simulators.get(key)
         if sim is None:
-            sim = self._simulators[key] = Simulator(cand.schedule, cand.pp, m, cand.virtual_stages,
+            from .simulator import Simulator
+            sim = self._simulators[key] = Simulator(schedule, pp, micro_batches, virtual_stages,
                                                     comm_model)
-        return sim.iteration_time(*self.stage_times(cand))
+        return sim
 
     def tokens_per_s(self, iteration_ms: float) -> float:
         """Training throughput for an iteration time."""
