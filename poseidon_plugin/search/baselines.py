@@ -36,8 +36,8 @@ def _block_orders(counts, names, tb):
     """Contiguous type blocks: cluster order, fastest first, most memory first (distinct)."""
     used = [t for t in range(len(names)) if counts[t]]
     out = []
-    for order in (used, sorted(used, key=lambda t: tb.fwd[t] + tb.bwd[t]),
-                  sorted(used, key=lambda t: -tb.usable[t])):
+    for order in (used, sorted(used, key=lambda t: tb.forward_ms[t] + tb.backward_ms[t]),
+                  sorted(used, key=lambda t: -tb.usable_bytes[t])):
         seq = tuple(t for t in order for _ in range(counts[t]))
         if seq not in out:
             out.append(seq)
@@ -93,7 +93,7 @@ def best_by_eq1(cm: CostModel, options: SearchOptions, vectors_per_shape: int = 
         g, v = sg.group, sg.virtual_stages
         table, shape = space.table(g), shapes.get(sg.schedule, sg.pp, g.micro_batches, v)
         vecs = space.count_vectors(sg)
-        vecs.sort(key=lambda vec: -sum(n / (table.fwd[t] + table.bwd[t]) for t, n in enumerate(vec)))
+        vecs.sort(key=lambda vec: -sum(n / (table.forward_ms[t] + table.backward_ms[t]) for t, n in enumerate(vec)))
         params = None
         for vec in vecs[:vectors_per_shape]:
             for types in _block_orders(vec, g.names, table):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 
+from ..stagecost import link_carries_data
 from .counters import PRUNED_MEMORY, PRUNED_PATH
 from .tables import TypeTable
 
@@ -30,6 +31,16 @@ INF = math.inf
 # when the bound exceeds tau by more than float noise; the DAG bound is compared exactly (monotone)
 PATH_SLACK = 1e-9
 PROPAGATION_ROUNDS = 3
+
+# StructureBounds.mins: the smallest cost of each kind over the types an undecided rank may take
+# (the same indices in cython_core._search, which exports MIN_NAMES)
+MIN_NAMES = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding_backward_ms",
+             "head_forward_ms", "head_backward_ms", "allreduce_ms", "embedding_allreduce_ms",
+             "head_allreduce_ms", "send_ms")
+MIN_FORWARD, MIN_BACKWARD, MIN_EMBEDDING_FORWARD, MIN_EMBEDDING_BACKWARD, MIN_HEAD_FORWARD, \
+    MIN_HEAD_BACKWARD, MIN_ALLREDUCE, MIN_EMBEDDING_ALLREDUCE, MIN_HEAD_ALLREDUCE, MIN_SEND = \
+    range(len(MIN_NAMES))
+N_MINS = len(MIN_NAMES)
 
 
 
@@ -47,7 +58,7 @@ def fluid_cut(table: TypeTable, slots, micro_batches: int, pp: int, v: int, num_
         return False
     caps = []
     for t in range(len(slots)):
-        x = tau * (1.0 + 1e-9) / (micro_batches * (table.fwd[t] + table.bwd[t]))
+        x = tau * (1.0 + 1e-9) / (micro_batches * (table.forward_ms[t] + table.backward_ms[t]))
         caps.extend([int(x)] * min(slots[t], pp))
     caps.sort(reverse=True)
     if len(caps) < pp or caps[pp - 1] < v:
@@ -74,40 +85,46 @@ class StructureBounds:
     """The bound methods of :class:`~.splits.SplitSearch` (see the module docstring)."""
 
     def _unknown_mins(self):
-        """Smallest per-layer costs over the device types an undecided rank may still take."""
+        """Smallest costs over the device types an undecided rank may still take (indices ``MIN_*``;
+        0 where no type is left)."""
         t_ = self.table
         big = INF
-        m = [big] * 10   # fwd, bwd, emb_fwd, emb_bwd, head_fwd, head_bwd, ar, ar_emb, ar_head, send
+        m = [big] * N_MINS
         for t in range(self.nt):
             if self.remaining[t] <= 0:
                 continue
-            for i, col in enumerate((t_.fwd, t_.bwd, t_.emb_fwd, t_.emb_bwd, t_.head_fwd, t_.head_bwd)):
+            for i, col in ((MIN_FORWARD, t_.forward_ms), (MIN_BACKWARD, t_.backward_ms),
+                           (MIN_EMBEDDING_FORWARD, t_.embedding_forward_ms),
+                           (MIN_EMBEDDING_BACKWARD, t_.embedding_backward_ms),
+                           (MIN_HEAD_FORWARD, t_.head_forward_ms),
+                           (MIN_HEAD_BACKWARD, t_.head_backward_ms)):
                 if col[t] < m[i]:
                     m[i] = col[t]
-            if t_.send_cross[t] < m[9]:
-                m[9] = t_.send_cross[t]
+            if t_.send_cross_ms[t] < m[MIN_SEND]:
+                m[MIN_SEND] = t_.send_cross_ms[t]
             for j in range(self.used[t], self.counts[t]):
                 i = t * self.stride + j
-                ar = t_.ar[i] if t_.has_ar[i] else 0.0
-                ae = t_.ar_emb[i] if t_.has_ar[i] else 0.0
-                ah = t_.ar_head[i] if t_.has_ar[i] else 0.0
-                if ar < m[6]:
-                    m[6] = ar
-                if ae < m[7]:
-                    m[7] = ae
-                if ah < m[8]:
-                    m[8] = ah
+                has = t_.has_allreduce[i]
+                ar = t_.allreduce_ms[i] if has else 0.0
+                ae = t_.embedding_allreduce_ms[i] if has else 0.0
+                ah = t_.head_allreduce_ms[i] if has else 0.0
+                if ar < m[MIN_ALLREDUCE]:
+                    m[MIN_ALLREDUCE] = ar
+                if ae < m[MIN_EMBEDDING_ALLREDUCE]:
+                    m[MIN_EMBEDDING_ALLREDUCE] = ae
+                if ah < m[MIN_HEAD_ALLREDUCE]:
+                    m[MIN_HEAD_ALLREDUCE] = ah
                 # links out of slot j: to slot j+1 of its type, or the wrap to slot 0
-                if j + 1 < self.counts[t] and t_.send_same[i] < m[9]:
-                    m[9] = t_.send_same[i]
-                if j > 0 and t_.send_wrap[i] < m[9]:
-                    m[9] = t_.send_wrap[i]
+                if j + 1 < self.counts[t] and t_.send_same_ms[i] < m[MIN_SEND]:
+                    m[MIN_SEND] = t_.send_same_ms[i]
+                if j > 0 and t_.send_wrap_ms[i] < m[MIN_SEND]:
+                    m[MIN_SEND] = t_.send_wrap_ms[i]
         return [0.0 if x == big else x for x in m]
 
     def _send_lb(self, r: int, unknown_min: float) -> float:
         """Transfer ms of link ``r -> r+1``: exact when both ends are decided, else a lower bound."""
         pp, tb = self.pp, self.table
-        if pp == 1 or (self.v == 1 and r == pp - 1):
+        if not link_carries_data(r, pp, self.v):
             return 0.0
         n = (r + 1) % pp
         t, u = self.types[r], self.types[n]
@@ -116,14 +133,14 @@ class StructureBounds:
         i = t * self.stride + self.slot[r]
         if u >= 0:
             if t != u:
-                return tb.send_cross[t]
-            return tb.send_wrap[i] if n == 0 else tb.send_same[i]
+                return tb.send_cross_ms[t]
+            return tb.send_wrap_ms[i] if n == 0 else tb.send_same_ms[i]
         best = INF
         if self.remaining[t] > 0:
-            best = tb.send_same[i]
+            best = tb.send_same_ms[i]
         if any(self.remaining[x] > 0 for x in range(self.nt) if x != t):
-            if tb.send_cross[t] < best:
-                best = tb.send_cross[t]
+            if tb.send_cross_ms[t] < best:
+                best = tb.send_cross_ms[t]
         return 0.0 if best == INF else best
 
     def _propagate(self, k: int, left: int, lb, cap, capt) -> bool:
@@ -196,10 +213,10 @@ class StructureBounds:
             ar = INF
             for j in range(self.used[t], self.counts[t]):
                 i = t * self.stride + j
-                x = tb.ar[i] if tb.has_ar[i] else 0.0
+                x = tb.allreduce_ms[i] if tb.has_allreduce[i] else 0.0
                 if x < ar:
                     ar = x
-            out.append((t, tb.fwd[t], tb.bwd[t], 0.0 if ar == INF else ar))
+            out.append((t, tb.forward_ms[t], tb.backward_ms[t], 0.0 if ar == INF else ar))
         return out
 
     def _type_room(self, k: int, lb, cap, capt, slopes):
@@ -371,7 +388,7 @@ class StructureBounds:
         pp, v, nv, nt = self.pp, self.v, self.nv, self.nt
         p = self.params
         paths = self.shape.paths
-        m_f, m_b, m_ar = self.mins[0], self.mins[1], self.mins[6]
+        m_f, m_b, m_ar = self.mins[MIN_FORWARD], self.mins[MIN_BACKWARD], self.mins[MIN_ALLREDUCE]
         cf = q * nv
         cr = q * pp
         base = 0.0

@@ -150,7 +150,7 @@ class SearchRun:
         """Cheap optimistic time: fastest devices first, perfectly balanced, 1F1B bubble."""
         g = sg.group
         tb = self.space.table(g)
-        per = sorted((tb.fwd[t] + tb.bwd[t], g.slots[t]) for t in range(len(g.names)))
+        per = sorted((tb.forward_ms[t] + tb.backward_ms[t], g.slots[t]) for t in range(len(g.names)))
         rate, left = 0.0, sg.pp
         for c, n in per:
             k = min(n, left)
@@ -164,7 +164,7 @@ class SearchRun:
         """A greedy plan per contiguous type order of the fastest-first counts (an early incumbent)."""
         g = sg.group
         tb, shape = self.space.table(g), self.shape(sg)
-        order = sorted(range(len(g.names)), key=lambda t: (tb.fwd[t] + tb.bwd[t]))
+        order = sorted(range(len(g.names)), key=lambda t: (tb.forward_ms[t] + tb.backward_ms[t]))
         counts = [0] * len(g.names)
         left = sg.pp
         for t in order:
@@ -172,7 +172,7 @@ class SearchRun:
             left -= counts[t]
         params = shape.new_params()
         used = [t for t in order if counts[t]]
-        by_memory = sorted(used, key=lambda t: -tb.usable[t])
+        by_memory = sorted(used, key=lambda t: -tb.usable_bytes[t])
         for seq_types in (used, by_memory, list(reversed(used))):
             types = [t for t in seq_types for _ in range(counts[t])]
             rank_layers = greedy_split(tb, shape, types, self.space.num_layers)
@@ -223,7 +223,7 @@ class SearchRun:
             self.seed(sg)
         vectors = self.space.count_vectors(sg)
         tb = self.space.table(g)
-        vectors.sort(key=lambda vec: -sum(n / (tb.fwd[t] + tb.bwd[t]) for t, n in enumerate(vec)))
+        vectors.sort(key=lambda vec: -sum(n / (tb.forward_ms[t] + tb.backward_ms[t]) for t, n in enumerate(vec)))
         for vec in vectors:
             self.structures += 1
             res = splitter.run(vec, self.board.threshold(key) * self.shrink, deadline=self.deadline)

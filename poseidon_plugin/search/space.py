@@ -19,7 +19,7 @@ from typing import Iterator
 from ..costmodel import CostModel
 from ..errors import InputError
 from .options import SearchOptions
-from .tables import TypeTable, type_table
+from .tables import SLOT_COLUMNS, TYPE_COLUMNS, TypeTable, type_table
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -134,11 +134,8 @@ class SearchSpace:
             ids = []
             for t in range(len(tb.names)):
                 s = tb.max_slots
-                sig = tuple(getattr(tb, f)[t] for f in (
-                    "fwd", "bwd", "emb_fwd", "emb_bwd", "head_fwd", "head_bwd", "send_cross", "state",
-                    "act", "emb_state", "emb_act", "head_state", "head_act", "usable", "slots"))
-                sig += tuple(tuple(getattr(tb, f)[t * s:(t + 1) * s]) for f in (
-                    "ar", "ar_emb", "ar_head", "has_ar", "send_same", "send_wrap"))
+                sig = tuple(getattr(tb, f)[t] for f in TYPE_COLUMNS + ("slots",))
+                sig += tuple(tuple(getattr(tb, f)[t * s:(t + 1) * s]) for f in SLOT_COLUMNS)
                 if sig not in sigs:
                     sigs.append(sig)
                 ids.append(sigs.index(sig))

@@ -31,7 +31,10 @@ import time
 from array import array
 from dataclasses import dataclass
 
-from .bounds import StructureBounds, chunk_layers
+from ..stagecost import put_rank_times, rank_memory, send_index
+from .bounds import (MIN_ALLREDUCE, MIN_BACKWARD, MIN_EMBEDDING_ALLREDUCE, MIN_EMBEDDING_BACKWARD,
+                     MIN_EMBEDDING_FORWARD, MIN_FORWARD, MIN_HEAD_ALLREDUCE, MIN_HEAD_BACKWARD,
+                     MIN_HEAD_FORWARD, MIN_SEND, StructureBounds, chunk_layers)
 from .counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES, PRUNED_BOUND,
                        PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH, PRUNED_RIDGE, SIM_CALLS)
 from .shapes import ShapeData
@@ -53,24 +56,12 @@ class SplitResult:
 
 
 def memory_need(t: int, r: int, chunk_layers, table: TypeTable, shape: ShapeData) -> float:
-    """Peak bytes of rank ``r`` on type ``t`` (:meth:`CostModel.memory_per_stage`, same operations)."""
-    pp, v = shape.pp, shape.virtual_stages
-    state = 0.0
-    chunk_act = 0.0
-    for c in range(v):
-        n = chunk_layers[c]
-        s = n * table.state[t]
-        a = n * table.act[t]
-        if c == 0 and r == 0:
-            s += table.emb_state[t]
-            a += table.emb_act[t]
-        if c == v - 1 and r == pp - 1:
-            s += table.head_state[t]
-            a += table.head_act[t]
-        state += s
-        if a > chunk_act:
-            chunk_act = a
-    return state + shape.live[r] * chunk_act
+    """Peak bytes of rank ``r`` on type ``t`` (:func:`~poseidon_plugin.stagecost.rank_memory`, as
+    :meth:`CostModel.memory_per_stage`)."""
+    return rank_memory(chunk_layers, r == 0, r == shape.pp - 1, shape.live[r],
+                       table.layer_state_bytes[t], table.layer_activation_bytes[t],
+                       table.embedding_state_bytes[t], table.embedding_activation_bytes[t],
+                       table.head_state_bytes[t], table.head_activation_bytes[t])
 
 
 class SplitSearch(StructureBounds):
@@ -102,7 +93,7 @@ class SplitSearch(StructureBounds):
 
     def _rank_cap(self, t: int, r: int) -> int:
         """Most layers rank ``r`` on type ``t`` can hold (binary search on the cost model's formula)."""
-        v, usable = self.v, self.table.usable[t]
+        v, usable = self.v, self.table.usable_bytes[t]
         chunks = [0] * v
         lo, hi = 0, self.num_layers
         while lo < hi:
@@ -163,46 +154,29 @@ class SplitSearch(StructureBounds):
             self.best = 0.0
 
     def _fill(self, lb) -> None:
-        """Parameter vector: decided values exactly as CostModel.stage_times, undecided at lower bounds."""
-        pp, v, nv = self.pp, self.v, self.nv
+        """Parameter vector: decided ranks exactly as :meth:`CostModel.stage_times` (the same
+        :func:`~poseidon_plugin.stagecost.put_rank_times`), undecided ones at lower bounds: layers at
+        ``lb``, costs at the minimum over the types they may still take."""
+        pp, v = self.pp, self.v
         tb, p, types, layers = self.table, self.params, self.types, self.layers
         mins = self._unknown_mins()
         self.mins = mins
         for r in range(pp):
             t = types[r]
-            total_ar = 0.0
             if t >= 0:
                 i = t * self.stride + self.slot[r]
-                hasar = tb.has_ar[i]
-                fw, bw, ar = tb.fwd[t], tb.bwd[t], tb.ar[i]
-                efw, ebw, ear = tb.emb_fwd[t], tb.emb_bwd[t], tb.ar_emb[i]
-                hfw, hbw, har = tb.head_fwd[t], tb.head_bwd[t], tb.ar_head[i]
+                put_rank_times(p, pp, v, r, layers, lb, tb.forward_ms[t], tb.backward_ms[t],
+                               tb.allreduce_ms[i], tb.embedding_forward_ms[t],
+                               tb.embedding_backward_ms[t], tb.embedding_allreduce_ms[i],
+                               tb.head_forward_ms[t], tb.head_backward_ms[t], tb.head_allreduce_ms[i],
+                               tb.has_allreduce[i])
             else:
-                hasar = 1
-                fw, bw, ar, efw, ebw, hfw, hbw = mins[0], mins[1], mins[6], mins[2], mins[3], mins[4], \
-                    mins[5]
-                ear, har = mins[7], mins[8]
-            for c in range(v):
-                vs = c * pp + r
-                n = layers[vs] or lb[vs]
-                f = n * fw
-                b = n * bw
-                if hasar:
-                    total_ar += n * ar
-                if c == 0 and r == 0:
-                    f += efw
-                    b += ebw
-                    if hasar:
-                        total_ar += ear
-                if c == v - 1 and r == pp - 1:
-                    f += hfw
-                    b += hbw
-                    if hasar:
-                        total_ar += har
-                p[1 + r * v + c] = f
-                p[1 + nv + r * v + c] = b
-            p[1 + 2 * nv + pp + r] = total_ar
-            p[1 + 2 * nv + r] = self._send_lb(r, mins[9])
+                put_rank_times(p, pp, v, r, layers, lb, mins[MIN_FORWARD], mins[MIN_BACKWARD],
+                               mins[MIN_ALLREDUCE], mins[MIN_EMBEDDING_FORWARD],
+                               mins[MIN_EMBEDDING_BACKWARD], mins[MIN_EMBEDDING_ALLREDUCE],
+                               mins[MIN_HEAD_FORWARD], mins[MIN_HEAD_BACKWARD],
+                               mins[MIN_HEAD_ALLREDUCE], 1)
+            p[send_index(pp, v, r)] = self._send_lb(r, mins[MIN_SEND])
 
     def _type_allowed(self, r: int, t: int) -> int:
         """0 if rank ``r`` may take type ``t`` now; else the counter that rejects it."""
