@@ -30,7 +30,7 @@ cdef enum:
 
 # what this twin assumes of the pure search; tests/unit/test_search_twin.py compares each with the
 # pure side: counters (search/counters.py), the minima (search/bounds.py MIN_NAMES), the TypeTable
-# columns it copies (search/tables.py) and the parameter-vector offsets (stagecost.py / ParamLayout)
+# columns it copies (search/tables.py); SplitSearch.bound_params compares the assembly itself
 COUNTER_NAMES = ("nodes", "bound_evals", "sim_calls", "pruned_bound", "pruned_path", "pruned_memory",
                  "pruned_ridge", "pruned_order", "improved")
 MIN_NAMES = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding_backward_ms",
@@ -42,16 +42,6 @@ TABLE_COLUMNS = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding
                  "head_state_bytes", "head_activation_bytes", "usable_bytes", "allreduce_ms",
                  "embedding_allreduce_ms", "head_allreduce_ms", "send_same_ms", "send_wrap_ms",
                  "has_allreduce")
-
-
-def param_offsets(int pp, int v):
-    """Where ``_fill`` writes: ``{"forward": f(r, c), ...}`` index functions as dicts over ranks and
-    chunks, the same offsets as stagecost.py's (tested)."""
-    cdef int nv = pp * v
-    return {"forward": {(r, c): 1 + r * v + c for r in range(pp) for c in range(v)},
-            "backward": {(r, c): 1 + nv + r * v + c for r in range(pp) for c in range(v)},
-            "send": {r: 1 + 2 * nv + r for r in range(pp)},
-            "allreduce": {r: 1 + 2 * nv + pp + r for r in range(pp)}}
 
 
 cdef double PATH_SLACK = 1e-9
@@ -1004,6 +994,31 @@ cdef class SplitSearch:
             l += 1
         for c in range(v):
             self.layers[c * pp + k] = 0
+
+    def bound_params(self, counts, types, layers, lb):
+        """The DAG bound's parameter vector with the ranks ``types[r] >= 0`` decided (``layers`` per
+        virtual stage; 0: undecided, priced at ``lb``): what ``_fill`` writes. For the tests that
+        compare this twin with splits.SplitSearch.bound_params field by field."""
+        cdef int t, r, i
+        for t in range(self.nt):
+            self.counts[t] = counts[t]
+            self.remaining[t] = counts[t]
+            self.used[t] = 0
+        for r in range(self.pp):
+            t = types[r]
+            self.types[r] = t
+            self.slot[r] = 0
+            if t >= 0:
+                self.slot[r] = self.used[t]
+                self.remaining[t] -= 1
+                self.used[t] += 1
+        for i in range(self.nv):
+            self.layers[i] = layers[i]
+            self.lbs[i] = lb[i]
+        self._fill(self.lbs)
+        for i in range(self.nv):
+            self.layers[i] = 0
+        return [self.params[i] for i in range(self.n_params)]
 
     def run(self, counts, double tau, *, bint root_only=False, double deadline=INFINITY):
         """Best plan with time ``< tau`` for ``counts`` ranks per type (``root_only``: bound check)."""

@@ -178,6 +178,23 @@ class SplitSearch(StructureBounds):
                                mins[MIN_HEAD_ALLREDUCE], 1)
             p[send_index(pp, v, r)] = self._send_lb(r, mins[MIN_SEND])
 
+    def bound_params(self, counts, types, layers, lb) -> list[float]:
+        """The DAG bound's parameter vector with the ranks ``types[r] >= 0`` decided (``layers`` per
+        virtual stage; 0: undecided, priced at ``lb``): what :meth:`_fill` writes. The compiled twin
+        has the same method; tests compare the two field by field."""
+        nt = self.nt
+        self.counts, self.remaining, self.used = list(counts), list(counts), [0] * nt
+        self.types, self.slot = [-1] * self.pp, [0] * self.pp
+        for r, t in enumerate(types):
+            if t >= 0:
+                self.types[r], self.slot[r] = t, self.used[t]
+                self.remaining[t] -= 1
+                self.used[t] += 1
+        self.layers = list(layers)
+        self._fill(list(lb))
+        self.layers = [0] * self.nv
+        return list(self.params)
+
     def _type_allowed(self, r: int, t: int) -> int:
         """0 if rank ``r`` may take type ``t`` now; else the counter that rejects it."""
         if self.remaining[t] <= 0:
