@@ -29,18 +29,20 @@ contiguous and stay inside a node when TP divides the node size.
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 from .errors import InputError
+from .plan import Plan, PlanStage, PlanSummary
+from .simulator.schedules import SCHEDULES, peak_live_microbatches
 from .specs import (GIB, LINK_CROSS_TYPE, LINK_INTER_NODE, LINK_INTRA_NODE, ClusterSpec,
                     CostConstants, Device, ModelSpec, ProfileSpec, analytic_profile, constants_for,
                     valid_tp_degrees)
 from .specs.analytic import DEFAULT_MICRO_BATCH_SIZES
 from .stagecost import base_params, link_carries_data, put_rank_times, rank_memory, send_index
-
-SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -504,19 +506,42 @@ class CostModel:
         return self.model.tokens_per_iteration / (iteration_ms / 1e3) if iteration_ms > 0 else 0.0
 
     def make_plan(self, cand: Candidate, iteration_ms: float | None = None, *,
-                  alternatives: Sequence[Any] = (), search_stats: Mapping[str, Any] | None = None,
-                  comm_model: str = "dag"):
-        """The :class:`~poseidon_plugin.plan.Plan` of ``cand`` (simulates it under ``comm_model`` when
-        ``iteration_ms`` is None)."""
-        from .plan import build_plan
+                  alternatives: Sequence[PlanSummary] = (), search_stats: Mapping[str, Any] | None = None,
+                  comm_model: str = "dag") -> Plan:
+        """The :class:`~poseidon_plugin.plan.Plan` of ``cand``: placement, times and memory filled in
+        (simulates it under ``comm_model`` when ``iteration_ms`` is None)."""
         if iteration_ms is None:
             iteration_ms = self.iteration_ms(cand, comm_model)
-        return build_plan(self, cand, iteration_ms, alternatives=alternatives,
-                          search_stats=search_stats)
+        place = self.placement(cand)
+        fwd, bwd, send, ar = self.stage_times(cand, place)
+        mem = self.memory_per_stage(cand)
+        pp, v, size = cand.pp, cand.virtual_stages, cand.dp * cand.tp
+        firsts = [sum(cand.layers[:vs]) for vs in range(pp * v)]
+        stages = []
+        for r in range(pp):
+            stages.append(PlanStage(
+                index=r, device_type=cand.stage_types[r], ranks=tuple(range(r * size, (r + 1) * size)),
+                devices=tuple((d.node, d.local) for d in place.stage_devices[r]), tp=cand.tp,
+                dp=cand.dp, layers=cand.chunk_layers(r),
+                first_layers=tuple(firsts[c * pp + r] for c in range(v)),
+                forward_ms=tuple(fwd[r * v:(r + 1) * v]), backward_ms=tuple(bwd[r * v:(r + 1) * v]),
+                send_ms=send[r], allreduce_ms=ar[r], memory_bytes=int(math.ceil(mem[r])),
+                usable_bytes=int(self.usable_bytes(cand.stage_types[r]))))
+        model = self.model
+        return Plan(model=model.name, cluster=self.cluster.name, seq_length=model.seq_length,
+                    global_batch_size=model.global_batch_size, tp=cand.tp, pp=pp, dp=cand.dp,
+                    micro_batch_size=cand.mbs,
+                    micro_batches=model.global_batch_size // (cand.dp * cand.mbs),
+                    schedule=cand.schedule, virtual_stages=v, layers=tuple(cand.layers),
+                    stages=tuple(stages), predicted_iteration_ms=float(iteration_ms),
+                    tokens_per_s=self.tokens_per_s(iteration_ms),
+                    profile_source="analytic" if self.profile.source == "analytic" else "measured",
+                    alternatives=tuple(alternatives),
+                    # normalised through JSON so that to_json/from_json round-trips it exactly
+                    search_stats=json.loads(json.dumps(dict(search_stats or {}), allow_nan=False)))
 
-    def summarize(self, cand: Candidate, iteration_ms: float):
+    def summarize(self, cand: Candidate, iteration_ms: float) -> PlanSummary:
         """A light :class:`~poseidon_plugin.plan.PlanSummary` (for a plan's top-k alternatives)."""
-        from .plan import PlanSummary
         return PlanSummary(tp=cand.tp, pp=cand.pp, dp=cand.dp, micro_batch_size=cand.mbs,
                            schedule=cand.schedule, virtual_stages=cand.virtual_stages,
                            stage_types=tuple(cand.stage_types), layers=tuple(cand.layers),
@@ -526,5 +551,4 @@ class CostModel:
 
 @lru_cache(maxsize=4096)
 def _peak_live(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> tuple[int, ...]:
-    from .simulator.schedules import peak_live_microbatches
     return tuple(peak_live_microbatches(schedule, pp, micro_batches, virtual_stages))
