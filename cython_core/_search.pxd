@@ -10,26 +10,26 @@ cdef class SplitSearch:
     cdef bint ridge, blocks
     cdef double* params
     # type table (per type) and slot arrays (per type * stride + slot)
-    cdef double* fwd
-    cdef double* bwd
-    cdef double* emb_fwd
-    cdef double* emb_bwd
-    cdef double* head_fwd
-    cdef double* head_bwd
-    cdef double* send_cross
-    cdef double* st
-    cdef double* ac
-    cdef double* est
-    cdef double* eac
-    cdef double* hst
-    cdef double* hac
-    cdef double* usable
-    cdef double* ar
-    cdef double* ar_emb
-    cdef double* ar_head
-    cdef double* send_same
-    cdef double* send_wrap
-    cdef int* has_ar
+    cdef double* forward_ms
+    cdef double* backward_ms
+    cdef double* embedding_forward_ms
+    cdef double* embedding_backward_ms
+    cdef double* head_forward_ms
+    cdef double* head_backward_ms
+    cdef double* send_cross_ms
+    cdef double* layer_state_bytes
+    cdef double* layer_activation_bytes
+    cdef double* embedding_state_bytes
+    cdef double* embedding_activation_bytes
+    cdef double* head_state_bytes
+    cdef double* head_activation_bytes
+    cdef double* usable_bytes
+    cdef double* allreduce_ms
+    cdef double* embedding_allreduce_ms
+    cdef double* head_allreduce_ms
+    cdef double* send_same_ms
+    cdef double* send_wrap_ms
+    cdef int* has_allreduce
     cdef int* type_class
     cdef int* live
     cdef int* cap_rank

@@ -16,7 +16,7 @@ from poseidon_plugin._core._dag cimport DagKernel, copy_ints
 cdef enum:
     N_MINS = 10
 
-# counter indices: keep in sync with poseidon_plugin.search.splits
+# counter indices, in the order of COUNTER_NAMES (tests compare it with search/counters.py)
 cdef enum:
     NODES = 0
     BOUND_EVALS = 1
@@ -27,6 +27,22 @@ cdef enum:
     PRUNED_RIDGE = 6
     PRUNED_ORDER = 7
     IMPROVED = 8
+
+# what this twin assumes of the pure search; tests/unit/test_search_twin.py compares each with the
+# pure side: counters (search/counters.py), the minima (search/bounds.py MIN_NAMES), the TypeTable
+# columns it copies (search/tables.py); SplitSearch.bound_params compares the assembly itself
+COUNTER_NAMES = ("nodes", "bound_evals", "sim_calls", "pruned_bound", "pruned_path", "pruned_memory",
+                 "pruned_ridge", "pruned_order", "improved")
+MIN_NAMES = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding_backward_ms",
+             "head_forward_ms", "head_backward_ms", "allreduce_ms", "embedding_allreduce_ms",
+             "head_allreduce_ms", "send_ms")
+TABLE_COLUMNS = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding_backward_ms",
+                 "head_forward_ms", "head_backward_ms", "send_cross_ms", "layer_state_bytes",
+                 "layer_activation_bytes", "embedding_state_bytes", "embedding_activation_bytes",
+                 "head_state_bytes", "head_activation_bytes", "usable_bytes", "allreduce_ms",
+                 "embedding_allreduce_ms", "head_allreduce_ms", "send_same_ms", "send_wrap_ms",
+                 "has_allreduce")
+
 
 cdef double PATH_SLACK = 1e-9
 cdef long long CLOCK_EVERY = 1024
@@ -63,10 +79,10 @@ cdef class SplitSearch:
                   double gap=0.0):
         cdef int t, r, c
         self.params = NULL
-        self.fwd = self.bwd = self.emb_fwd = self.emb_bwd = self.head_fwd = self.head_bwd = NULL
-        self.send_cross = self.st = self.ac = self.est = self.eac = self.hst = self.hac = NULL
-        self.usable = self.ar = self.ar_emb = self.ar_head = self.send_same = self.send_wrap = NULL
-        self.has_ar = self.type_class = self.live = self.cap_rank = NULL
+        self.forward_ms = self.backward_ms = self.embedding_forward_ms = self.embedding_backward_ms = self.head_forward_ms = self.head_backward_ms = NULL
+        self.send_cross_ms = self.layer_state_bytes = self.layer_activation_bytes = self.embedding_state_bytes = self.embedding_activation_bytes = self.head_state_bytes = self.head_activation_bytes = NULL
+        self.usable_bytes = self.allreduce_ms = self.embedding_allreduce_ms = self.head_allreduce_ms = self.send_same_ms = self.send_wrap_ms = NULL
+        self.has_allreduce = self.type_class = self.live = self.cap_rank = NULL
         self.coef_f = self.coef_b = self.coef_s = self.coef_ar = NULL
         self.term_ptr = self.term_idx = self.term_coef = self.owner = NULL
         self.counts = self.remaining = self.used = self.types = self.slot = self.layers = NULL
@@ -96,26 +112,26 @@ cdef class SplitSearch:
         self.shrink = 1.0 / (1.0 + gap)
         self.n_params = shape.n_params
         self.params = _dcopy(shape.new_params())   # comm-model extras at their defaults
-        self.fwd = _dcopy(table.fwd)
-        self.bwd = _dcopy(table.bwd)
-        self.emb_fwd = _dcopy(table.emb_fwd)
-        self.emb_bwd = _dcopy(table.emb_bwd)
-        self.head_fwd = _dcopy(table.head_fwd)
-        self.head_bwd = _dcopy(table.head_bwd)
-        self.send_cross = _dcopy(table.send_cross)
-        self.st = _dcopy(table.state)
-        self.ac = _dcopy(table.act)
-        self.est = _dcopy(table.emb_state)
-        self.eac = _dcopy(table.emb_act)
-        self.hst = _dcopy(table.head_state)
-        self.hac = _dcopy(table.head_act)
-        self.usable = _dcopy(table.usable)
-        self.ar = _dcopy(table.ar)
-        self.ar_emb = _dcopy(table.ar_emb)
-        self.ar_head = _dcopy(table.ar_head)
-        self.send_same = _dcopy(table.send_same)
-        self.send_wrap = _dcopy(table.send_wrap)
-        self.has_ar = copy_ints(table.has_ar)
+        self.forward_ms = _dcopy(table.forward_ms)
+        self.backward_ms = _dcopy(table.backward_ms)
+        self.embedding_forward_ms = _dcopy(table.embedding_forward_ms)
+        self.embedding_backward_ms = _dcopy(table.embedding_backward_ms)
+        self.head_forward_ms = _dcopy(table.head_forward_ms)
+        self.head_backward_ms = _dcopy(table.head_backward_ms)
+        self.send_cross_ms = _dcopy(table.send_cross_ms)
+        self.layer_state_bytes = _dcopy(table.layer_state_bytes)
+        self.layer_activation_bytes = _dcopy(table.layer_activation_bytes)
+        self.embedding_state_bytes = _dcopy(table.embedding_state_bytes)
+        self.embedding_activation_bytes = _dcopy(table.embedding_activation_bytes)
+        self.head_state_bytes = _dcopy(table.head_state_bytes)
+        self.head_activation_bytes = _dcopy(table.head_activation_bytes)
+        self.usable_bytes = _dcopy(table.usable_bytes)
+        self.allreduce_ms = _dcopy(table.allreduce_ms)
+        self.embedding_allreduce_ms = _dcopy(table.embedding_allreduce_ms)
+        self.head_allreduce_ms = _dcopy(table.head_allreduce_ms)
+        self.send_same_ms = _dcopy(table.send_same_ms)
+        self.send_wrap_ms = _dcopy(table.send_wrap_ms)
+        self.has_allreduce = copy_ints(table.has_allreduce)
         self.type_class = copy_ints(type_class)
         self.live = copy_ints(shape.live)
         paths = shape.paths
@@ -185,10 +201,10 @@ cdef class SplitSearch:
                 self.cap_rank[t * self.pp + r] = self._rank_cap(t, r)
 
     def __dealloc__(self):
-        free(self.params); free(self.fwd); free(self.bwd); free(self.emb_fwd); free(self.emb_bwd); free(self.head_fwd)
-        free(self.head_bwd); free(self.send_cross); free(self.st); free(self.ac); free(self.est); free(self.eac)
-        free(self.hst); free(self.hac); free(self.usable); free(self.ar); free(self.ar_emb); free(self.ar_head)
-        free(self.send_same); free(self.send_wrap); free(self.has_ar); free(self.type_class); free(self.live); free(self.cap_rank)
+        free(self.params); free(self.forward_ms); free(self.backward_ms); free(self.embedding_forward_ms); free(self.embedding_backward_ms); free(self.head_forward_ms)
+        free(self.head_backward_ms); free(self.send_cross_ms); free(self.layer_state_bytes); free(self.layer_activation_bytes); free(self.embedding_state_bytes); free(self.embedding_activation_bytes)
+        free(self.head_state_bytes); free(self.head_activation_bytes); free(self.usable_bytes); free(self.allreduce_ms); free(self.embedding_allreduce_ms); free(self.head_allreduce_ms)
+        free(self.send_same_ms); free(self.send_wrap_ms); free(self.has_allreduce); free(self.type_class); free(self.live); free(self.cap_rank)
         free(self.coef_f); free(self.coef_b); free(self.coef_s); free(self.coef_ar); free(self.term_ptr); free(self.term_idx); free(self.term_coef); free(self.owner); free(self.counts); free(self.remaining)
         free(self.used); free(self.types); free(self.slot); free(self.layers); free(self.last); free(self.down); free(self.capped)
         free(self.lbs); free(self.capts); free(self.vals); free(self.sl_t); free(self.sl_f); free(self.sl_b); free(self.sl_a); free(self.caps); free(self.work); free(self.order); free(self.alpha); free(self.sf)
@@ -205,14 +221,14 @@ cdef class SplitSearch:
         cdef int c, n
         for c in range(self.v):
             n = chunks[c]
-            s = n * self.st[t]
-            a = n * self.ac[t]
+            s = n * self.layer_state_bytes[t]
+            a = n * self.layer_activation_bytes[t]
             if c == 0 and r == 0:
-                s += self.est[t]
-                a += self.eac[t]
+                s += self.embedding_state_bytes[t]
+                a += self.embedding_activation_bytes[t]
             if c == self.v - 1 and r == self.pp - 1:
-                s += self.hst[t]
-                a += self.hac[t]
+                s += self.head_state_bytes[t]
+                a += self.head_activation_bytes[t]
             state += s
             if a > chunk_act:
                 chunk_act = a
@@ -220,7 +236,7 @@ cdef class SplitSearch:
 
     cdef int _rank_cap(self, int t, int r) noexcept nogil:
         cdef int lo = 0, hi = self.num_layers, mid, c, v = self.v
-        cdef double usable = self.usable[t]
+        cdef double usable = self.usable_bytes[t]
         while lo < hi:
             mid = (lo + hi + 1) // 2
             for c in range(v):
@@ -241,35 +257,35 @@ cdef class SplitSearch:
         for t in range(self.nt):
             if self.remaining[t] <= 0:
                 continue
-            if self.fwd[t] < self.mins[0]:
-                self.mins[0] = self.fwd[t]
-            if self.bwd[t] < self.mins[1]:
-                self.mins[1] = self.bwd[t]
-            if self.emb_fwd[t] < self.mins[2]:
-                self.mins[2] = self.emb_fwd[t]
-            if self.emb_bwd[t] < self.mins[3]:
-                self.mins[3] = self.emb_bwd[t]
-            if self.head_fwd[t] < self.mins[4]:
-                self.mins[4] = self.head_fwd[t]
-            if self.head_bwd[t] < self.mins[5]:
-                self.mins[5] = self.head_bwd[t]
-            if self.send_cross[t] < self.mins[9]:
-                self.mins[9] = self.send_cross[t]
+            if self.forward_ms[t] < self.mins[0]:
+                self.mins[0] = self.forward_ms[t]
+            if self.backward_ms[t] < self.mins[1]:
+                self.mins[1] = self.backward_ms[t]
+            if self.embedding_forward_ms[t] < self.mins[2]:
+                self.mins[2] = self.embedding_forward_ms[t]
+            if self.embedding_backward_ms[t] < self.mins[3]:
+                self.mins[3] = self.embedding_backward_ms[t]
+            if self.head_forward_ms[t] < self.mins[4]:
+                self.mins[4] = self.head_forward_ms[t]
+            if self.head_backward_ms[t] < self.mins[5]:
+                self.mins[5] = self.head_backward_ms[t]
+            if self.send_cross_ms[t] < self.mins[9]:
+                self.mins[9] = self.send_cross_ms[t]
             for j in range(self.used[t], self.counts[t]):
                 i = t * self.stride + j
-                x = self.ar[i] if self.has_ar[i] else 0.0
+                x = self.allreduce_ms[i] if self.has_allreduce[i] else 0.0
                 if x < self.mins[6]:
                     self.mins[6] = x
-                x = self.ar_emb[i] if self.has_ar[i] else 0.0
+                x = self.embedding_allreduce_ms[i] if self.has_allreduce[i] else 0.0
                 if x < self.mins[7]:
                     self.mins[7] = x
-                x = self.ar_head[i] if self.has_ar[i] else 0.0
+                x = self.head_allreduce_ms[i] if self.has_allreduce[i] else 0.0
                 if x < self.mins[8]:
                     self.mins[8] = x
-                if j + 1 < self.counts[t] and self.send_same[i] < self.mins[9]:
-                    self.mins[9] = self.send_same[i]
-                if j > 0 and self.send_wrap[i] < self.mins[9]:
-                    self.mins[9] = self.send_wrap[i]
+                if j + 1 < self.counts[t] and self.send_same_ms[i] < self.mins[9]:
+                    self.mins[9] = self.send_same_ms[i]
+                if j > 0 and self.send_wrap_ms[i] < self.mins[9]:
+                    self.mins[9] = self.send_wrap_ms[i]
         for i in range(N_MINS):
             if self.mins[i] == INFINITY:
                 self.mins[i] = 0.0
@@ -284,16 +300,16 @@ cdef class SplitSearch:
             total_ar = 0.0
             if t >= 0:
                 i = t * self.stride + self.slot[r]
-                hasar = self.has_ar[i]
-                fw = self.fwd[t]
-                bw = self.bwd[t]
-                arr = self.ar[i]
-                efw = self.emb_fwd[t]
-                ebw = self.emb_bwd[t]
-                ear = self.ar_emb[i]
-                hfw = self.head_fwd[t]
-                hbw = self.head_bwd[t]
-                har = self.ar_head[i]
+                hasar = self.has_allreduce[i]
+                fw = self.forward_ms[t]
+                bw = self.backward_ms[t]
+                arr = self.allreduce_ms[i]
+                efw = self.embedding_forward_ms[t]
+                ebw = self.embedding_backward_ms[t]
+                ear = self.embedding_allreduce_ms[i]
+                hfw = self.head_forward_ms[t]
+                hbw = self.head_backward_ms[t]
+                har = self.head_allreduce_ms[i]
             else:
                 hasar = 1
                 fw = self.mins[0]
@@ -341,18 +357,18 @@ cdef class SplitSearch:
         i = t * self.stride + self.slot[r]
         if u >= 0:
             if t != u:
-                return self.send_cross[t]
-            return self.send_wrap[i] if n == 0 else self.send_same[i]
+                return self.send_cross_ms[t]
+            return self.send_wrap_ms[i] if n == 0 else self.send_same_ms[i]
         best = INFINITY
         if self.remaining[t] > 0:
-            best = self.send_same[i]
+            best = self.send_same_ms[i]
         other = False
         for x in range(self.nt):
             if x != t and self.remaining[x] > 0:
                 other = True
                 break
-        if other and self.send_cross[t] < best:
-            best = self.send_cross[t]
+        if other and self.send_cross_ms[t] < best:
+            best = self.send_cross_ms[t]
         return 0.0 if best == INFINITY else best
 
     cdef bint _propagate(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil:
@@ -421,12 +437,12 @@ cdef class SplitSearch:
             ar = INFINITY
             for j in range(self.used[t], self.counts[t]):
                 i = t * self.stride + j
-                x = self.ar[i] if self.has_ar[i] else 0.0
+                x = self.allreduce_ms[i] if self.has_allreduce[i] else 0.0
                 if x < ar:
                     ar = x
             self.sl_t[n] = t
-            self.sl_f[n] = self.fwd[t]
-            self.sl_b[n] = self.bwd[t]
+            self.sl_f[n] = self.forward_ms[t]
+            self.sl_b[n] = self.backward_ms[t]
             self.sl_a[n] = 0.0 if ar == INFINITY else ar
             n += 1
         return n
@@ -978,6 +994,31 @@ cdef class SplitSearch:
             l += 1
         for c in range(v):
             self.layers[c * pp + k] = 0
+
+    def bound_params(self, counts, types, layers, lb):
+        """The DAG bound's parameter vector with the ranks ``types[r] >= 0`` decided (``layers`` per
+        virtual stage; 0: undecided, priced at ``lb``): what ``_fill`` writes. For the tests that
+        compare this twin with splits.SplitSearch.bound_params field by field."""
+        cdef int t, r, i
+        for t in range(self.nt):
+            self.counts[t] = counts[t]
+            self.remaining[t] = counts[t]
+            self.used[t] = 0
+        for r in range(self.pp):
+            t = types[r]
+            self.types[r] = t
+            self.slot[r] = 0
+            if t >= 0:
+                self.slot[r] = self.used[t]
+                self.remaining[t] -= 1
+                self.used[t] += 1
+        for i in range(self.nv):
+            self.layers[i] = layers[i]
+            self.lbs[i] = lb[i]
+        self._fill(self.lbs)
+        for i in range(self.nv):
+            self.layers[i] = 0
+        return [self.params[i] for i in range(self.n_params)]
 
     def run(self, counts, double tau, *, bint root_only=False, double deadline=INFINITY):
         """Best plan with time ``< tau`` for ``counts`` ranks per type (``root_only``: bound check)."""

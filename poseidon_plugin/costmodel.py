@@ -4,7 +4,7 @@ Pure Python, no torch. Built once per planning run; the search then reads precom
 
     cm = CostModel(cluster, model)                       # analytic profile when profile is None
     gc = cm.group("A2-2", tp=8, mbs=1, dp=2)             # GroupCosts: O(1) after the first call
-    gc.forward_ms * layers + gc.first_forward_ms         # stage forward of a first stage
+    gc.forward_ms * layers + gc.embedding_forward_ms         # stage forward of a first stage
     cm.max_layers("A2-4", 8, 1, 2, live=4, first=True)   # memory-feasible layer count
     cand = Candidate(tp=8, pp=4, dp=2, mbs=1, stage_types=("A2-2",) * 4, layers=(20,) * 4)
     doc = cm.stage_input(cand)                           # simulator stage-level dict
@@ -29,17 +29,20 @@ contiguous and stay inside a node when TP divides the node size.
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 from .errors import InputError
+from .plan import Plan, PlanStage, PlanSummary
+from .simulator.schedules import SCHEDULES, peak_live_microbatches
 from .specs import (GIB, LINK_CROSS_TYPE, LINK_INTER_NODE, LINK_INTRA_NODE, ClusterSpec,
                     CostConstants, Device, ModelSpec, ProfileSpec, analytic_profile, constants_for,
                     valid_tp_degrees)
 from .specs.analytic import DEFAULT_MICRO_BATCH_SIZES
-
-SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b")
+from .stagecost import base_params, link_carries_data, put_rank_times, rank_memory, send_index
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,33 +86,33 @@ class GroupCosts:
     dp: int
     forward_ms: float                 # one layer
     backward_ms: float
-    first_forward_ms: float           # extra on the first virtual stage (embedding)
-    first_backward_ms: float
-    last_forward_ms: float            # extra on the last virtual stage (output layer + loss)
-    last_backward_ms: float
-    allreduce_ms: tuple[float, float]        # DP gradient sync of one layer
-    first_allreduce_ms: tuple[float, float]  # of the embedding
-    last_allreduce_ms: tuple[float, float]   # of the output layer
+    embedding_forward_ms: float       # extra on the first virtual stage (embedding)
+    embedding_backward_ms: float
+    head_forward_ms: float            # extra on the last virtual stage (output layer + loss)
+    head_backward_ms: float
+    allreduce_ms: tuple[float, float]            # DP gradient sync of one layer
+    embedding_allreduce_ms: tuple[float, float]  # of the embedding
+    head_allreduce_ms: tuple[float, float]       # of the output layer
     send_ms: tuple[float, float, float]      # activation (and gradient) transfer out of this group
     layer_state_bytes: float          # weights + grads + optimizer states of one layer
-    first_state_bytes: float
-    last_state_bytes: float
+    embedding_state_bytes: float
+    head_state_bytes: float
     layer_activation_bytes: float     # kept per live micro-batch by one layer
-    first_activation_bytes: float
-    last_activation_bytes: float
+    embedding_activation_bytes: float
+    head_activation_bytes: float
     usable_bytes: float               # device memory minus reserves
 
     def stage_memory(self, layers: int, live: int, first: bool = False, last: bool = False) -> float:
         """Peak bytes of a (non-interleaved) stage with ``layers`` layers and ``live`` micro-batches."""
-        state = layers * self.layer_state_bytes
-        act = layers * self.layer_activation_bytes
-        if first:
-            state += self.first_state_bytes
-            act += self.first_activation_bytes
-        if last:
-            state += self.last_state_bytes
-            act += self.last_activation_bytes
-        return state + live * act
+        return self.rank_memory((layers,), live, first, last)
+
+    def rank_memory(self, chunk_layers: Sequence[int], live: int, first: bool = False,
+                    last: bool = False) -> float:
+        """Peak bytes of a rank with ``chunk_layers[c]`` layers in chunk ``c`` (:func:`stagecost.rank_memory`)."""
+        return rank_memory(chunk_layers, first, last, live, self.layer_state_bytes,
+                           self.layer_activation_bytes, self.embedding_state_bytes,
+                           self.embedding_activation_bytes, self.head_state_bytes,
+                           self.head_activation_bytes)
 
     def max_layers(self, live: int, first: bool = False, last: bool = False) -> int:
         """Most layers a stage can hold within ``usable_bytes`` (may be < 0 when even 0 do not fit)."""
@@ -252,16 +255,16 @@ class CostModel:
         return GroupCosts(
             device_type=device_type, tp=tp, mbs=mbs, dp=dp,
             forward_ms=e.forward_ms, backward_ms=e.backward_ms,
-            first_forward_ms=e.embedding_forward_ms, first_backward_ms=e.embedding_backward_ms,
-            last_forward_ms=e.head_forward_ms, last_backward_ms=e.head_backward_ms,
-            allreduce_ms=sync(e.layer_params), first_allreduce_ms=sync(e.embedding_params),
-            last_allreduce_ms=sync(e.head_params), send_ms=(sends[0], sends[1], sends[2]),
+            embedding_forward_ms=e.embedding_forward_ms, embedding_backward_ms=e.embedding_backward_ms,
+            head_forward_ms=e.head_forward_ms, head_backward_ms=e.head_backward_ms,
+            allreduce_ms=sync(e.layer_params), embedding_allreduce_ms=sync(e.embedding_params),
+            head_allreduce_ms=sync(e.head_params), send_ms=(sends[0], sends[1], sends[2]),
             layer_state_bytes=e.layer_params * per_param,
-            first_state_bytes=e.embedding_params * per_param,
-            last_state_bytes=e.head_params * per_param,
+            embedding_state_bytes=e.embedding_params * per_param,
+            head_state_bytes=e.head_params * per_param,
             layer_activation_bytes=float(e.activation_bytes),
-            first_activation_bytes=float(e.embedding_activation_bytes),
-            last_activation_bytes=float(e.head_activation_bytes),
+            embedding_activation_bytes=float(e.embedding_activation_bytes),
+            head_activation_bytes=float(e.head_activation_bytes),
             usable_bytes=usable)
 
     def max_layers(self, device_type: str, tp: int, mbs: int, dp: int, live: int,
@@ -418,34 +421,25 @@ class CostModel:
 
     def stage_times(self, cand: Candidate, place: Placement | None = None):
         """Flat vectors ``(forward_ms, backward_ms, send_ms, allreduce_ms)`` as the simulator takes them
-        (forward/backward indexed ``rank * V + chunk``)."""
+        (forward/backward indexed ``rank * V + chunk``), assembled by :mod:`.stagecost`."""
         place = place or self.placement(cand)
         pp, v = cand.pp, cand.virtual_stages
-        fwd, bwd, send, ar = [], [], [], []
+        nv = pp * v
+        params = [0.0] * base_params(pp, v)
         for r in range(pp):
             gc = self.group(cand.stage_types[r], cand.tp, cand.mbs, cand.dp)
             kind = place.dp_link[r]
-            total_ar = 0.0
-            for c in range(v):
-                n = cand.layers[c * pp + r]
-                f, b = n * gc.forward_ms, n * gc.backward_ms
-                if kind >= 0:
-                    total_ar += n * gc.allreduce_ms[kind]
-                if c == 0 and r == 0:
-                    f += gc.first_forward_ms
-                    b += gc.first_backward_ms
-                    total_ar += gc.first_allreduce_ms[kind] if kind >= 0 else 0.0
-                if c == v - 1 and r == pp - 1:
-                    f += gc.last_forward_ms
-                    b += gc.last_backward_ms
-                    total_ar += gc.last_allreduce_ms[kind] if kind >= 0 else 0.0
-                fwd.append(f)
-                bwd.append(b)
+            has_ar = kind >= 0
+            put_rank_times(params, pp, v, r, cand.layers, None, gc.forward_ms, gc.backward_ms,
+                           gc.allreduce_ms[kind] if has_ar else 0.0, gc.embedding_forward_ms,
+                           gc.embedding_backward_ms, gc.embedding_allreduce_ms[kind] if has_ar else 0.0,
+                           gc.head_forward_ms, gc.head_backward_ms,
+                           gc.head_allreduce_ms[kind] if has_ar else 0.0, has_ar)
             link = place.send_link[r]
-            # the wrap link (last rank -> rank 0) only carries data with virtual stages
-            send.append(0.0 if link < 0 or (r == pp - 1 and v == 1) else gc.send_ms[link])
-            ar.append(total_ar)
-        return fwd, bwd, send, ar
+            params[send_index(pp, v, r)] = (gc.send_ms[link] if link >= 0 and link_carries_data(r, pp, v)
+                                            else 0.0)
+        return (params[1:1 + nv], params[1 + nv:1 + 2 * nv], params[1 + 2 * nv:1 + 2 * nv + pp],
+                params[1 + 2 * nv + pp:1 + 2 * nv + 2 * pp])
 
     def stage_input(self, cand: Candidate, comm_model: str = "dag") -> dict[str, Any]:
         """The simulator's stage-level document for ``cand`` (see the simulator README); it names
@@ -466,26 +460,8 @@ class CostModel:
         self._check_types(cand)
         pp, v = cand.pp, cand.virtual_stages
         live = self.peak_live(cand.schedule, pp, self._m(cand), v)
-        out = []
-        for r in range(pp):
-            gc = self.group(cand.stage_types[r], cand.tp, cand.mbs, cand.dp)
-            state = 0.0
-            chunk_act = 0.0
-            for c in range(v):
-                n = cand.layers[c * pp + r]
-                s = n * gc.layer_state_bytes
-                a = n * gc.layer_activation_bytes
-                if c == 0 and r == 0:
-                    s += gc.first_state_bytes
-                    a += gc.first_activation_bytes
-                if c == v - 1 and r == pp - 1:
-                    s += gc.last_state_bytes
-                    a += gc.last_activation_bytes
-                state += s
-                # a live unit holds one chunk's activations; take the largest chunk (conservative)
-                chunk_act = max(chunk_act, a)
-            out.append(state + live[r] * chunk_act)
-        return out
+        return [self.group(cand.stage_types[r], cand.tp, cand.mbs, cand.dp).rank_memory(
+                    cand.chunk_layers(r), live[r], r == 0, r == pp - 1) for r in range(pp)]
 
     def usable_bytes(self, device_type: str) -> float:
         """Device memory available to the model: memory x (1 - reserve fraction) - reserve GiB."""
@@ -510,33 +486,62 @@ class CostModel:
     def iteration_ms(self, cand: Candidate, comm_model: str = "dag") -> float:
         """Simulated iteration time of ``cand`` under the simulator's ``comm_model`` (extras at their
         defaults, as the search uses them)."""
-        from .simulator import Simulator
-        m = self._m(cand)
-        key = (cand.schedule, cand.pp, m, cand.virtual_stages, comm_model)
+        sim = self.simulator(cand.schedule, cand.pp, self._m(cand), cand.virtual_stages, comm_model)
+        return sim.iteration_time(*self.stage_times(cand))
+
+    def simulator(self, schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1,
+                  comm_model: str = "dag"):
+        """The :class:`~poseidon_plugin.simulator.Simulator` of a shape that :meth:`iteration_ms`
+        uses (built once per shape and comm model)."""
+        key = (schedule, pp, micro_batches, virtual_stages, comm_model)
         sim = self._simulators.get(key)
         if sim is None:
-            sim = self._simulators[key] = Simulator(cand.schedule, cand.pp, m, cand.virtual_stages,
+            from .simulator import Simulator
+            sim = self._simulators[key] = Simulator(schedule, pp, micro_batches, virtual_stages,
                                                     comm_model)
-        return sim.iteration_time(*self.stage_times(cand))
+        return sim
 
     def tokens_per_s(self, iteration_ms: float) -> float:
         """Training throughput for an iteration time."""
         return self.model.tokens_per_iteration / (iteration_ms / 1e3) if iteration_ms > 0 else 0.0
 
     def make_plan(self, cand: Candidate, iteration_ms: float | None = None, *,
-                  alternatives: Sequence[Any] = (), search_stats: Mapping[str, Any] | None = None,
-                  comm_model: str = "dag"):
-        """The :class:`~poseidon_plugin.plan.Plan` of ``cand`` (simulates it under ``comm_model`` when
-        ``iteration_ms`` is None)."""
-        from .plan import build_plan
+                  alternatives: Sequence[PlanSummary] = (), search_stats: Mapping[str, Any] | None = None,
+                  comm_model: str = "dag") -> Plan:
+        """The :class:`~poseidon_plugin.plan.Plan` of ``cand``: placement, times and memory filled in
+        (simulates it under ``comm_model`` when ``iteration_ms`` is None)."""
         if iteration_ms is None:
             iteration_ms = self.iteration_ms(cand, comm_model)
-        return build_plan(self, cand, iteration_ms, alternatives=alternatives,
-                          search_stats=search_stats)
+        place = self.placement(cand)
+        fwd, bwd, send, ar = self.stage_times(cand, place)
+        mem = self.memory_per_stage(cand)
+        pp, v, size = cand.pp, cand.virtual_stages, cand.dp * cand.tp
+        firsts = [sum(cand.layers[:vs]) for vs in range(pp * v)]
+        stages = []
+        for r in range(pp):
+            stages.append(PlanStage(
+                index=r, device_type=cand.stage_types[r], ranks=tuple(range(r * size, (r + 1) * size)),
+                devices=tuple((d.node, d.local) for d in place.stage_devices[r]), tp=cand.tp,
+                dp=cand.dp, layers=cand.chunk_layers(r),
+                first_layers=tuple(firsts[c * pp + r] for c in range(v)),
+                forward_ms=tuple(fwd[r * v:(r + 1) * v]), backward_ms=tuple(bwd[r * v:(r + 1) * v]),
+                send_ms=send[r], allreduce_ms=ar[r], memory_bytes=int(math.ceil(mem[r])),
+                usable_bytes=int(self.usable_bytes(cand.stage_types[r]))))
+        model = self.model
+        return Plan(model=model.name, cluster=self.cluster.name, seq_length=model.seq_length,
+                    global_batch_size=model.global_batch_size, tp=cand.tp, pp=pp, dp=cand.dp,
+                    micro_batch_size=cand.mbs,
+                    micro_batches=model.global_batch_size // (cand.dp * cand.mbs),
+                    schedule=cand.schedule, virtual_stages=v, layers=tuple(cand.layers),
+                    stages=tuple(stages), predicted_iteration_ms=float(iteration_ms),
+                    tokens_per_s=self.tokens_per_s(iteration_ms),
+                    profile_source="analytic" if self.profile.source == "analytic" else "measured",
+                    alternatives=tuple(alternatives),
+                    # normalised through JSON so that to_json/from_json round-trips it exactly
+                    search_stats=json.loads(json.dumps(dict(search_stats or {}), allow_nan=False)))
 
-    def summarize(self, cand: Candidate, iteration_ms: float):
+    def summarize(self, cand: Candidate, iteration_ms: float) -> PlanSummary:
         """A light :class:`~poseidon_plugin.plan.PlanSummary` (for a plan's top-k alternatives)."""
-        from .plan import PlanSummary
         return PlanSummary(tp=cand.tp, pp=cand.pp, dp=cand.dp, micro_batch_size=cand.mbs,
                            schedule=cand.schedule, virtual_stages=cand.virtual_stages,
                            stage_types=tuple(cand.stage_types), layers=tuple(cand.layers),
@@ -546,5 +551,4 @@ class CostModel:
 
 @lru_cache(maxsize=4096)
 def _peak_live(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> tuple[int, ...]:
-    from .simulator.schedules import peak_live_microbatches
     return tuple(peak_live_microbatches(schedule, pp, micro_batches, virtual_stages))

@@ -21,19 +21,15 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from .errors import InputError, PoseidonError
 from .specs.documents import parse_document
+from .simulator.schedules import MEGATRON_SCHEDULES, SCHEDULES
 from .specs.fields import read_document, write_json_atomic
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .costmodel import Candidate, CostModel
 
 PLAN_SCHEMA_VERSION = 1
 PLAN_FORMAT = "poseidon-plan"
-SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b")
-MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -304,39 +300,6 @@ def _plan_from_dict(doc: Any, where: str) -> Plan:
         raise InputError(str(exc).replace("plan:", f"{where}:", 1)) from None
     except TypeError as exc:  # a wrong type that the checks above did not name
         raise InputError(f"{where}: {exc}") from None
-
-
-# --- building from a candidate ---------------------------------------------------------------
-
-def build_plan(cm: "CostModel", cand: "Candidate", iteration_ms: float, *,
-               alternatives: Sequence[PlanSummary] = (),
-               search_stats: Mapping[str, Any] | None = None) -> Plan:
-    """The :class:`Plan` of a candidate under a cost model (placement, times and memory filled in)."""
-    place = cm.placement(cand)
-    fwd, bwd, send, ar = cm.stage_times(cand, place)
-    mem = cm.memory_per_stage(cand)
-    pp, v, size = cand.pp, cand.virtual_stages, cand.dp * cand.tp
-    firsts = [sum(cand.layers[:vs]) for vs in range(pp * v)]
-    stages = []
-    for r in range(pp):
-        stages.append(PlanStage(
-            index=r, device_type=cand.stage_types[r], ranks=tuple(range(r * size, (r + 1) * size)),
-            devices=tuple((d.node, d.local) for d in place.stage_devices[r]), tp=cand.tp, dp=cand.dp,
-            layers=cand.chunk_layers(r), first_layers=tuple(firsts[c * pp + r] for c in range(v)),
-            forward_ms=tuple(fwd[r * v:(r + 1) * v]), backward_ms=tuple(bwd[r * v:(r + 1) * v]),
-            send_ms=send[r], allreduce_ms=ar[r], memory_bytes=int(math.ceil(mem[r])),
-            usable_bytes=int(cm.usable_bytes(cand.stage_types[r]))))
-    model = cm.model
-    return Plan(model=model.name, cluster=cm.cluster.name, seq_length=model.seq_length,
-                global_batch_size=model.global_batch_size, tp=cand.tp, pp=pp, dp=cand.dp,
-                micro_batch_size=cand.mbs, micro_batches=model.global_batch_size // (cand.dp * cand.mbs),
-                schedule=cand.schedule, virtual_stages=v, layers=tuple(cand.layers),
-                stages=tuple(stages), predicted_iteration_ms=float(iteration_ms),
-                tokens_per_s=cm.tokens_per_s(iteration_ms),
-                profile_source="analytic" if cm.profile.source == "analytic" else "measured",
-                alternatives=tuple(alternatives),
-                # normalised through JSON so that to_json/from_json round-trips it exactly
-                search_stats=json.loads(json.dumps(dict(search_stats or {}), allow_nan=False)))
 
 
 # --- flag renderers and parsers --------------------------------------------------------------

@@ -12,20 +12,32 @@ from __future__ import annotations
 
 import math
 
-from ..costmodel import CostModel
-from .engine import _Run
+from ..costmodel import Candidate, CostModel
+from .engine import use_pure_python
 from .evaluate import fill_plan, greedy_split, plan_fits, spread
 from .options import SearchOptions
+from .shapes import ShapeCache
+from .space import SearchSpace, ShapeGroup
 
 INF = math.inf
+
+
+def _candidate(sg: ShapeGroup, types, layers) -> Candidate:
+    g = sg.group
+    return Candidate(tp=g.tp, pp=sg.pp, dp=g.dp, mbs=g.mbs, stage_types=tuple(g.names[t] for t in types),
+                     layers=tuple(layers), schedule=sg.schedule, virtual_stages=sg.virtual_stages)
+
+
+def _space(cm: CostModel, options: SearchOptions) -> tuple[SearchSpace, ShapeCache]:
+    return SearchSpace(cm, options), ShapeCache(use_pure_python(options), options.comm_model)
 
 
 def _block_orders(counts, names, tb):
     """Contiguous type blocks: cluster order, fastest first, most memory first (distinct)."""
     used = [t for t in range(len(names)) if counts[t]]
     out = []
-    for order in (used, sorted(used, key=lambda t: tb.fwd[t] + tb.bwd[t]),
-                  sorted(used, key=lambda t: -tb.usable[t])):
+    for order in (used, sorted(used, key=lambda t: tb.forward_ms[t] + tb.backward_ms[t]),
+                  sorted(used, key=lambda t: -tb.usable_bytes[t])):
         seq = tuple(t for t in order for _ in range(counts[t]))
         if seq not in out:
             out.append(seq)
@@ -34,10 +46,10 @@ def _block_orders(counts, names, tb):
 
 def best_uniform(cm: CostModel, options: SearchOptions) -> tuple[float, object] | None:
     """Best uniform-split plan with devices used in cluster order: ``(ms, Candidate)`` or None."""
-    run = _Run(cm, options)
+    space, shapes = _space(cm, options)
     best: tuple[float, object] | None = None
-    num_layers = run.space.num_layers
-    for sg in run.space.shape_groups():
+    num_layers = space.num_layers
+    for sg in space.shape_groups():
         g, v = sg.group, sg.virtual_stages
         if num_layers % (sg.pp * v):
             continue
@@ -47,14 +59,15 @@ def best_uniform(cm: CostModel, options: SearchOptions) -> tuple[float, object] 
             left -= counts[-1]
         types = [t for t in range(len(counts)) for _ in range(counts[t])]
         layers = [num_layers // (sg.pp * v)] * (sg.pp * v)
-        table, shape = run.space.table(g), run.shape(sg)
+        table = space.table(g)
+        shape = shapes.get(sg.schedule, sg.pp, g.micro_batches, v)
         if not plan_fits(table, shape, types, layers):
             continue
         params = shape.new_params()
         fill_plan(params, table, shape, types, layers)
         ms = shape.kernel.longest(params)
         if best is None or ms < best[0]:
-            best = (ms, run.candidate(sg, types, layers))
+            best = (ms, _candidate(sg, types, layers))
     return best
 
 
@@ -74,17 +87,17 @@ def best_by_eq1(cm: CostModel, options: SearchOptions, vectors_per_shape: int = 
     Candidates: every shape group, its ``vectors_per_shape`` fastest ranks-per-type vectors,
     contiguous type blocks in three orders, the compute-balanced split within memory.
     """
-    run = _Run(cm, options)
+    space, shapes = _space(cm, options)
     best = None
-    for sg in run.space.shape_groups():
+    for sg in space.shape_groups():
         g, v = sg.group, sg.virtual_stages
-        table, shape = run.space.table(g), run.shape(sg)
-        vecs = run.space.count_vectors(sg)
-        vecs.sort(key=lambda vec: -sum(n / (table.fwd[t] + table.bwd[t]) for t, n in enumerate(vec)))
+        table, shape = space.table(g), shapes.get(sg.schedule, sg.pp, g.micro_batches, v)
+        vecs = space.count_vectors(sg)
+        vecs.sort(key=lambda vec: -sum(n / (table.forward_ms[t] + table.backward_ms[t]) for t, n in enumerate(vec)))
         params = None
         for vec in vecs[:vectors_per_shape]:
             for types in _block_orders(vec, g.names, table):
-                ranks = greedy_split(table, shape, types, run.space.num_layers)
+                ranks = greedy_split(table, shape, types, space.num_layers)
                 if ranks is None:
                     continue
                 layers = spread(ranks, sg.pp, v)
@@ -95,5 +108,5 @@ def best_by_eq1(cm: CostModel, options: SearchOptions, vectors_per_shape: int = 
                 fill_plan(params, table, shape, types, layers)
                 e1 = eq1_time(params, sg.pp, v, g.micro_batches)
                 if best is None or e1 < best[1]:
-                    best = (shape.kernel.longest(params), e1, run.candidate(sg, types, layers))
+                    best = (shape.kernel.longest(params), e1, _candidate(sg, types, layers))
     return best

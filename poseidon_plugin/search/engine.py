@@ -22,12 +22,14 @@ from typing import Any
 from ..backend import compiled
 from ..costmodel import Candidate, CostModel
 from ..errors import NoFeasiblePlanError, PoseidonError
+from .bounds import fluid_cut
+from .counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES, PRUNED_BOUND,
+                       PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH, PRUNED_RIDGE, SIM_CALLS)
 from .evaluate import greedy_split, plan_fits, simulate_plan, spread
+from .leaderboard import Leaderboard
 from .options import SearchOptions, SearchResult, SearchStats
 from .shapes import ShapeCache, ShapeData
 from .space import SearchSpace, ShapeGroup
-from .splits import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES, PRUNED_BOUND,
-                     PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH, PRUNED_RIDGE, SIM_CALLS)
 from .splits import SplitSearch as PySplitSearch
 
 INF = math.inf
@@ -43,44 +45,12 @@ def use_pure_python(options: SearchOptions) -> bool:
     return compiled("_dag") is None or compiled("_search") is None
 
 
-class Leaderboard:
-    """Best plan per key ``(tp, pp, dp, mbs, schedule, V)``; the search reports the ``top_k`` best keys.
+class SearchRun:
+    """State of one branch-and-bound search (``default`` and ``exact`` modes): the space, the shapes
+    built so far, the :class:`~.leaderboard.Leaderboard`, the counters and the clock.
 
-    With ``exact_alternatives`` the runners-up are proven: a key is searched until its best plan is
-    known whenever that plan could enter the top-k. Without, only the best plan is proven and the
-    runners-up are the best plans of other keys met on the way (a key is cut as soon as it cannot
-    beat the overall best), which keeps the search as fast as for ``top_k = 1``.
+    ``SearchRun(cm, options).search()`` then ``.result()``; :func:`search` does both.
     """
-
-    def __init__(self, top_k: int, exact_alternatives: bool = True):
-        self.top_k = top_k
-        self.exact_alternatives = exact_alternatives
-        self.best: dict[tuple, tuple[float, Any]] = {}   # key -> (ms, entry)
-
-    def threshold(self, key: tuple) -> float:
-        """Times >= this cannot change what is reported (proven) for ``key``."""
-        own = self.best.get(key, (INF, None))[0]
-        if not self.exact_alternatives:
-            return min((ms for ms, _e in self.best.values()), default=INF)
-        others = sorted(ms for k, (ms, _e) in self.best.items() if k != key)
-        kth = others[self.top_k - 1] if len(others) >= self.top_k else INF
-        return min(own, kth)
-
-    def offer(self, key: tuple, ms: float, entry: Any) -> bool:
-        """Record a plan of ``key``; True when it is that key's new best."""
-        if ms < self.best.get(key, (INF, None))[0]:
-            self.best[key] = (ms, entry)
-            return True
-        return False
-
-    def ranked(self) -> list[tuple[float, tuple, Any]]:
-        """The top-k ``(ms, key, entry)``, best first."""
-        items = sorted((ms, key, e) for key, (ms, e) in self.best.items())
-        return items[:self.top_k]
-
-
-class _Run:
-    """State of one search call."""
 
     def __init__(self, cm: CostModel, options: SearchOptions):
         self.cm, self.options = cm, options
@@ -121,7 +91,7 @@ class _Run:
                            type_class=cls, gap=self.gap)
 
     def offer(self, sg: ShapeGroup, ms: float, types, layers) -> None:
-        self.board.offer(sg.key, ms, (sg, tuple(types), tuple(layers)))
+        self.board.offer(sg.key, ms, lambda: self.candidate(sg, types, layers))
 
     def out_of_time(self) -> bool:
         if time.monotonic() > self.deadline:
@@ -171,7 +141,7 @@ class _Run:
         """Cheap optimistic time: fastest devices first, perfectly balanced, 1F1B bubble."""
         g = sg.group
         tb = self.space.table(g)
-        per = sorted((tb.fwd[t] + tb.bwd[t], g.slots[t]) for t in range(len(g.names)))
+        per = sorted((tb.forward_ms[t] + tb.backward_ms[t], g.slots[t]) for t in range(len(g.names)))
         rate, left = 0.0, sg.pp
         for c, n in per:
             k = min(n, left)
@@ -185,7 +155,7 @@ class _Run:
         """A greedy plan per contiguous type order of the fastest-first counts (an early incumbent)."""
         g = sg.group
         tb, shape = self.space.table(g), self.shape(sg)
-        order = sorted(range(len(g.names)), key=lambda t: (tb.fwd[t] + tb.bwd[t]))
+        order = sorted(range(len(g.names)), key=lambda t: (tb.forward_ms[t] + tb.backward_ms[t]))
         counts = [0] * len(g.names)
         left = sg.pp
         for t in order:
@@ -193,7 +163,7 @@ class _Run:
             left -= counts[t]
         params = shape.new_params()
         used = [t for t in order if counts[t]]
-        by_memory = sorted(used, key=lambda t: -tb.usable[t])
+        by_memory = sorted(used, key=lambda t: -tb.usable_bytes[t])
         for seq_types in (used, by_memory, list(reversed(used))):
             types = [t for t in seq_types for _ in range(counts[t])]
             rank_layers = greedy_split(tb, shape, types, self.space.num_layers)
@@ -211,21 +181,10 @@ class _Run:
             self.ctr[i] += c
 
     def fluid_cut(self, sg: ShapeGroup, tau: float) -> bool:
-        """Cheap shape-free bound: each rank runs its M forwards and backwards one after another, so
-        a rank of type t holds fewer than ``tau / (M (f_t + b_t))`` layers, and every rank holds at
-        least V; True when the best pp ranks of the group cannot hold the model that way."""
-        if tau == INF:
-            return False
+        """The shape-free bound of :func:`.bounds.fluid_cut` for a shape group."""
         g = sg.group
-        tb = self.space.table(g)
-        caps = []
-        for t in range(len(g.names)):
-            x = tau * (1.0 + 1e-9) / (g.micro_batches * (tb.fwd[t] + tb.bwd[t]))
-            caps.extend([int(x)] * min(g.slots[t], sg.pp))
-        caps.sort(reverse=True)
-        if len(caps) < sg.pp or caps[sg.pp - 1] < sg.virtual_stages:
-            return True
-        return sum(caps[:sg.pp]) < self.space.num_layers
+        return fluid_cut(self.space.table(g), g.slots, g.micro_batches, sg.pp, sg.virtual_stages,
+                         self.space.num_layers, tau)
 
     def root_splitter(self, sg: ShapeGroup):
         """The group's structure search, or None when the fluid cut or the root bound (types and
@@ -255,7 +214,7 @@ class _Run:
             self.seed(sg)
         vectors = self.space.count_vectors(sg)
         tb = self.space.table(g)
-        vectors.sort(key=lambda vec: -sum(n / (tb.fwd[t] + tb.bwd[t]) for t, n in enumerate(vec)))
+        vectors.sort(key=lambda vec: -sum(n / (tb.forward_ms[t] + tb.backward_ms[t]) for t, n in enumerate(vec)))
         for vec in vectors:
             self.structures += 1
             res = splitter.run(vec, self.board.threshold(key) * self.shrink, deadline=self.deadline)
@@ -286,7 +245,7 @@ class _Run:
         # the warm-up (paper §4.2.3) draws from the most promising groups still alive: every shape it
         # touches needs its DAG built, and random plans of hopeless shapes seed nothing useful
         self.warmup_done = self.warmup((alive or sgs)[:WARMUP_SHAPES])
-        seeded = {sg.key: self.board.best.get(sg.key, (INF, None))[0] for sg in head}
+        seeded = {sg.key: self.board.best_ms(sg.key) for sg in head}
         head.sort(key=lambda sg: seeded[sg.key])
         sgs = head + sgs[SEED_SHAPES:]
         progress = self.options.progress
@@ -323,22 +282,14 @@ class _Run:
             alternatives_proven=self.board.exact_alternatives and self.complete)
 
     def result(self) -> SearchResult:
-        ranked = self.board.ranked()
-        if not ranked and not self.complete:
+        """The best plan and its runners-up; an error naming the cause when there is none."""
+        if not self.board.best and not self.complete:
             raise PoseidonError(f"--time-limit {self.options.time_limit_s:g} s ran out before any plan "
                                 "was found; raise it")
-        if not ranked:
+        if not self.board.best:
             from .diagnose import explain_infeasible
             raise NoFeasiblePlanError(explain_infeasible(self.cm, self.space))
-        stats = self.stats()
-        cm = self.cm
-        alts = []
-        for ms, _key, (sg, types, layers) in ranked[1:]:
-            alts.append(cm.summarize(self.candidate(sg, types, layers), ms))
-        ms, _key, (sg, types, layers) = ranked[0]
-        plan = cm.make_plan(self.candidate(sg, types, layers), ms, alternatives=alts,
-                            search_stats=stats.to_dict(), comm_model=self.options.comm_model)
-        return SearchResult(plan=plan, alternatives=tuple(alts), stats=stats)
+        return self.board.result(self.cm, self.stats(), self.options.comm_model)
 
 
 def search(cost_model: CostModel, options: SearchOptions | None = None) -> SearchResult:
@@ -347,9 +298,9 @@ def search(cost_model: CostModel, options: SearchOptions | None = None) -> Searc
     if options.mode == "exhaustive":
         from .exhaustive import exhaustive_search
         return exhaustive_search(cost_model, options)
-    run = _Run(cost_model, options)
+    run = SearchRun(cost_model, options)
     run.search()
     return run.result()
 
 
-__all__ = ["COUNTER_NAMES", "Leaderboard", "search", "use_pure_python"]
+__all__ = ["COUNTER_NAMES", "Leaderboard", "SearchRun", "search", "use_pure_python"]

@@ -1,8 +1,8 @@
 """Simulate complete plans of a structure outside the branch and bound.
 
 Used by the warm-up sampler, the greedy seeds, the exhaustive reference and the baselines. The
-parameter vector is assembled exactly as :meth:`CostModel.stage_times` does (same operations, same
-order) and run through the shape's DAG kernel -- the simulator the branch and bound uses -- so every
+parameter vector is assembled by the cost model's own functions (:mod:`poseidon_plugin.stagecost`, as
+:meth:`CostModel.stage_times`) and run through the shape's DAG kernel -- the simulator the branch and bound uses -- so every
 route to a plan's time gives the same number.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..costmodel import slot_indices
+from ..stagecost import link_carries_data, put_rank_times, send_index
 from .shapes import ShapeData
 from .splits import memory_need
 from .tables import TypeTable
@@ -20,42 +21,25 @@ def fill_plan(params, table: TypeTable, shape: ShapeData, types: Sequence[int],
               layers: Sequence[int]) -> None:
     """Write the stage times of a complete plan into ``params`` (the kernel's parameter vector)."""
     pp, v = shape.pp, shape.virtual_stages
-    nv = pp * v
     slots = slot_indices(types)
     for r in range(pp):
         t = types[r]
         i = t * table.max_slots + slots[r]
-        hasar = table.has_ar[i]
-        total_ar = 0.0
-        for c in range(v):
-            n = layers[c * pp + r]
-            f = n * table.fwd[t]
-            b = n * table.bwd[t]
-            if hasar:
-                total_ar += n * table.ar[i]
-            if c == 0 and r == 0:
-                f += table.emb_fwd[t]
-                b += table.emb_bwd[t]
-                if hasar:
-                    total_ar += table.ar_emb[i]
-            if c == v - 1 and r == pp - 1:
-                f += table.head_fwd[t]
-                b += table.head_bwd[t]
-                if hasar:
-                    total_ar += table.ar_head[i]
-            params[1 + r * v + c] = f
-            params[1 + nv + r * v + c] = b
-        params[1 + 2 * nv + pp + r] = total_ar
+        put_rank_times(params, pp, v, r, layers, None, table.forward_ms[t], table.backward_ms[t],
+                       table.allreduce_ms[i], table.embedding_forward_ms[t],
+                       table.embedding_backward_ms[t], table.embedding_allreduce_ms[i],
+                       table.head_forward_ms[t], table.head_backward_ms[t], table.head_allreduce_ms[i],
+                       table.has_allreduce[i])
         n_r = (r + 1) % pp
-        if pp == 1 or (v == 1 and r == pp - 1):
+        if not link_carries_data(r, pp, v):
             s = 0.0
         elif types[n_r] != t:
-            s = table.send_cross[t]
+            s = table.send_cross_ms[t]
         elif n_r == 0:
-            s = table.send_wrap[i]
+            s = table.send_wrap_ms[i]
         else:
-            s = table.send_same[i]
-        params[1 + 2 * nv + r] = s
+            s = table.send_same_ms[i]
+        params[send_index(pp, v, r)] = s
 
 
 def plan_fits(table: TypeTable, shape: ShapeData, types: Sequence[int], layers: Sequence[int]) -> bool:
@@ -63,7 +47,7 @@ def plan_fits(table: TypeTable, shape: ShapeData, types: Sequence[int], layers: 
     pp, v = shape.pp, shape.virtual_stages
     for r in range(pp):
         chunks = [layers[c * pp + r] for c in range(v)]
-        if memory_need(types[r], r, chunks, table, shape) > table.usable[types[r]]:
+        if memory_need(types[r], r, chunks, table, shape) > table.usable_bytes[types[r]]:
             return False
     return True
 
@@ -85,7 +69,7 @@ def rank_caps(table: TypeTable, shape: ShapeData, types: Sequence[int], num_laye
         while lo < hi:
             mid = (lo + hi + 1) // 2
             chunks = [mid // v + (1 if c < mid % v else 0) for c in range(v)]
-            if memory_need(t, r, chunks, table, shape) > table.usable[t]:
+            if memory_need(t, r, chunks, table, shape) > table.usable_bytes[t]:
                 hi = mid - 1
             else:
                 lo = mid
@@ -107,7 +91,7 @@ def greedy_split(table: TypeTable, shape: ShapeData, types: Sequence[int], num_l
     """Layers per rank that minimise the slowest rank's compute, within memory (water-filling)."""
     pp, v = shape.pp, shape.virtual_stages
     caps = list(caps) if caps is not None else rank_caps(table, shape, types, num_layers)
-    per = [table.fwd[t] + table.bwd[t] for t in types]
+    per = [table.forward_ms[t] + table.backward_ms[t] for t in types]
     lay = [v] * pp
     if any(c < v for c in caps) or v * pp > num_layers:
         return None

@@ -19,7 +19,7 @@ from typing import Iterator
 from ..costmodel import CostModel
 from ..errors import InputError
 from .options import SearchOptions
-from .tables import TypeTable, type_table
+from .tables import SLOT_COLUMNS, TYPE_COLUMNS, TypeTable, type_table
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,6 +50,33 @@ class ShapeGroup:
         return (g.tp, self.pp, g.dp, g.mbs, self.schedule, self.virtual_stages)
 
 
+def tp_degrees(cm: CostModel, options: SearchOptions) -> tuple[int, ...]:
+    """TP degrees to search: ``options.tp_degrees`` (checked against what the cost model allows) or
+    every degree some device type allows."""
+    avail = sorted({tp for t in cm.device_types for tp in cm.tp_degrees(t)})
+    if options.tp_degrees is None:
+        return tuple(avail)
+    bad = [tp for tp in options.tp_degrees if tp not in avail]
+    if bad:
+        raise InputError(f"--tp {bad[0]} is not possible here: the model/cluster/profile allow TP "
+                         f"degrees {', '.join(map(str, avail))} (powers of two within a node that "
+                         "divide heads and KV groups, and covered by the profile)")
+    return tuple(sorted(set(options.tp_degrees)))
+
+
+def micro_batch_sizes(cm: CostModel, options: SearchOptions) -> tuple[int, ...]:
+    """Micro-batch sizes to search: ``options.micro_batch_sizes`` (checked against the profile) or
+    every size the profile covers."""
+    have = tuple(sorted(cm.micro_batch_sizes()))
+    if options.micro_batch_sizes is None:
+        return have
+    bad = [m for m in options.micro_batch_sizes if m not in have]
+    if bad:
+        raise InputError(f"--micro-batch-size {bad[0]} is not covered by the profile, which has "
+                         f"{', '.join(map(str, have))}; profile it or pick one of those")
+    return tuple(sorted(set(options.micro_batch_sizes)))
+
+
 class SearchSpace:
     """Enumerates groups, shape groups and structures for a cost model and options."""
 
@@ -65,25 +92,10 @@ class SearchSpace:
         self._classes: dict[tuple[int, int, int], array] = {}
 
     def _tp_degrees(self) -> tuple[int, ...]:
-        avail = sorted({tp for t in self.names for tp in self.cm.tp_degrees(t)})
-        if self.options.tp_degrees is None:
-            return tuple(avail)
-        bad = [tp for tp in self.options.tp_degrees if tp not in avail]
-        if bad:
-            raise InputError(f"--tp {bad[0]} is not possible here: the model/cluster/profile allow TP "
-                             f"degrees {', '.join(map(str, avail))} (powers of two within a node that "
-                             "divide heads and KV groups, and covered by the profile)")
-        return tuple(sorted(set(self.options.tp_degrees)))
+        return tp_degrees(self.cm, self.options)
 
     def _micro_batch_sizes(self) -> tuple[int, ...]:
-        have = tuple(sorted(self.cm.micro_batch_sizes()))
-        if self.options.micro_batch_sizes is None:
-            return have
-        bad = [m for m in self.options.micro_batch_sizes if m not in have]
-        if bad:
-            raise InputError(f"--micro-batch-size {bad[0]} is not covered by the profile, which has "
-                             f"{', '.join(map(str, have))}; profile it or pick one of those")
-        return tuple(sorted(set(self.options.micro_batch_sizes)))
+        return micro_batch_sizes(self.cm, self.options)
 
     def _groups(self) -> tuple[Group, ...]:
         out = []
@@ -122,11 +134,8 @@ class SearchSpace:
             ids = []
             for t in range(len(tb.names)):
                 s = tb.max_slots
-                sig = tuple(getattr(tb, f)[t] for f in (
-                    "fwd", "bwd", "emb_fwd", "emb_bwd", "head_fwd", "head_bwd", "send_cross", "state",
-                    "act", "emb_state", "emb_act", "head_state", "head_act", "usable", "slots"))
-                sig += tuple(tuple(getattr(tb, f)[t * s:(t + 1) * s]) for f in (
-                    "ar", "ar_emb", "ar_head", "has_ar", "send_same", "send_wrap"))
+                sig = tuple(getattr(tb, f)[t] for f in TYPE_COLUMNS + ("slots",))
+                sig += tuple(tuple(getattr(tb, f)[t * s:(t + 1) * s]) for f in SLOT_COLUMNS)
                 if sig not in sigs:
                     sigs.append(sig)
                 ids.append(sigs.index(sig))

@@ -23,6 +23,9 @@ from __future__ import annotations
 from ..errors import InputError
 
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b")
+"""Every pipeline schedule the simulator (and so the cost model and the plan) knows; the one definition."""
+MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
+"""The schedules Megatron-LM runs (the plan's flags and the search's default)."""
 
 FORWARD = "F"
 BACKWARD = "B"

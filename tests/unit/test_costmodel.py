@@ -181,7 +181,7 @@ def test_dp_group_spanning_nodes_uses_inter_node_link(cm):
     assert place.dp_link == (LINK_INTER_NODE, LINK_INTER_NODE)
     gc = cm.group("X", 2, 1, 3)
     ar = cm.stage_input(cand)["stages"][0]["allreduce_ms"]
-    assert ar == pytest.approx(6 * gc.allreduce_ms[LINK_INTER_NODE] + gc.first_allreduce_ms[1])
+    assert ar == pytest.approx(6 * gc.allreduce_ms[LINK_INTER_NODE] + gc.embedding_allreduce_ms[1])
     assert gc.allreduce_ms[LINK_INTER_NODE] > gc.allreduce_ms[LINK_INTRA_NODE]
 
 
@@ -227,7 +227,7 @@ def test_state_bytes_per_parameter(dtype, dist, dp, per_param):
     cm = CostModel(CLUSTER, model, dataclasses.replace(PROFILE, dtype=dtype))
     gc = cm.group("X", 1, 1, dp)
     assert gc.layer_state_bytes / 1_000_000 == pytest.approx(per_param)
-    assert gc.last_state_bytes / 400_000 == pytest.approx(per_param)
+    assert gc.head_state_bytes / 400_000 == pytest.approx(per_param)
 
 
 def test_usable_memory_and_max_layers(cm):

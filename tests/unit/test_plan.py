@@ -223,3 +223,16 @@ def test_planning_core_does_not_import_torch():
             "print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_plan_is_a_leaf_and_schedules_are_defined_once():
+    """plan.py imports no cost model (the cost model builds plans), and every module names the one
+    tuple of schedules of simulator/schedules.py."""
+    code = ("import sys; import poseidon_plugin.plan; "
+            "sys.exit(1 if 'poseidon_plugin.costmodel' in sys.modules else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    from poseidon_plugin import costmodel, plan
+    from poseidon_plugin.simulator import schedules
+    assert plan.SCHEDULES is schedules.SCHEDULES and costmodel.SCHEDULES is schedules.SCHEDULES
+    assert plan.MEGATRON_SCHEDULES is schedules.MEGATRON_SCHEDULES

@@ -29,13 +29,15 @@ def random_table(rng, nt, dp, slots) -> TypeTable:
     fwd = col(0.5, 3.0)
     return TypeTable(
         tp=1, mbs=1, dp=dp, names=tuple(f"t{i}" for i in range(nt)), slots=array("i", slots),
-        max_slots=s, fwd=fwd, bwd=array("d", [f * rng.uniform(1.2, 2.5) for f in fwd]),
-        emb_fwd=col(0, .5), emb_bwd=col(0, .5), head_fwd=col(0, 2), head_bwd=col(0, 4),
-        ar=col(0, 1, nt * s), ar_emb=col(0, .5, nt * s), ar_head=col(0, .5, nt * s),
-        has_ar=array("i", [int(dp > 1)] * (nt * s)), send_same=col(0, .5, nt * s),
-        send_wrap=col(0, .5, nt * s), send_cross=col(.2, 1.5), state=col(1, 1), act=col(.05, .4),
-        emb_state=col(0, 1), emb_act=col(0, .3), head_state=col(0, 1), head_act=col(0, .5),
-        usable=col(4, 14))
+        max_slots=s, forward_ms=fwd, backward_ms=array("d", [f * rng.uniform(1.2, 2.5) for f in fwd]),
+        embedding_forward_ms=col(0, .5), embedding_backward_ms=col(0, .5), head_forward_ms=col(0, 2),
+        head_backward_ms=col(0, 4), allreduce_ms=col(0, 1, nt * s),
+        embedding_allreduce_ms=col(0, .5, nt * s), head_allreduce_ms=col(0, .5, nt * s),
+        has_allreduce=array("i", [int(dp > 1)] * (nt * s)), send_same_ms=col(0, .5, nt * s),
+        send_wrap_ms=col(0, .5, nt * s), send_cross_ms=col(.2, 1.5), layer_state_bytes=col(1, 1),
+        layer_activation_bytes=col(.05, .4), embedding_state_bytes=col(0, 1),
+        embedding_activation_bytes=col(0, .3), head_state_bytes=col(0, 1),
+        head_activation_bytes=col(0, .5), usable_bytes=col(4, 14))
 
 
 def random_structure(seed: int, pure: bool):

@@ -50,13 +50,10 @@ def candidate(plan) -> Candidate:
 
 def exact_and_exhaustive(cm, opts):
     """``(exact, exhaustive)`` results with the same options, their best and runner-up times checked
-    equal; ``None`` when nothing fits (then exact must say so too)."""
-    try:
-        ref = search(cm, SearchOptions(mode="exhaustive", **opts))
-    except NoFeasiblePlanError:
-        with pytest.raises(NoFeasiblePlanError, match="no plan fits"):
-            search(cm, SearchOptions(mode="exact", **opts))
-        return None
+    equal. Every fixed seed below has feasible plans (a seed without any would compare nothing: it
+    fails here instead of passing silently)."""
+    ref = search(cm, SearchOptions(mode="exhaustive", **opts))
+    assert ref.stats.simulator_calls > 0
     got = search(cm, SearchOptions(mode="exact", exact_alternatives=True, **opts))
     assert got.stats.complete
     assert got.plan.predicted_iteration_ms == ref.plan.predicted_iteration_ms
@@ -73,10 +70,7 @@ def exact_and_exhaustive(cm, opts):
 def test_exact_equals_exhaustive(seed, pure_python):
     cm, schedules = random_problem(seed)
     opts = dict(schedules=schedules, top_k=2, warmup_samples=seed % 3 * 4, pure_python=pure_python)
-    results = exact_and_exhaustive(cm, opts)
-    if results is None:
-        return
-    got, ref = results
+    got, ref = exact_and_exhaustive(cm, opts)
     # the exact search simulates far fewer complete plans than the reference
     assert got.stats.simulator_calls <= ref.stats.simulator_calls + got.stats.warmup_samples + 3 * 64
     # the reported plan is the cost model's own prediction and fits memory
@@ -93,15 +87,34 @@ def test_exact_equals_exhaustive(seed, pure_python):
                     reason="POSEIDON_PURE_PYTHON=1 forces the pure loop")
 @pytest.mark.parametrize("seed", range(8))
 def test_backends_agree_on_stats(seed):
-    """The compiled loop and its twin take the same decisions: same plans, same counters."""
+    """The compiled loop and its twin take the same decisions: the same plan and alternatives, and
+    every statistic equal (all counters, pruned per rule, structures, shapes, warm-up samples) but the
+    wall time and the kernel's name -- which must say that each backend really ran."""
     cm, schedules = random_problem(100 + seed)
-    results = [search(cm, SearchOptions(mode=mode, schedules=schedules, pure_python=pure))
-               for pure in (False, True) for mode in ("exact", "default")]
-    for a, b in ((results[0], results[2]), (results[1], results[3])):
-        assert a.plan.to_json() != "" and a.plan.plan_hash() == b.plan.plan_hash()
-        sa, sb = a.stats.to_dict(), b.stats.to_dict()
-        for key in ("nodes", "bound_evaluations", "simulator_calls", "pruned", "structures"):
-            assert sa[key] == sb[key], key
+    for mode in ("exact", "default"):
+        compiled, pure = (search(cm, SearchOptions(mode=mode, schedules=schedules, top_k=3,
+                                                   warmup_samples=20, pure_python=p))
+                          for p in (False, True))
+        assert (compiled.stats.kernel, pure.stats.kernel) == ("compiled", "pure-python")
+        assert compiled.plan.plan_hash() == pure.plan.plan_hash()
+        assert compiled.alternatives == pure.alternatives
+        sa, sb = compiled.stats.to_dict(), pure.stats.to_dict()
+        for d in (sa, sb):
+            del d["wall_s"], d["kernel"]
+        assert sa == sb
+        assert sa["nodes"] > 0 and sa["simulator_calls"] > 0
+
+
+def test_infeasible_problem_agrees():
+    """When nothing fits, the exact and the exhaustive search both say so."""
+    cm, schedules = random_problem(5)
+    big = parse_model({"name": "huge", "num_layers": 4, "hidden_size": 65536, "ffn_hidden_size": 262144,
+                       "num_attention_heads": 64, "vocab_size": 32000, "seq_length": 4096,
+                       "global_batch_size": 8, "distributed_optimizer": False})
+    cm = CostModel(cm.cluster, big, micro_batch_sizes=(1, 2))
+    for mode in ("exact", "exhaustive"):
+        with pytest.raises(NoFeasiblePlanError, match="no plan fits"):
+            search(cm, SearchOptions(mode=mode, schedules=schedules))
 
 
 def test_time_limit_returns_best_so_far():
@@ -110,19 +123,6 @@ def test_time_limit_returns_best_so_far():
                                    warmup_samples=20))
     assert not res.stats.complete
     assert res.plan.predicted_iteration_ms > 0
-
-
-def test_most_random_problems_are_feasible():
-    """The exactness test above is only meaningful if it mostly compares real optima."""
-    feasible = 0
-    for seed in range(60):
-        cm, schedules = random_problem(seed)
-        try:
-            search(cm, SearchOptions(mode="exact", schedules=schedules))
-            feasible += 1
-        except NoFeasiblePlanError:
-            pass
-    assert feasible >= 50
 
 
 @pytest.mark.parametrize("comm_model,seed", [("megatron", s) for s in range(10)]
@@ -134,10 +134,7 @@ def test_exact_equals_exhaustive_megatron_comm(comm_model, seed, pure_python):
     cm, schedules = random_problem(300 + seed)
     opts = dict(schedules=schedules, top_k=2, warmup_samples=seed % 3 * 100, pure_python=pure_python,
                 comm_model=comm_model)
-    results = exact_and_exhaustive(cm, opts)
-    if results is None:
-        return
-    got, _ref = results
+    got, _ref = exact_and_exhaustive(cm, opts)
     assert got.stats.to_dict()["comm_model"] == comm_model
     cand = candidate(got.plan)
     assert cm.iteration_ms(cand, comm_model) == got.plan.predicted_iteration_ms

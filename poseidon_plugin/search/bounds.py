@@ -1,0 +1,663 @@
+"""Lower bounds and layer caps of the structure search (docs/SEARCH.md, "Lower bounds").
+
+:class:`StructureBounds` is the bound half of :class:`~.splits.SplitSearch` (which adds the tree walk):
+it reads the search state (``types``, ``remaining``, ``used``, ``counts``, ``tau``, the parameter
+vector) and tightens the per-stage lower bounds ``lb`` and caps ``cap`` of the undecided ranks:
+
+* :meth:`StructureBounds._propagate` -- memory caps, sum rules, then rounds of the path bounds and the
+  type-aware capacity;
+* :meth:`StructureBounds._path_caps` -- per bound path: prices (:meth:`_path_prices`), the mass cut
+  (:meth:`_path_cuts`), the owner rank's caps per type (:meth:`_owner_caps`, with the placement bounds of
+  :meth:`_others_cost`) and the stage caps they give (:meth:`_stage_caps`);
+* :meth:`StructureBounds._unknown_mins` / :meth:`_send_lb` -- the smallest weights an undecided rank
+  can have (the DAG bound's fill, :meth:`~.splits.SplitSearch._fill`);
+* :func:`fluid_cut` -- the shape-free bound of a whole shape group.
+
+``cython_core/_search.pyx`` (``poseidon_plugin._core._search``) compiles the same methods (same operations, same order); the unit tests
+compare both field by field.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..stagecost import link_carries_data
+from .counters import PRUNED_MEMORY, PRUNED_PATH
+from .tables import TypeTable
+
+INF = math.inf
+
+# relative slack on the path bounds (sums in a different order than the kernel's): they prune only
+# when the bound exceeds tau by more than float noise; the DAG bound is compared exactly (monotone)
+PATH_SLACK = 1e-9
+PROPAGATION_ROUNDS = 3
+
+# StructureBounds.mins: the smallest cost of each kind over the types an undecided rank may take
+# (the same indices in poseidon_plugin._core._search, which exports MIN_NAMES)
+MIN_NAMES = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding_backward_ms",
+             "head_forward_ms", "head_backward_ms", "allreduce_ms", "embedding_allreduce_ms",
+             "head_allreduce_ms", "send_ms")
+MIN_FORWARD, MIN_BACKWARD, MIN_EMBEDDING_FORWARD, MIN_EMBEDDING_BACKWARD, MIN_HEAD_FORWARD, \
+    MIN_HEAD_BACKWARD, MIN_ALLREDUCE, MIN_EMBEDDING_ALLREDUCE, MIN_HEAD_ALLREDUCE, MIN_SEND = \
+    range(len(MIN_NAMES))
+N_MINS = len(MIN_NAMES)
+
+
+
+def chunk_layers(total: int, chunk: int, v: int) -> int:
+    """Layers of chunk ``chunk`` when a rank's ``total`` layers are spread evenly, earlier chunks first."""
+    return (total + v - 1 - chunk) // v
+
+
+def fluid_cut(table: TypeTable, slots, micro_batches: int, pp: int, v: int, num_layers: int,
+              tau: float) -> bool:
+    """Shape-free bound of a shape group: each rank runs its M forwards and backwards one after
+    another, so a rank of type t holds fewer than ``tau / (M (f_t + b_t))`` layers, and every rank
+    holds at least V; True when the best ``pp`` ranks of the group cannot hold the model that way."""
+    if tau == INF:
+        return False
+    caps = []
+    for t in range(len(slots)):
+        x = tau * (1.0 + 1e-9) / (micro_batches * (table.forward_ms[t] + table.backward_ms[t]))
+        caps.extend([int(x)] * min(slots[t], pp))
+    caps.sort(reverse=True)
+    if len(caps) < pp or caps[pp - 1] < v:
+        return True
+    return sum(caps[:pp]) < num_layers
+
+
+class PathPrices:
+    """One bound path priced at a node (:meth:`StructureBounds._path_prices`); the lazily computed
+    parts of the placement bounds (``gsum``, ``gsum0``, ``lbo``, ``elb``: -1 until first needed)."""
+
+    __slots__ = ("base", "a1", "amax", "b1", "b2", "argr", "mu1", "mu2", "marg", "nu1", "nu2", "narg",
+                 "rlb", "gsum", "gsum0", "lbo", "elb")
+
+    def __init__(self, *, base, a1, amax, b1, b2, argr, mu1, mu2, marg, nu1, nu2, narg, rlb):
+        self.base, self.a1, self.amax, self.b1, self.b2, self.argr = base, a1, amax, b1, b2, argr
+        self.mu1, self.mu2, self.marg, self.nu1, self.nu2, self.narg = mu1, mu2, marg, nu1, nu2, narg
+        self.rlb = rlb
+        self.gsum = self.gsum0 = self.lbo = -1.0
+        self.elb = 0
+
+
+class StructureBounds:
+    """The bound methods of :class:`~.splits.SplitSearch` (see the module docstring)."""
+
+    def _unknown_mins(self):
+        """Smallest costs over the device types an undecided rank may still take (indices ``MIN_*``;
+        0 where no type is left)."""
+        t_ = self.table
+        big = INF
+        m = [big] * N_MINS
+        for t in range(self.nt):
+            if self.remaining[t] <= 0:
+                continue
+            for i, col in ((MIN_FORWARD, t_.forward_ms), (MIN_BACKWARD, t_.backward_ms),
+                           (MIN_EMBEDDING_FORWARD, t_.embedding_forward_ms),
+                           (MIN_EMBEDDING_BACKWARD, t_.embedding_backward_ms),
+                           (MIN_HEAD_FORWARD, t_.head_forward_ms),
+                           (MIN_HEAD_BACKWARD, t_.head_backward_ms)):
+                if col[t] < m[i]:
+                    m[i] = col[t]
+            if t_.send_cross_ms[t] < m[MIN_SEND]:
+                m[MIN_SEND] = t_.send_cross_ms[t]
+            for j in range(self.used[t], self.counts[t]):
+                i = t * self.stride + j
+                has = t_.has_allreduce[i]
+                ar = t_.allreduce_ms[i] if has else 0.0
+                ae = t_.embedding_allreduce_ms[i] if has else 0.0
+                ah = t_.head_allreduce_ms[i] if has else 0.0
+                if ar < m[MIN_ALLREDUCE]:
+                    m[MIN_ALLREDUCE] = ar
+                if ae < m[MIN_EMBEDDING_ALLREDUCE]:
+                    m[MIN_EMBEDDING_ALLREDUCE] = ae
+                if ah < m[MIN_HEAD_ALLREDUCE]:
+                    m[MIN_HEAD_ALLREDUCE] = ah
+                # links out of slot j: to slot j+1 of its type, or the wrap to slot 0
+                if j + 1 < self.counts[t] and t_.send_same_ms[i] < m[MIN_SEND]:
+                    m[MIN_SEND] = t_.send_same_ms[i]
+                if j > 0 and t_.send_wrap_ms[i] < m[MIN_SEND]:
+                    m[MIN_SEND] = t_.send_wrap_ms[i]
+        return [0.0 if x == big else x for x in m]
+
+    def _send_lb(self, r: int, unknown_min: float) -> float:
+        """Transfer ms of link ``r -> r+1``: exact when both ends are decided, else a lower bound."""
+        pp, tb = self.pp, self.table
+        if not link_carries_data(r, pp, self.v):
+            return 0.0
+        n = (r + 1) % pp
+        t, u = self.types[r], self.types[n]
+        if t < 0:
+            return unknown_min
+        i = t * self.stride + self.slot[r]
+        if u >= 0:
+            if t != u:
+                return tb.send_cross_ms[t]
+            return tb.send_wrap_ms[i] if n == 0 else tb.send_same_ms[i]
+        best = INF
+        if self.remaining[t] > 0:
+            best = tb.send_same_ms[i]
+        if any(self.remaining[x] > 0 for x in range(self.nt) if x != t):
+            if tb.send_cross_ms[t] < best:
+                best = tb.send_cross_ms[t]
+        return 0.0 if best == INF else best
+
+    def _propagate(self, k: int, left: int, lb, cap, capt) -> bool:
+        """Initialise and tighten ``lb``/``cap`` of the undecided ranks' stages; ``False``: pruned.
+
+        ``capt[vs * nt + t]`` is the cap of stage ``vs`` if its rank takes type ``t`` (-1: cannot).
+        """
+        pp, v, nt = self.pp, self.v, self.nt
+        ctr = self.ctr
+        for r in range(k, pp):
+            best = -1
+            for x in range(nt):
+                cr = self.cap_rank[x * pp + r] if self.remaining[x] > 0 else -1
+                # ridge space: once a type's layers have fallen, its later ranks hold at most that
+                if self.ridge and self.down[x] and self.last[x] < cr:
+                    cr = self.last[x]
+                if cr < v:
+                    cr = -1
+                for c in range(v):
+                    capt[(c * pp + r) * nt + x] = chunk_layers(cr, c, v) if cr >= 0 else -1
+                if cr > best:
+                    best = cr
+            if best < v:
+                ctr[PRUNED_MEMORY] += 1
+                return False
+            for c in range(v):
+                lb[c * pp + r] = 1
+                cap[c * pp + r] = chunk_layers(best, c, v)
+        tau = self.tau
+        for rnd in range(PROPAGATION_ROUNDS):
+            s_cap = s_lb = 0
+            for r in range(k, pp):
+                for c in range(v):
+                    s_cap += cap[c * pp + r]
+                    s_lb += lb[c * pp + r]
+            if s_cap < left or s_lb > left:
+                ctr[PRUNED_PATH] += 1
+                return False
+            for r in range(k, pp):
+                for c in range(v):
+                    vs = c * pp + r
+                    nl = left - (s_cap - cap[vs])
+                    nc = left - (s_lb - lb[vs])
+                    if nl > lb[vs]:
+                        lb[vs] = nl
+                    if nc < cap[vs]:
+                        cap[vs] = nc
+                    if lb[vs] > cap[vs]:
+                        ctr[PRUNED_PATH] += 1
+                        return False
+            if tau == INF or k == pp - 1 or rnd == PROPAGATION_ROUNDS - 1:
+                break
+            changed = self._path_caps(k, left, lb, cap, capt)
+            if changed >= 0 and not self._type_mass(k, left, lb, cap, capt):
+                changed = -1
+            if changed < 0:
+                ctr[PRUNED_PATH] += 1
+                return False
+            if changed == 0:
+                break
+        return True
+
+    def _type_slopes(self):
+        """Per remaining type: per-layer forward, backward and (cheapest free slot) all-reduce ms."""
+        tb = self.table
+        out = []
+        for t in range(self.nt):
+            if self.remaining[t] <= 0:
+                continue
+            ar = INF
+            for j in range(self.used[t], self.counts[t]):
+                i = t * self.stride + j
+                x = tb.allreduce_ms[i] if tb.has_allreduce[i] else 0.0
+                if x < ar:
+                    ar = x
+            out.append((t, tb.forward_ms[t], tb.backward_ms[t], 0.0 if ar == INF else ar))
+        return out
+
+    def _type_room(self, k: int, lb, cap, capt, slopes):
+        """``K[(r * nt + t2) * nt + t]``: most layers above their lower bounds that the undecided ranks
+        other than ``r`` can hold on type ``t`` when ``r`` takes type ``t2`` (the ``n`` best of them,
+        ``n`` = the type's remaining ranks); -1 when too few of them can host ``t``."""
+        pp, v, nt = self.pp, self.v, self.nt
+        ecap = self.ecap = [-1] * (pp * nt)
+        efull = self.efull = [-1] * (pp * nt)
+        order, order_full = [], []
+        for t, _ft, _bt, _at in slopes:
+            for r in range(k, pp):
+                s = self._rank_capacity(r, t, lb, cap, capt)
+                if s >= 0:
+                    s_lb = 0
+                    for c in range(v):
+                        s_lb += lb[c * pp + r]
+                    ecap[r * nt + t] = s - s_lb
+                    efull[r * nt + t] = s
+            # ranks by room on t, largest first (ties: lower rank first)
+            order.append(sorted((r for r in range(k, pp) if ecap[r * nt + t] >= 0),
+                                key=lambda r, t=t: -ecap[r * nt + t]))
+            order_full.append(sorted((r for r in range(k, pp) if efull[r * nt + t] >= 0),
+                                     key=lambda r, t=t: -efull[r * nt + t]))
+        def top_sum(ranks, vals, t: int, r: int, n: int) -> int:
+            total = got = 0
+            for j in ranks:
+                if got == n:
+                    break
+                if j != r:
+                    total += vals[j * nt + t]
+                    got += 1
+            return -1 if got < n and self.exact_counts else total
+
+        K = [0] * (pp * nt * nt)
+        self.kfull = kfull = [0] * (pp * nt * nt)   # the same with whole capacities
+        for r in range(k, pp):
+            for t2, _f2, _b2, _a2 in slopes:
+                for i, (t, _ft, _bt, _at) in enumerate(slopes):
+                    n = self.remaining[t] - (1 if t == t2 else 0)
+                    K[(r * nt + t2) * nt + t] = top_sum(order[i], ecap, t, r, n)
+                    kfull[(r * nt + t2) * nt + t] = top_sum(order_full[i], efull, t, r, n)
+        return K
+
+    def _phi(self, e: int, r: int, t2: int, K, mu1, mu2, marg, slopes) -> float:
+        """Cheapest cost of ``e`` more layers on the undecided ranks other than ``r`` (which takes
+        ``t2``): the cheapest types first, each up to what its ranks can hold (``K``); inf if they
+        cannot hold them."""
+        nt = self.nt
+        items = []
+        for t, _ft, _bt, _at in slopes:
+            kk = K[(r * nt + t2) * nt + t]
+            if kk < 0:
+                return INF
+            items.append((mu2[t] if marg[t] == r else mu1[t], t, kk))
+        items.sort()
+        cost = 0.0
+        for mu, _t, kk in items:
+            if e <= 0:
+                break
+            if kk == 0:
+                continue
+            take = e if e < kk else kk
+            cost += take * mu
+            e -= take
+        return cost if e <= 0 else INF
+
+    def _gammas(self, q: int, k: int, lb, room_of, gam, slopes) -> float:
+        """Per undecided rank ``r`` (into ``gam[r]``, max over its types): how far its cost along path
+        ``q`` of ``d`` layers above its lower bounds ``lb`` can fall below ``beta d`` (``beta``: the
+        mean of its chunk slopes), over the counts ``room_of[r * nt + t]`` it can hold (-1: not that
+        type); returns their sum. Layer ``l + 1`` of a rank goes to chunk ``l mod V``, so when the
+        lower bounds are spread like a rank's layers the cost gains ``V beta`` every ``V`` layers and
+        only the first ``V - 1`` counts need a look; otherwise the bound ``chunk c holds at least
+        (l - c) / V`` gives the shortfall. With ``lb`` all zero this is the shortfall of a rank's
+        whole layer count."""
+        pp, v, nt = self.pp, self.v, self.nt
+        gsum = 0.0
+        xs = [0.0] * v
+        for r in range(k, pp):
+            s_lb = 0
+            for c in range(v):
+                s_lb += lb[c * pp + r]
+            even = True
+            for c in range(v):
+                if chunk_layers(s_lb, c, v) != lb[c * pp + r]:
+                    even = False
+            gmax = 0.0
+            for t, ft, bt, at in slopes:
+                room = room_of[r * nt + t]
+                if room < 0:
+                    continue
+                beta = self._chunk_slopes(q, r, ft, bt, at, xs)
+                g = 0.0
+                if even:
+                    acc = 0.0
+                    for j in range(1, min(v - 1, room) + 1):
+                        acc += xs[(s_lb + j - 1) % v]
+                        if beta * j - acc > g:
+                            g = beta * j - acc
+                else:
+                    w = 0.0
+                    for c in range(v):
+                        w += xs[c] * ((c + v * lb[c * pp + r]) / v)
+                    if w - beta * s_lb > g:
+                        g = w - beta * s_lb
+                if g > gmax:
+                    gmax = g
+            gam[r] = gmax
+            gsum += gmax
+        return gsum
+
+    def _chunk_slopes(self, q: int, r: int, ft: float, bt: float, at: float, xs) -> float:
+        """Rank ``r``'s per-layer slope of each chunk along path ``q`` on a type (into ``xs``); their
+        mean."""
+        pp, v, nv = self.pp, self.v, self.nv
+        paths = self.shape.paths
+        cf, cr = q * nv, q * pp
+        beta = 0.0
+        for c in range(v):
+            vs = c * pp + r
+            xs[c] = paths.coef_f[cf + vs] * ft + paths.coef_b[cf + vs] * bt + paths.coef_ar[cr + r] * at
+            beta += xs[c]
+        return beta / v
+
+    # --- the bound paths (docs/SEARCH.md, "Mass and capacity reasoning") -----------------------
+
+    def _path_caps(self, k: int, left: int, lb, cap, capt) -> int:
+        """Tighten caps with the bound paths; -1: some path proves the node cannot beat ``tau``.
+
+        Per path owned by an undecided rank: price its stages (:meth:`_path_prices`), cut the node if
+        even the cheapest placement of the remaining layers reaches ``tau`` (:meth:`_path_cuts`), else
+        cap the owner's layers per type (:meth:`_owner_caps`). Returns 1 when a cap changed, else 0.
+        """
+        pp, v, nv, nt = self.pp, self.v, self.nv, self.nt
+        paths = self.shape.paths
+        self._fill(lb)
+        slopes = self._type_slopes()
+        limit = self.tau * (1.0 + PATH_SLACK)
+        extra = left
+        for r in range(k, pp):
+            for c in range(v):
+                extra -= lb[c * pp + r]
+        K = self._type_room(k, lb, cap, capt, slopes)
+        changed = 0
+        alpha = [0.0] * nv
+        rmt = [INF] * nt
+        rsum = [0.0] * nt
+        gam, gam0 = [0.0] * pp, [0.0] * pp     # per rank, see _gammas (above lb / whole count)
+        for q in range(paths.count):
+            if paths.owner[q] < k:
+                continue        # the owner is decided: no caps (below); the DAG bound covers its cut
+            pr = self._path_prices(q, k, lb, slopes, alpha, rmt, rsum)
+            if self._path_cuts(k, extra, limit, pr, alpha, lb, cap):
+                return -1
+            if pr.b2 == INF:
+                continue
+            got = self._owner_caps(q, k, extra, limit, K, pr, alpha, gam, gam0, lb, cap, capt, slopes)
+            if got < 0:
+                return -1
+            if got:
+                changed = 1
+        return changed
+
+    def _path_prices(self, q: int, k: int, lb, slopes, alpha, rmt, rsum) -> "PathPrices":
+        """Path ``q`` at the node: its cost at the lower bounds (``base``) and, per undecided stage,
+        its per-layer slope at the cheapest remaining type (into ``alpha``); per type and per rank the
+        smallest slopes the placement bounds of :meth:`_owner_caps` use."""
+        pp, v, nv, nt = self.pp, self.v, self.nv, self.nt
+        p = self.params
+        paths = self.shape.paths
+        m_f, m_b, m_ar = self.mins[MIN_FORWARD], self.mins[MIN_BACKWARD], self.mins[MIN_ALLREDUCE]
+        cf = q * nv
+        cr = q * pp
+        base = 0.0
+        for e in range(paths.term_ptr[q], paths.term_ptr[q + 1]):
+            base += paths.term_coef[e] * p[paths.term_idx[e]]
+        # per-layer cost of each undecided stage in this path, at its cheapest possible type
+        a1 = INF
+        amax = 0.0
+        lift = 0.0
+        b1 = b2 = INF                 # the two smallest per-rank minima of alpha, and the argmin
+        argr = -1
+        mu1, mu2, marg = [INF] * nt, [INF] * nt, [-1] * nt     # the same per type
+        # per type, over ranks: the two smallest mean chunk slopes (beta); a rank's d extra
+        # layers cost at least beta d - gamma (chunk c gets at least (l - c) / V of its l layers)
+        nu1, nu2, narg = [INF] * nt, [INF] * nt, [-1] * nt
+        rlb = [0.0] * pp              # per rank: its lb layers along the path, as priced in base
+        for r in range(k, pp):
+            rmin = INF
+            s_lb = 0
+            for t, _ft, _bt, _at in slopes:
+                rmt[t] = INF
+                rsum[t] = 0.0
+            for c in range(v):
+                vs = c * pp + r
+                kf, kb, ka = paths.coef_f[cf + vs], paths.coef_b[cf + vs], paths.coef_ar[cr + r]
+                a = INF
+                for t, ft, bt, at in slopes:
+                    x = kf * ft + kb * bt + ka * at
+                    if x < a:
+                        a = x
+                    if x < rmt[t]:
+                        rmt[t] = x
+                    rsum[t] += x
+                s_lb += lb[vs]
+                alpha[vs] = a
+                rlb[r] += lb[vs] * a
+                # the stage's lb layers cost at least its cheapest type's slope, not the
+                # per-column minimum the DAG fill used
+                lift += lb[vs] * (a - (kf * m_f + kb * m_b + ka * m_ar))
+                if a < a1:
+                    a1 = a
+                if a > amax:
+                    amax = a
+                if a < rmin:
+                    rmin = a
+            if rmin < b1:
+                b2, b1, argr = b1, rmin, r
+            elif rmin < b2:
+                b2 = rmin
+            for t, _ft, _bt, _at in slopes:
+                y = rmt[t]
+                if y < mu1[t]:
+                    mu2[t], mu1[t], marg[t] = mu1[t], y, r
+                elif y < mu2[t]:
+                    mu2[t] = y
+                y = rsum[t] / v
+                if y < nu1[t]:
+                    nu2[t], nu1[t], narg[t] = nu1[t], y, r
+                elif y < nu2[t]:
+                    nu2[t] = y
+        base += lift
+        return PathPrices(base=base, a1=a1, amax=amax, b1=b1, b2=b2, argr=argr, mu1=mu1, mu2=mu2,
+                          marg=marg, nu1=nu1, nu2=nu2, narg=narg, rlb=rlb)
+
+    def _path_cuts(self, k: int, extra: int, limit: float, pr: "PathPrices", alpha, lb, cap) -> bool:
+        """Whether the path's cost at the lower bounds plus the cheapest placement of the ``extra``
+        layers above them reaches the limit (the node is then cut)."""
+        base = pr.base
+        if base + extra * pr.a1 >= limit:
+            return True
+        if extra > 0 and base + extra * pr.amax >= limit:
+            if base + self._knapsack(k, extra, alpha, lb, cap) >= limit:
+                return True
+        return False
+
+    def _owner_caps(self, q: int, k: int, extra: int, limit: float, K, pr: "PathPrices", alpha,
+                    gam, gam0, lb, cap, capt, slopes) -> int:
+        """Caps per type of the owner rank ``r`` of path ``q`` (into ``capt``), then of its stages
+        (into ``cap``): -1 when no type can take the rank, 1 when a stage cap fell, else 0.
+
+        The rank's ``d`` layers above its lower bounds cost, along the path, exactly their chunk-by-
+        chunk slopes on the type (all its chunks share the type and the layers); the other
+        ``extra - d`` layers at least the cheapest slope of another rank's stage (closed form, an upper
+        start for ``d``), and at least their cheapest placement by type (:meth:`_others_cost`). The
+        cap is the largest ``d`` whose cost stays below the limit. Only the owner is capped: the other
+        ranks' slopes on the path are small.
+        """
+        pp, v, nv, nt = self.pp, self.v, self.nv, self.nt
+        paths = self.shape.paths
+        cf, cr = q * nv, q * pp
+        base = pr.base
+        r = paths.owner[q]
+        m = pr.b2 if r == pr.argr else pr.b1
+        numer = limit - base - m * extra
+        ka = paths.coef_ar[cr + r]
+        s_lb = 0
+        for c in range(v):
+            s_lb += lb[c * pp + r]
+        for t, ft, bt, at in slopes:
+            ct_sum = 0
+            for c in range(v):
+                vs = c * pp + r
+                ct = capt[vs * nt + t]
+                if ct < lb[vs]:
+                    ct_sum = -1
+                    break
+                ct_sum += ct
+            if ct_sum < 0:
+                continue
+            xmin = INF
+            extra_t = 0.0
+            for c in range(v):
+                vs = c * pp + r
+                x = paths.coef_f[cf + vs] * ft + paths.coef_b[cf + vs] * bt + ka * at
+                # on type t the lb layers cost x each, alpha[vs] of it is in base
+                extra_t += lb[vs] * (x - alpha[vs])
+                if x < xmin:
+                    xmin = x
+            d = ct_sum - s_lb
+            if d > extra:
+                d = extra
+            slope = xmin - m
+            if slope > 0.0:
+                room = (numer - extra_t) / slope
+                if room < d + 1:
+                    d = -1 if room <= 0.0 else math.ceil(room) - 1
+            rhs = limit - base - extra_t
+            while d >= 0:
+                # the rank's own cost of d more layers, chunk by chunk (exact)
+                own = 0.0
+                for c in range(v):
+                    vs = c * pp + r
+                    n = chunk_layers(s_lb + d, c, v) - lb[vs]
+                    if n < 0:
+                        own = INF          # this count leaves a chunk below its lower bound
+                        break
+                    own += n * (paths.coef_f[cf + vs] * ft + paths.coef_b[cf + vs] * bt + ka * at)
+                if own < INF and own + self._others_cost(q, k, r, t, extra - d, own, rhs, K, pr,
+                                                          gam, gam0, lb, slopes) < rhs:
+                    break
+                d -= 1
+            if d < ct_sum - s_lb:
+                u = s_lb + d if d >= 0 else -1
+                for c in range(v):
+                    vs = c * pp + r
+                    ct = chunk_layers(u, c, v) if u >= 0 else -1
+                    if ct < lb[vs]:
+                        ct = lb[vs] - 1     # type t cannot take rank r
+                    if ct < capt[vs * nt + t]:
+                        capt[vs * nt + t] = ct
+        return self._stage_caps(r, lb, cap, capt, slopes)
+
+    def _others_cost(self, q: int, k: int, r: int, t: int, e: int, own: float, rhs: float, K,
+                     pr: "PathPrices", gam, gam0, lb, slopes) -> float:
+        """A lower bound on the cost, along path ``q``, of the ``e`` layers above their lower bounds
+        that the undecided ranks other than ``r`` (on type ``t``) take; the largest of the placement
+        bounds, computed in this order and stopped once ``own`` plus one reaches ``rhs``:
+
+        (i) each at the cheapest slope of a rank's stage, types in order up to their capacity ``K``;
+        (ii) the same with a rank's mean chunk slope less its rounding loss (``V > 1``);
+        (iii) the other ranks' whole layer counts, lower bounds included, placed the same way with
+        whole capacities, less what ``base`` already priced of their lower bounds; (iv) (iii) with
+        mean slopes (``V > 1``).
+        """
+        pp, v = self.pp, self.v
+        y = self._phi(e, r, t, K, pr.mu1, pr.mu2, pr.marg, slopes)
+        if v > 1 and own + y < rhs:
+            if pr.gsum < 0.0:
+                pr.gsum = self._gammas(q, k, lb, self.ecap, gam, slopes)
+            g = self._phi(e, r, t, K, pr.nu1, pr.nu2, pr.narg, slopes) - (pr.gsum - gam[r])
+            if g > y:
+                y = g
+        if own + y < rhs:
+            # all the other ranks' layers placed by type, their lower bounds too (base priced those
+            # at each stage's cheapest type: take them out)
+            if pr.lbo < 0.0:
+                pr.lbo = 0.0
+                pr.elb = 0
+                for j in range(k, pp):
+                    if j != r:
+                        pr.lbo += pr.rlb[j]
+                        for c in range(v):
+                            pr.elb += lb[c * pp + j]
+            g = self._phi(pr.elb + e, r, t, self.kfull, pr.mu1, pr.mu2, pr.marg, slopes) - pr.lbo
+            if g > y:
+                y = g
+            if v > 1 and own + y < rhs:
+                if pr.gsum0 < 0.0:
+                    pr.gsum0 = self._gammas(q, k, self.zero_lb, self.efull, gam0, slopes)
+                g = self._phi(pr.elb + e, r, t, self.kfull, pr.nu1, pr.nu2, pr.narg, slopes) \
+                    - (pr.gsum0 - gam0[r]) - pr.lbo
+                if g > y:
+                    y = g
+        return y
+
+    def _stage_caps(self, r: int, lb, cap, capt, slopes) -> int:
+        """Each stage of rank ``r``: its cap is the largest over the types that can still take the
+        whole rank. -1 when none can, 1 when a cap fell, else 0."""
+        pp, v, nt = self.pp, self.v, self.nt
+        changed = 0
+        for c in range(v):
+            vs = c * pp + r
+            top = -1
+            for t, _ft, _bt, _at in slopes:
+                ok = True
+                for c2 in range(v):
+                    vs2 = c2 * pp + r
+                    if capt[vs2 * nt + t] < lb[vs2]:
+                        ok = False
+                        break
+                if ok and capt[vs * nt + t] > top:
+                    top = capt[vs * nt + t]
+            if top < lb[vs]:
+                return -1
+            if top < cap[vs]:
+                cap[vs] = top
+                changed = 1
+        return changed
+
+    def _type_mass(self, k: int, left: int, lb, cap, capt) -> bool:
+        """The undecided ranks, each on one remaining type, must be able to hold ``left`` layers."""
+        return self._type_capacity(k, lb, cap, capt) >= left
+
+    def _rank_capacity(self, r: int, t: int, lb, cap, capt) -> int:
+        """Most layers rank ``r`` holds on type ``t`` (its chunks' caps); -1 when a chunk's cap on ``t``
+        is below its lower bound."""
+        pp, v, nt = self.pp, self.v, self.nt
+        s = 0
+        for c in range(v):
+            vs = c * pp + r
+            ct = min(capt[vs * nt + t], cap[vs])
+            if ct < lb[vs]:
+                return -1
+            s += ct
+        return s
+
+    def _type_capacity(self, k: int, lb, cap, capt) -> int:
+        """Most layers ranks ``k..pp-1`` can hold, each on one remaining type (per type its ``n``
+        largest rank capacities); -1 when fewer ranks can host a type than ranks of it remain."""
+        pp, nt = self.pp, self.nt
+        exact = self.exact_counts
+        total = 0
+        for t in range(nt):
+            n = self.remaining[t]
+            if n <= 0:
+                continue
+            vals = []
+            for r in range(k, pp):
+                s = self._rank_capacity(r, t, lb, cap, capt)
+                if s >= 0:
+                    vals.append(s)
+            if exact and len(vals) < n:
+                return -1             # fewer ranks can host the type than ranks of that type
+            vals.sort(reverse=True)
+            total += sum(vals[:n])
+        return total
+
+    def _knapsack(self, k: int, extra: int, alpha, lb, cap) -> float:
+        """Cheapest cost of ``extra`` more layers over the undecided stages (fractional, by slope)."""
+        pp, v = self.pp, self.v
+        order = sorted((c * pp + r for r in range(k, pp) for c in range(v)), key=lambda vs: alpha[vs])
+        cost = 0.0
+        for vs in order:
+            take = cap[vs] - lb[vs]
+            if take > extra:
+                take = extra
+            cost += take * alpha[vs]
+            extra -= take
+            if extra <= 0:
+                break
+        return cost
+
