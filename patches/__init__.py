@@ -1,6 +1,7 @@
 """Megatron / MindSpeed patch tables used by ``poseidon-run`` (see ``patches/table.py`` for the rules).
 
-Tables: ``layer_assignment`` (layers per pipeline stage on stacks without a layout flag), ``emulation``
+Tables: ``layer_assignment`` (layers per pipeline stage on stacks without a layout flag), ``mindspeed``
+(MindSpeed's even-split offset helper made to read the planned split: layer types on uneven splits), ``emulation``
 (slow compute down per emulated device type), ``watch`` (record built layers, time iterations).
 """
 

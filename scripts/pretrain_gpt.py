@@ -30,11 +30,10 @@ from megatron.core.num_microbatches_calculator import init_num_microbatches_calc
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
 from poseidon_plugin.runtime import cpu_shim
 from poseidon_plugin.runtime.job_flags import read_job
-from poseidon_plugin.runtime.megatron_model import gpt_model, transformer_config
+from poseidon_plugin.runtime.megatron_model import gpt_model, stage_position, transformer_config
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -100,12 +99,8 @@ def build_model(args: argparse.Namespace, job, config) -> list[DistributedDataPa
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = None if vpp is None else vp_stage
-        model = gpt_model(
-            job, config,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            vp_stage=stage,
-        )
+        pre_process, post_process = stage_position(stage)
+        model = gpt_model(job, config, pre_process=pre_process, post_process=post_process, vp_stage=stage)
         if torch.cuda.is_available():
             model.cuda()
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=job.dtype != "fp32", overlap_grad_reduce=False,
@@ -215,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
 def _virtual_stages(args: argparse.Namespace) -> int | None:
     """Virtual stages per pipeline rank, from the layout (stages / PP) or the explicit flag."""
     if args.pipeline_model_parallel_layout:
+        # megatron-core >= 0.13 only; older cores (MindSpeed-LLM's 0.12) never get a layout from Poseidon.
+        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
         stages = PipelineParallelLayerLayout.get_num_stages_from_str(args.pipeline_model_parallel_layout)
         vpp = stages // args.pipeline_model_parallel_size
     else:

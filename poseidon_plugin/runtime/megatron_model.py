@@ -4,21 +4,77 @@ The profiler and ``scripts/pretrain_gpt.py`` both build through here, so the lay
 the layer the training runs (same config, same local spec, same dtype). Jobs that bring their own Megatron-LM
 ``pretrain_gpt.py`` get the same shape from the same flags (``job_flags.JobFlags``); features outside
 that set (TE spec, MLA, fused kernels) are not reproduced by the profiler (docs/RUNTIME.md).
+
+One builder for every megatron-core Poseidon meets: 0.13+ (the layout flag, ``GPTModel(vp_stage=,
+pg_collection=)``, ``ProcessGroupCollection``) and 0.12.x, the core MindSpeed-LLM pins, which has none of
+them and reads every group and the virtual-stage rank from ``parallel_state``. Differences are found by
+looking at the installed signatures and attributes (:func:`core_features`), never at version strings, so
+a backport or a patched core is handled by what it actually offers:
+
+    groups = process_groups(tp=tp_group, pp=solo, cp=solo)   # ProcessGroupCollection or a namespace
+    with parallel_state_for(groups):                         # 0.12: the only way groups reach the model
+        model = gpt_model(job, config, pre_process=True, post_process=True, pg_collection=groups)
+        loss = model(tokens, positions, None, labels=labels)
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import inspect
+import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
+from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.runtime.job_flags import JobFlags
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CoreFeatures:
+    """What the installed megatron-core offers, found by inspection."""
+
+    gpt_vp_stage: bool
+    """``GPTModel(vp_stage=...)`` (else the virtual rank is read from ``parallel_state``)."""
+    gpt_pg_collection: bool
+    """``GPTModel(pg_collection=...)`` (else every group is read from ``parallel_state``)."""
+    process_group_collection: bool
+    """``megatron.core.process_groups_config.ProcessGroupCollection`` exists."""
+    layout: bool
+    """``TransformerConfig.pipeline_model_parallel_layout`` (``--pipeline-model-parallel-layout``)."""
+    stage_query_vp_stage: bool
+    """``parallel_state.is_pipeline_first_stage(..., vp_stage=...)``."""
+
+
+@functools.cache
+def core_features() -> CoreFeatures:
+    """The installed megatron-core's features (cached: the stack does not change within a process)."""
+    gpt = inspect.signature(GPTModel.__init__).parameters
+    try:
+        from megatron.core import process_groups_config
+    except ImportError:
+        process_groups_config = None
+    return CoreFeatures(
+        gpt_vp_stage="vp_stage" in gpt,
+        gpt_pg_collection="pg_collection" in gpt,
+        process_group_collection=hasattr(process_groups_config, "ProcessGroupCollection"),
+        layout="pipeline_model_parallel_layout" in _config_fields(),
+        stage_query_vp_stage="vp_stage" in inspect.signature(parallel_state.is_pipeline_first_stage).parameters,
+    )
+
+
+@functools.cache
+def _config_fields() -> frozenset[str]:
+    return frozenset(field.name for field in dataclasses.fields(TransformerConfig))
 
 
 def torch_dtype(job: JobFlags) -> torch.dtype:
@@ -40,8 +96,9 @@ def transformer_config(
 
     ``layout`` is a ``--pipeline-model-parallel-layout`` string (uneven / virtual stages); ``num_layers``
     overrides the job's (the profiler builds one layer). On CPU the fused CUDA kernels are off and weights
-    are initialised on the host, as megatron-core needs there. Keys the installed TransformerConfig does
-    not have are left out, so older megatron-core versions accept the same call.
+    are initialised on the host, as megatron-core needs there. The job's own keys that the installed
+    TransformerConfig lacks are left out (older cores default them); a ``layout`` or an override it lacks is
+    an error, because dropping it would silently change the split or the schedule.
     """
     values: dict[str, Any] = dict(
         num_layers=job.num_layers if num_layers is None else num_layers,
@@ -72,18 +129,28 @@ def transformer_config(
     )
     if job.num_experts:
         values.update(num_moe_experts=job.num_experts, moe_router_topk=job.moe_router_topk)
+    known = _config_fields()
+    explicit = dict(overrides)
     if layout is not None:
-        values["pipeline_model_parallel_layout"] = layout
-    known = {field.name for field in dataclasses.fields(TransformerConfig)}
-    values.update(overrides)
+        explicit["pipeline_model_parallel_layout"] = layout
+    missing = sorted(key for key, value in explicit.items() if key not in known and value is not None)
+    if missing:
+        raise PoseidonError(
+            f"the installed megatron-core's TransformerConfig has no {', '.join(missing)}; "
+            + ("an uneven split on this core needs --poseidon-flag-style mindspeed or patch (a layer patch "
+               "table instead of --pipeline-model-parallel-layout)" if "pipeline_model_parallel_layout" in missing
+               else "drop it or use a megatron-core that has it")
+        )
+    values.update(explicit)
     return TransformerConfig(**{key: value for key, value in values.items() if key in known})
 
 
 def layer_spec(job: JobFlags) -> Any:
     """The transformer-layer ModuleSpec (megatron-core's local spec: no Transformer Engine needed)."""
-    return get_gpt_layer_local_spec(
-        num_experts=job.num_experts or None, normalization=job.normalization
-    )
+    kwargs: dict[str, Any] = {"num_experts": job.num_experts or None}
+    if "normalization" in inspect.signature(get_gpt_layer_local_spec).parameters:
+        kwargs["normalization"] = job.normalization
+    return get_gpt_layer_local_spec(**kwargs)
 
 
 def gpt_model(
@@ -95,9 +162,16 @@ def gpt_model(
     vp_stage: int | None = None,
     pg_collection: Any = None,
 ) -> GPTModel:
-    """A GPTModel chunk for this rank (parallel_state set up first, or explicit ``pg_collection`` groups)."""
-    extra = {} if pg_collection is None else {"pg_collection": pg_collection}
-    return GPTModel(
+    """A GPTModel chunk for this rank.
+
+    Groups: ``pg_collection`` where GPTModel takes it; elsewhere the caller must hold
+    :func:`parallel_state_for` ``(pg_collection)`` around building *and* running the model (checked), or
+    pass None after ``parallel_state.initialize_model_parallel``. ``vp_stage``: passed where GPTModel takes
+    it; elsewhere set as parallel_state's virtual rank while the chunk is built (layer numbers are decided
+    then) and restored afterwards.
+    """
+    features = core_features()
+    kwargs: dict[str, Any] = dict(
         config=config,
         transformer_layer_spec=layer_spec(job),
         vocab_size=padded_vocab_size(job, config.tensor_model_parallel_size),
@@ -106,9 +180,113 @@ def gpt_model(
         post_process=post_process,
         share_embeddings_and_output_weights=not job.untie_embeddings,
         position_embedding_type=job.position_embedding_type,
-        vp_stage=vp_stage,
-        **extra,
     )
+    if pg_collection is not None:
+        if features.gpt_pg_collection:
+            kwargs["pg_collection"] = pg_collection
+        elif parallel_state._TENSOR_MODEL_PARALLEL_GROUP is not pg_collection.tp:
+            raise RuntimeError("this megatron-core's GPTModel takes no pg_collection: build and run the model "
+                               "inside megatron_model.parallel_state_for(groups)")
+    if features.gpt_vp_stage:
+        return GPTModel(**kwargs, vp_stage=vp_stage)
+    with _virtual_rank(vp_stage):
+        return GPTModel(**kwargs)
+
+
+def stage_position(vp_stage: int | None = None) -> tuple[bool, bool]:
+    """``(pre_process, post_process)`` of this rank's chunk ``vp_stage`` (after initialize_model_parallel)."""
+    if core_features().stage_query_vp_stage:
+        return (parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
+    with _virtual_rank(vp_stage):
+        return (parallel_state.is_pipeline_first_stage(ignore_virtual=False),
+                parallel_state.is_pipeline_last_stage(ignore_virtual=False))
+
+
+@contextlib.contextmanager
+def _virtual_rank(vp_stage: int | None) -> Iterator[None]:
+    if vp_stage is None:
+        yield
+        return
+    saved = parallel_state.get_virtual_pipeline_model_parallel_rank()
+    parallel_state.set_virtual_pipeline_model_parallel_rank(vp_stage)
+    try:
+        yield
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(saved)
+
+
+def process_groups(*, tp: Any, pp: Any, cp: Any) -> Any:
+    """Model groups for a one-stage model (profiling): a ProcessGroupCollection where the core has one,
+    else a namespace with the same fields (0.12 reads them through :func:`parallel_state_for`)."""
+    if core_features().process_group_collection:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        groups = ProcessGroupCollection()
+    else:
+        groups = types.SimpleNamespace()
+    groups.tp, groups.pp, groups.cp = tp, pp, cp
+    groups.embd = groups.pos_embd = None
+    return groups
+
+
+# parallel_state global -> (field of the groups object, field used when it is absent). Expert groups:
+# a profiled layer runs its experts on its own TP group (EP = 1), as the plan's profile assumes.
+_GROUP_GLOBALS = {
+    "_TENSOR_MODEL_PARALLEL_GROUP": ("tp", None),
+    "_PIPELINE_MODEL_PARALLEL_GROUP": ("pp", None),
+    "_CONTEXT_PARALLEL_GROUP": ("cp", None),
+    "_EXPERT_MODEL_PARALLEL_GROUP": ("ep", "pp"),
+    "_EXPERT_TENSOR_PARALLEL_GROUP": ("expt_tp", "tp"),
+    "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": ("tp_ep", "tp"),
+}
+_RANK_LISTS = {"_PIPELINE_GLOBAL_RANKS": "pp", "_CONTEXT_PARALLEL_GLOBAL_RANKS": "cp",
+               "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": "tp"}
+# Cached sizes / ranks that would shadow the groups set here.
+_CACHED = ("_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE", "_MPU_TENSOR_MODEL_PARALLEL_RANK",
+           "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE", "_MPU_PIPELINE_MODEL_PARALLEL_RANK",
+           "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE", "_MPU_EXPERT_MODEL_PARALLEL_RANK",
+           "_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE", "_MPU_EXPERT_TENSOR_PARALLEL_RANK",
+           "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK", "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE")
+
+
+@contextlib.contextmanager
+def parallel_state_for(groups: Any) -> Iterator[None]:
+    """Point parallel_state at ``groups`` (TP, PP, CP and the expert groups) and give it a global memory
+    buffer, for the duration; restore every global afterwards.
+
+    Needed on every core for the vocab-parallel loss (it reads the TP group from parallel_state) and, on
+    cores whose GPTModel takes no ``pg_collection``, for everything else the model reads there.
+    """
+    import torch.distributed as dist
+
+    saved = {name: getattr(parallel_state, name) for name in (*_GROUP_GLOBALS, *_RANK_LISTS, *_CACHED)
+             if hasattr(parallel_state, name)}
+    own_buffer = parallel_state._GLOBAL_MEMORY_BUFFER is None
+    if own_buffer:
+        parallel_state._set_global_memory_buffer()
+    try:
+        for name, (field, fallback) in _GROUP_GLOBALS.items():
+            group = getattr(groups, field, None)
+            if group is None and fallback is not None:
+                group = getattr(groups, fallback, None)
+            if name in saved and group is not None:
+                setattr(parallel_state, name, group)
+        for name, field in _RANK_LISTS.items():
+            group = getattr(groups, field, None)
+            if name in saved and group is not None:
+                ranks = dist.get_process_group_ranks(group)
+                # 0.12 keeps the pipeline ranks as a list of lists only for multi-group setups.
+                setattr(parallel_state, name, ranks)
+        for name in _CACHED:
+            if name in saved:
+                setattr(parallel_state, name, None)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(parallel_state, name, value)
+        if own_buffer:
+            parallel_state.destroy_global_memory_buffer()
 
 
 def padded_vocab_size(job: JobFlags, tensor_parallel: int, divisible_by: int = 128) -> int:

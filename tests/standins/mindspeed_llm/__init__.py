@@ -1,0 +1,1 @@
+"""STAND-IN for Ascend/MindSpeed-LLM (tests only; see tests/standins/README.md). Not the real package."""
