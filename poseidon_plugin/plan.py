@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
+from .argv import flag_values
 from .errors import InputError, PoseidonError
 from .specs.fields import read_document, write_json_atomic
 
@@ -420,20 +421,8 @@ def mindspeed_args(plan: Plan) -> list[str]:
             "--micro-batch-size", str(plan.micro_batch_size)]
 
 
-def _flag_values(argv: Sequence[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    it = iter(range(len(argv)))
-    for i in it:
-        a = argv[i]
-        if not a.startswith("--"):
-            continue
-        if "=" in a:
-            k, v = a.split("=", 1)
-            out[k] = v
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            out[a] = argv[i + 1]
-            next(it, None)
-    return out
+def _flag_values(args: Sequence[str]) -> dict[str, str]:
+    return flag_values(args, missing=None)
 
 
 def _int_flag(flags: Mapping[str, str], name: str, default: int | None = None) -> int:
