@@ -34,12 +34,14 @@ PLANNED_FLAGS: tuple[str, ...] = (
     "--account-for-embedding-in-pipeline-split",
     "--account-for-loss-in-pipeline-split",
     "--standalone-embedding-stage",
+    "--no-overlap-p2p-communication",  # the plan decides p2p overlap for interleaved (poseidon_plugin/target.py)
 )
 _SWITCHES = frozenset(
     {
         "--account-for-embedding-in-pipeline-split",
         "--account-for-loss-in-pipeline-split",
         "--standalone-embedding-stage",
+        "--no-overlap-p2p-communication",
         "--group-query-attention",
         "--swiglu",
         "--bf16",
@@ -93,6 +95,8 @@ class JobFlags:
     add_bias_linear: bool
     hidden_dropout: float
     attention_dropout: float
+    overlap_p2p_comm: bool
+    """Megatron-LM's ``overlap_p2p_comm`` (on unless ``--no-overlap-p2p-communication``); off pins the plan's."""
 
 
 def flag_values(args: Sequence[str]) -> dict[str, str]:
@@ -178,6 +182,7 @@ def read_job(script: str, args: Sequence[str]) -> JobFlags:
         add_bias_linear="--disable-bias-linear" not in values,
         hidden_dropout=fraction("--hidden-dropout", 0.1),
         attention_dropout=fraction("--attention-dropout", 0.1),
+        overlap_p2p_comm="--no-overlap-p2p-communication" not in values,
     )
 
 

@@ -40,8 +40,6 @@ from poseidon_plugin.specs import ClusterSpec, ModelSpec, ProfileEntry, ProfileS
 from poseidon_plugin.specs import write_profile
 from poseidon_plugin.errors import InputError, PoseidonError
 
-DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4)
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProfileRequest:
@@ -60,12 +58,13 @@ def candidate_requests(cluster: ClusterSpec, model: ModelSpec, job: JobFlags, *,
                        keep: bool) -> list[ProfileRequest]:
     """Every (type, TP, mbs) the search may use: TP degrees valid for the type, mbs dividing the batch.
 
-    ``keep`` (``--poseidon-keep``) restricts both to the user's own TP and micro-batch size.
+    ``micro_batch_sizes``: the target runtime's candidates (``TargetRuntime.micro_batch_sizes``); ``keep``
+    (``--poseidon-keep``) restricts both to the user's own TP and micro-batch size.
     """
     if keep:
         sizes: Sequence[int] = (job.micro_batch_size,)
     else:
-        sizes = micro_batch_sizes or DEFAULT_MICRO_BATCH_SIZES
+        sizes = micro_batch_sizes
     sizes = [m for m in sizes if model.global_batch_size % m == 0]
     if not sizes:
         raise PoseidonError(
