@@ -208,23 +208,16 @@ class _Hooks:
 
 @contextlib.contextmanager
 def _megatron_globals(tp_group: Any) -> Iterator[None]:
-    """Point parallel_state's TP group at ``tp_group`` (the vocab-parallel loss reads it) and give it a
-    global memory buffer, for the duration of profiling; restore both afterwards."""
-    from megatron.core import parallel_state as ps
+    """``parallel_state`` pointed at ``tp_group`` with a global memory buffer (the patch table
+    ``patches/profiling.py``: applied, verified, reverted on exit)."""
+    from patches import profiling
 
-    saved = (ps._TENSOR_MODEL_PARALLEL_GROUP, ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE, ps._MPU_TENSOR_MODEL_PARALLEL_RANK)
-    own_buffer = ps._GLOBAL_MEMORY_BUFFER is None
-    if own_buffer:
-        ps._set_global_memory_buffer()
-    ps._TENSOR_MODEL_PARALLEL_GROUP = tp_group
-    ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = ps._MPU_TENSOR_MODEL_PARALLEL_RANK = None
+    patched = profiling.table(tp_group)
+    patched.apply()
     try:
         yield
     finally:
-        (ps._TENSOR_MODEL_PARALLEL_GROUP, ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE,
-         ps._MPU_TENSOR_MODEL_PARALLEL_RANK) = saved
-        if own_buffer:
-            ps.destroy_global_memory_buffer()
+        patched.revert()
 
 
 def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest, *, warmup: int,
