@@ -157,3 +157,11 @@ def test_table_prints_the_target(capsys):
     out = capsys.readouterr().out
     assert ("runtime: Megatron-LM / megatron-core (layout flag); comm model megatron; schedules "
             "1f1b,interleaved-1f1b; p2p overlap auto (planned: on); micro-batch sizes 1,2,4; search exact") in out
+
+
+def test_target_and_argv_modules_import_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys; import poseidon_plugin.target, poseidon_plugin.argv; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
