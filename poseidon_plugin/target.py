@@ -216,6 +216,8 @@ def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "Search
     variant, result = best
     overlap = variant.overlap and result.plan.schedule == INTERLEAVED
     stats = dict(result.plan.search_stats)
+    if variant.comm_model == "megatron-overlap" and result.plan.schedule != INTERLEAVED:
+        stats["comm_model"] = "megatron"  # Megatron overlaps p2p only when interleaved: the same timing
     if len(variants) > 1:
         stats["variants"] = len(variants)
         stats["wall_s"] = round(wall_s, 4)
