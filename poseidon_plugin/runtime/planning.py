@@ -8,7 +8,7 @@ The search is called in exactly one place, :func:`plan_on_rank0`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
