@@ -2,7 +2,9 @@
 
 Tables: ``layer_assignment`` (layers per pipeline stage on stacks without a layout flag), ``mindspeed``
 (MindSpeed's even-split offset helper made to read the planned split: layer types on uneven splits), ``emulation``
-(slow compute down per emulated device type), ``watch`` (record built layers, time iterations).
+(slow compute down per emulated device type), ``watch`` (record built layers, time iterations),
+``cpu_shim`` (CPU stand-ins for megatron-core's CUDA calls), ``profiling`` (``parallel_state`` pointed at
+a profiling TP group).
 """
 
 from .table import Patch, PatchError, PatchTable, resolve

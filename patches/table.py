@@ -10,6 +10,10 @@ wrapper), and ``revert()`` puts back exactly what was there.
 alone leaves those copies on the original. A row with ``sweep=True`` therefore also rebinds every copy
 found in ``sys.modules`` (modules under ``SWEEP_PREFIXES``). Modules imported after ``apply()`` read the
 patched attribute themselves.
+
+A row with ``value=True`` replaces a module global that is state, not code (megatron-core's RNG tracker,
+``parallel_state``'s TP group): the same apply / verify / revert, but the replacement is not tagged with
+the owning table (``None`` or ``True`` cannot carry a tag) and it is checked by identity only.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ class Patch:
     """Wrapper factory: gets the original callable, returns the replacement (which may call the original)."""
     sweep: bool = False
     """Also rebind the by-name copies of the original in already-imported modules."""
+    value: bool = False
+    """The target is a value (module global), not a callable: ``make(original)`` returns the new value,
+    which is neither tagged nor swept."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -142,6 +149,13 @@ def _apply_row(row: Patch, table: str) -> _Applied:
     owner, name = resolve(row.target)
     raw = owner.__dict__[name] if isinstance(owner, type) and name in owner.__dict__ else getattr(owner, name)
     original = _unwrap(raw)
+    if row.value:
+        if row.sweep:
+            raise PatchError(f"{row.target}: a value row cannot sweep copies (a copy of a value is not a reference)")
+        replacement = row.make(original)
+        setattr(owner, name, replacement)
+        return _Applied(owner=owner, name=name, raw_original=raw, original=original, replacement=replacement,
+                        sweep=False)
     if getattr(original, _MARK, None) is not None:
         raise PatchError(f"{row.target} is already patched by table {getattr(original, _MARK)!r}")
     replacement = row.make(original)

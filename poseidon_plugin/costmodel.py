@@ -536,6 +536,8 @@ class CostModel:
                     stages=tuple(stages), predicted_iteration_ms=float(iteration_ms),
                     tokens_per_s=self.tokens_per_s(iteration_ms),
                     profile_source="analytic" if self.profile.source == "analytic" else "measured",
+                    # Megatron-LM's default; target.search_plan sets the planned value
+                    overlap_p2p_comm=cand.schedule == "interleaved-1f1b",
                     alternatives=tuple(alternatives),
                     # normalised through JSON so that to_json/from_json round-trips it exactly
                     search_stats=json.loads(json.dumps(dict(search_stats or {}), allow_nan=False)))

@@ -23,13 +23,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple, Sequence
 
+from .argv import flag_values
 from .errors import InputError, PoseidonError
 from .specs.documents import parse_document
 from .simulator.schedules import MEGATRON_SCHEDULES, SCHEDULES
 from .specs.fields import read_document, write_json_atomic
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 2   # 2: overlap_p2p_comm (version-1 files load with the value they ran with)
 PLAN_FORMAT = "poseidon-plan"
+NO_OVERLAP_P2P_FLAG = "--no-overlap-p2p-communication"   # Megatron-LM's; overlap is its default
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,6 +90,7 @@ class Plan:
     predicted_iteration_ms: float
     tokens_per_s: float
     profile_source: str = "analytic"   # analytic | measured: what the prediction rests on
+    overlap_p2p_comm: bool = False     # interleaved only: Megatron's overlap_p2p_comm (planned, in the flags)
     alternatives: tuple[PlanSummary, ...] = ()
     search_stats: Mapping[str, Any] = field(default_factory=dict)  # not part of plan_hash
     schema_version: int = PLAN_SCHEMA_VERSION
@@ -197,6 +200,11 @@ def _validate(p: Plan) -> None:
         _pos_int(w, f"layers[{i}]", n)
     _time(w, "predicted_iteration_ms", p.predicted_iteration_ms)
     _time(w, "tokens_per_s", p.tokens_per_s)
+    if not isinstance(p.overlap_p2p_comm, bool):
+        raise _bad(w, "overlap_p2p_comm", p.overlap_p2p_comm, "true or false")
+    if p.overlap_p2p_comm and p.schedule != "interleaved-1f1b":
+        raise InputError(f"{w}: overlap_p2p_comm = true needs schedule 'interleaved-1f1b' (Megatron overlaps "
+                         f"p2p only there), not {p.schedule!r}")
     if p.profile_source not in ("analytic", "measured"):
         raise _bad(w, "profile_source", p.profile_source, "'analytic' or 'measured'")
     if len(p.stages) != p.pp:
@@ -277,6 +285,10 @@ def _plan_from_dict(doc: Any, where: str) -> Plan:
         fmt = doc.pop("format", PLAN_FORMAT)
         if fmt != PLAN_FORMAT:
             raise InputError(f"{where}: format = {fmt!r} is invalid: must be {PLAN_FORMAT!r}")
+        if doc.get("schema_version") == 1 and "overlap_p2p_comm" not in doc:
+            # Version 1 rendered no overlap flag, so Megatron-LM ran interleaved plans with its default (on).
+            doc["overlap_p2p_comm"] = doc.get("schedule") == "interleaved-1f1b"
+            doc["schema_version"] = PLAN_SCHEMA_VERSION
         if "schema_version" in doc and doc["schema_version"] != PLAN_SCHEMA_VERSION:
             raise InputError(f"{where}: schema_version = {doc['schema_version']!r} is not supported: "
                              f"this Poseidon reads version {PLAN_SCHEMA_VERSION}; re-run `poseidon plan`")
@@ -358,10 +370,17 @@ def megatron_args(plan: Plan) -> list[str]:
         raise PoseidonError(f"schedule {plan.schedule!r} has no Megatron equivalent (Megatron runs "
                             f"{', '.join(MEGATRON_SCHEDULES)}); re-plan with --schedules 1f1b,"
                             "interleaved-1f1b")
-    return ["--tensor-model-parallel-size", str(plan.tp),
-            "--pipeline-model-parallel-size", str(plan.pp),
-            "--pipeline-model-parallel-layout", megatron_layout(plan.layers),
-            "--micro-batch-size", str(plan.micro_batch_size)]
+    flags = ["--tensor-model-parallel-size", str(plan.tp),
+             "--pipeline-model-parallel-size", str(plan.pp),
+             "--pipeline-model-parallel-layout", megatron_layout(plan.layers),
+             "--micro-batch-size", str(plan.micro_batch_size)]
+    if plan.schedule == "interleaved-1f1b" and not plan.overlap_p2p_comm:
+        # Megatron-LM overlaps interleaved p2p unless told not to, and refuses that on fewer than 3 ranks.
+        if plan.pp < 3:
+            raise PoseidonError(f"Megatron-LM runs interleaved without p2p overlap only on >= 3 pipeline "
+                                f"ranks, not pp = {plan.pp}; re-plan (the overlap is planned)")
+        flags.append(NO_OVERLAP_P2P_FLAG)
+    return flags
 
 
 def mindspeed_args(plan: Plan) -> list[str]:
@@ -376,20 +395,8 @@ def mindspeed_args(plan: Plan) -> list[str]:
             "--micro-batch-size", str(plan.micro_batch_size)]
 
 
-def _flag_values(argv: Sequence[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    it = iter(range(len(argv)))
-    for i in it:
-        a = argv[i]
-        if not a.startswith("--"):
-            continue
-        if "=" in a:
-            k, v = a.split("=", 1)
-            out[k] = v
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            out[a] = argv[i + 1]
-            next(it, None)
-    return out
+def _flag_values(args: Sequence[str]) -> dict[str, str]:
+    return flag_values(args, missing=None)
 
 
 def _int_flag(flags: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -448,17 +455,19 @@ def format_ranges(values: Sequence[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "none"
 
 
-def render_table(plan: Plan, max_alternatives: int = 5) -> str:
-    """The plan as a text table (what ``poseidon plan`` prints)."""
+def render_table(plan: Plan, max_alternatives: int = 5, runtime: str | None = None) -> str:
+    """The plan as a text table (what ``poseidon plan`` prints); ``runtime``: the target's line."""
     gb = float(1 << 30)
     lines = [
         f"Poseidon plan: {plan.model} on {plan.cluster}  (schema {plan.schema_version}, "
         f"hash {plan.plan_hash()[:12]})",
         f"TP {plan.tp}  PP {plan.pp}  DP {plan.dp}  V {plan.virtual_stages}  schedule {plan.schedule}  "
         f"mbs {plan.micro_batch_size}  M {plan.micro_batches}  GBS {plan.global_batch_size}  "
-        f"seq {plan.seq_length}  devices {plan.world_size}",
+        f"seq {plan.seq_length}  devices {plan.world_size}"
+        + (f"  p2p overlap {'on' if plan.overlap_p2p_comm else 'off'}" if plan.virtual_stages > 1 else ""),
         f"predicted iteration {plan.predicted_iteration_ms:,.1f} ms   throughput "
         f"{plan.tokens_per_s:,.0f} tokens/s   ({plan.profile_source} profile)",
+        *([runtime] if runtime else []),
         "",
     ]
     header = ("stage", "type", "ranks", "nodes", "layers", "first", "fwd ms", "bwd ms", "send ms",

@@ -17,7 +17,8 @@ import importlib.util
 from poseidon_plugin.patches import layer_assignment
 from poseidon_plugin.patches.table import PatchTable
 from poseidon_plugin.errors import PoseidonError
-from poseidon_plugin.plan import MEGATRON_SCHEDULES, Plan, megatron_args, mindspeed_args
+from poseidon_plugin.plan import Plan, megatron_args, mindspeed_args
+from poseidon_plugin.target import style_schedules
 
 STYLES = ("megatron", "mindspeed", "patch")
 
@@ -35,7 +36,7 @@ def resolve_style(requested: str) -> str:
 
 def allowed_schedules(style: str) -> tuple[str, ...]:
     """Schedules the target runtime can execute in this style (a virtual split needs the layout flag)."""
-    return MEGATRON_SCHEDULES if style == "megatron" else ("1f1b",)
+    return style_schedules(style)
 
 
 def planned_flags(plan: Plan, style: str, global_batch_size: int) -> list[str]:

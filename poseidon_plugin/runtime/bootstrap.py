@@ -16,11 +16,20 @@ import runpy
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.runtime import options as runtime_options
 from poseidon_plugin.runtime.collectives import Liveness, Phases, PhaseFailed, parse_fault
+from poseidon_plugin.runtime.job_flags import JobFlags
+from poseidon_plugin.target import TargetRuntime
+
+if TYPE_CHECKING:  # pragma: no cover  (torch-importing modules, imported when the phase runs)
+    from poseidon_plugin.plan import Plan
+    from poseidon_plugin.runtime.devices import Device
+    from poseidon_plugin.runtime.inventory import World
+    from poseidon_plugin.specs import ClusterSpec
+    from poseidon_plugin.specs.cluster import Device as ClusterDevice
 
 
 class Log:
@@ -103,31 +112,59 @@ class _Job:
     """What this rank was started with: the options, the script and what its flags say."""
 
     opts: runtime_options.RuntimeOptions
+    """The ``--poseidon-*`` options, read back from the environment the launcher exported."""
     script: str
+    """The training script (a path, or a module name when ``is_module``)."""
     script_args: list[str]
+    """The script's own arguments, as the user gave them."""
     is_module: bool
+    """The user launched a module (``torchrun -m``)."""
     rank: int
+    """Launcher rank (``RANK``), before the plan renumbers the ranks."""
     local_rank: int
+    """``LOCAL_RANK``: the device index on this host."""
     world_size: int
-    flags: Any  # job_flags.JobFlags
+    """Ranks started by the launcher."""
+    flags: JobFlags
+    """What the script's Megatron flags say about the model, the batch and the user's parallelism."""
     global_batch: int
+    """The global batch the job trains with (pinned in the rewritten flags)."""
+    style: str
+    """Resolved flag style (``megatron`` / ``mindspeed`` / ``patch``: ``runtime/apply.py``)."""
+    target: TargetRuntime
+    """What runs the plan: the same definition ``poseidon plan`` uses (``poseidon_plugin/target.py``)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Devices:
+    """The start-up phase's result: this rank's device and the cluster the options declare."""
+
+    device: Device
+    """This rank's device (emulated on CPU ranks of a declared cluster), shim and emulation patches applied."""
+    declared: ClusterSpec | None
+    """The cluster ``--poseidon-cluster`` / ``--poseidon-emulate`` declares; None: detected."""
+    entry: ClusterDevice | None
+    """This rank's device in ``declared`` (device *i* is launcher rank *i*); None when detected."""
 
 
 def _run(argv: list[str], rank: int, log: Log) -> int | None:
     """All phases, then the script; the script's exit code (None for success)."""
     import torch.distributed as dist
 
-    from poseidon_plugin.runtime import job_flags
+    from poseidon_plugin.runtime import apply, job_flags
 
     started = time.perf_counter()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     flags = job_flags.read_job(argv[0], argv[1:])
-    job = _Job(opts=runtime_options.resolve({}, os.environ), script=argv[0], script_args=argv[1:],
+    opts = runtime_options.resolve({}, os.environ)
+    style = apply.resolve_style(opts.flag_style)
+    job = _Job(opts=opts, script=argv[0], script_args=argv[1:],
                is_module=os.environ.get(runtime_options.ENV_SCRIPT_IS_MODULE) == "1", rank=rank,
                local_rank=int(os.environ.get("LOCAL_RANK", "0")), world_size=world_size, flags=flags,
-               global_batch=job_flags.effective_global_batch(flags, world_size))
-    declared = _declared_cluster(job)
-    device, declared_entry = _device(job, declared)
+               global_batch=job_flags.effective_global_batch(flags, world_size), style=style,
+               target=TargetRuntime.for_job(opts, flags, style))
+    devices = _device(job, _declared_cluster(job))
+    device = devices.device
 
     dist.init_process_group(device.backend, timeout=datetime.timedelta(seconds=job.opts.timeout))
     store = dist.distributed_c10d._get_default_store()
@@ -137,15 +174,15 @@ def _run(argv: list[str], rank: int, log: Log) -> int | None:
     _state["phases"] = phases
     phases.seconds["start-up"] = time.perf_counter() - started
 
-    world = phases.run("inventory", lambda: _inventory(job, device, declared, declared_entry))
+    world = phases.run("inventory", lambda: _inventory(job, devices))
     me = world.ranks[rank]
     log.rank_line(f"{me.device_type} ({device.kind}) on {me.host}, local rank {me.local_rank}"
                   + (f", compute stretched x{device.slowdown():.2f}" if device.slowdown() > 1.0 else ""))
-    plan = _plan(job, phases, world, device, declared, log)
+    plan = _plan(job, phases, world, devices, log)
     return _apply_and_run(job, phases, world, device, plan, log)
 
 
-def _declared_cluster(job: _Job) -> Any:
+def _declared_cluster(job: _Job) -> ClusterSpec | None:
     """The cluster ``--poseidon-cluster`` or ``--poseidon-emulate`` declares (None: detect)."""
     from poseidon_plugin.runtime import emulation
     from poseidon_plugin.specs import device_presets, load_cluster, parse_cluster
@@ -164,9 +201,9 @@ def _declared_cluster(job: _Job) -> Any:
     }, f"{emulation.FLAG} {job.opts.emulate}")
 
 
-def _device(job: _Job, declared: Any) -> tuple[Any, Any]:
+def _device(job: _Job, declared: ClusterSpec | None) -> _Devices:
     """This rank's device (emulated on CPU when a cluster is declared), with the CPU shim and emulation
-    patches in place; and this rank's declared cluster device (None when detected)."""
+    patches in place, and this rank's declared cluster device (None when detected)."""
     from poseidon_plugin.runtime import devices, emulation
 
     device = devices.detect(job.local_rank)
@@ -193,14 +230,15 @@ def _device(job: _Job, declared: Any) -> tuple[Any, Any]:
 
         emulation_patch.set_factor(device.slowdown())
         emulation_patch.TABLE.apply()
-    return device, entry
+    return _Devices(device=device, declared=declared, entry=entry)
 
 
-def _inventory(job: _Job, device: Any, declared: Any, entry: Any) -> Any:
+def _inventory(job: _Job, devices: _Devices) -> World:
     """Every rank's RankInfo, arranged as the cluster's nodes (the declared ones for a cluster file)."""
     from poseidon_plugin.runtime import inventory
     from poseidon_plugin.runtime.devices import GIB
 
+    device, declared, entry = devices.device, devices.declared, devices.entry
     info = inventory.local_info(
         job.rank, job.local_rank, device,
         declared_type=entry.device_type if entry is not None else None,
@@ -210,14 +248,14 @@ def _inventory(job: _Job, device: Any, declared: Any, entry: Any) -> Any:
     return inventory.world_from_declared(declared, world.ranks) if job.opts.cluster else world
 
 
-def _plan(job: _Job, phases: Phases, world: Any, device: Any, declared: Any, log: Log) -> Any:
+def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) -> Plan:
     """A saved plan checked against the world, or: probe links, profile, search on rank 0, share."""
     from poseidon_plugin.costmodel import CostModel
     from poseidon_plugin.plan import Plan
-    from poseidon_plugin.runtime import apply, inventory, planning, profiler
+    from poseidon_plugin.runtime import inventory, planning, profiler
     from poseidon_plugin.specs import write_profile
 
-    opts = job.opts
+    opts, device, declared = job.opts, devices.device, devices.declared
     if opts.plan:
         def check() -> Plan:
             plan = Plan.load(opts.plan)
@@ -236,9 +274,9 @@ def _plan(job: _Job, phases: Phases, world: Any, device: Any, declared: Any, log
                                 name=planning.job_name(job.script, job.flags))
     cache_dir = runtime_options.profile_cache_dir(opts)
 
-    def profile() -> Any:
-        requests = profiler.candidate_requests(cluster, model, job.flags, micro_batch_sizes=opts.micro_batch_sizes,
-                                               keep=opts.keep)
+    def profile() -> profiler.ProfileOutcome:
+        requests = profiler.candidate_requests(cluster, model, job.flags,
+                                               micro_batch_sizes=job.target.micro_batch_sizes, keep=opts.keep)
         return profiler.profile_world(world=world, rank=job.rank, device=device, job=job.flags, model=model,
                                       requests=requests, cache_dir=cache_dir, warmup=opts.profile_warmup,
                                       iters=opts.profile_iters)
@@ -255,19 +293,17 @@ def _plan(job: _Job, phases: Phases, world: Any, device: Any, declared: Any, log
         except OSError as exc:
             written = f"not written to {merged} ({exc.strerror or type(exc).__name__})"
     log.job_line(f"profile: {phases.notes['profiling']} in {cache_dir}; {written}")
-    schedules = opts.schedules or apply.allowed_schedules(apply.resolve_style(opts.flag_style))
 
     def search() -> Plan:
-        found = planning.plan_on_rank0(CostModel(cluster, model, outcome.profile), schedules=schedules,
-                                       keep=job.flags if opts.keep else None, time_limit_s=opts.timeout / 2,
-                                       mode=opts.search_mode)
+        found = planning.plan_on_rank0(CostModel(cluster, model, outcome.profile), job.target,
+                                       keep=job.flags if opts.keep else None, time_limit_s=opts.timeout / 2)
         planning.check_plan_fits(found, world, job.flags, job.global_batch, "the searched plan")
         return found
 
     return phases.run("search", lambda: planning.share_plan(search, job.rank, device.torch_device))
 
 
-def _apply_and_run(job: _Job, phases: Phases, world: Any, device: Any, plan: Any, log: Log) -> int | None:
+def _apply_and_run(job: _Job, phases: Phases, world: World, device: Device, plan: Plan, log: Log) -> int | None:
     """Rewrite the flags, patch, renumber the ranks, then run the script in this process."""
     import torch.distributed as dist
 
@@ -275,11 +311,10 @@ def _apply_and_run(job: _Job, phases: Phases, world: Any, device: Any, plan: Any
     from poseidon_plugin.runtime import apply, job_flags, placement
     from poseidon_plugin.runtime.watch import Watch
 
-    opts = job.opts
-    style = apply.resolve_style(opts.flag_style)
+    opts, style = job.opts, job.style
     new_args = phases.run("apply", lambda: job_flags.rewrite(job.script_args,
                                                              apply.planned_flags(plan, style, job.global_batch)))
-    log.job_line(render_table(plan))
+    log.job_line(render_table(plan, runtime=None if opts.plan else job.target.describe(plan)))
     log.job_line("command: " + job_flags.command_line(job.script, new_args))
     if job.rank == 0 and opts.save_plan:
         plan.save(opts.save_plan)

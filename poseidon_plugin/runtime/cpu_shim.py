@@ -4,7 +4,9 @@ megatron-core assumes CUDA in a handful of places that are not about compute (bu
 ``torch.cuda.current_device()``, ``torch.cuda.synchronize()`` after batched p2p, ``device="cuda"`` factory
 calls in the schedules, the CUDA RNG tracker, DDP stream handles). The facts behind each stand-in are in
 ``/work/shared/MEGATRON-ON-CPU.md``. This module replaces exactly those calls, and nothing that does
-compute, so that the schedules, DDP and ``finalize_model_grads`` run unchanged on gloo.
+compute, so that the schedules, DDP and ``finalize_model_grads`` run unchanged on gloo: the attributes
+through the patch table ``patches/cpu_shim.py`` (applied, verified, reverted like every other patch), the
+``device="cuda"`` arguments through a ``TorchFunctionMode``.
 
 Usage::
 
@@ -31,14 +33,13 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from poseidon_plugin.patches.cpu_shim import TABLE
+
 _CPU = torch.device("cpu")
 
 _lock = threading.Lock()
-# (owner object, attribute name) -> original value, filled by install(), emptied by uninstall().
-_saved: dict[tuple[Any, str], Any] = {}
-# The pushed device-rewriting mode, and the RNG tracker state we replaced (restored on uninstall).
+# The pushed device-rewriting mode (popped on uninstall).
 _mode: _CudaToCpuMode | None = None
-_saved_rng_tracker: tuple[Any, bool] | None = None
 
 
 def accelerator_present() -> bool:
@@ -54,7 +55,7 @@ def accelerator_present() -> bool:
 
 def installed() -> bool:
     """Whether the shim is currently installed in this process."""
-    return bool(_saved)
+    return TABLE.applied
 
 
 def install(*, force: bool = False) -> bool:
@@ -65,17 +66,11 @@ def install(*, force: bool = False) -> bool:
     """
     global _mode
     with _lock:
-        if _saved:
+        if TABLE.applied:
             return True
         if not force and accelerator_present():
             return False
-        # First, so that megatron-core (and torch._dynamo, which it imports and which indexes every
-        # torch.cuda function once) sees the original torch.cuda.
-        _install_rng_tracker()
-        cuda = torch.cuda
-        for name, value in _stand_ins().items():
-            _saved[(cuda, name)] = getattr(cuda, name)
-            setattr(cuda, name, value)
+        TABLE.apply()  # verified; on failure nothing stays patched
         _mode = _CudaToCpuMode()
         _mode.__enter__()
         return True
@@ -85,7 +80,7 @@ def uninstall() -> None:
     """Restore every attribute the shim replaced and pop its torch-function mode; a no-op when not installed."""
     global _mode
     with _lock:
-        if not _saved:
+        if not TABLE.applied:
             return
         if _mode is not None:
             stack = torch.overrides._get_current_function_mode_stack()
@@ -96,10 +91,7 @@ def uninstall() -> None:
                                    "on another thread); exit that mode first")
             _mode.__exit__(None, None, None)
             _mode = None
-        for (owner, name), value in _saved.items():
-            setattr(owner, name, value)
-        _saved.clear()
-        _restore_rng_tracker()
+        TABLE.revert()
 
 
 @contextlib.contextmanager
@@ -115,95 +107,6 @@ def cpu_shim(*, force: bool = False) -> Iterator[bool]:
     finally:
         if active and not was_installed:
             uninstall()
-
-
-def _stand_ins() -> dict[str, Any]:
-    """The torch.cuda attributes to replace, each by a distinct object.
-
-    Distinct objects matter: torch._dynamo builds a map from every torch.cuda function to a rule and
-    rejects one object registered under two names.
-    """
-    stream = _NullStream()
-
-    def current_device() -> torch.device:
-        # Used as a device argument (GlobalMemoryBuffer, p2p receive buffers, grad buffers).
-        return _CPU
-
-    def synchronize(device: Any = None) -> None:
-        # p2p code synchronizes after batch_isend_irecv to dodge a CUDA race; CPU work is synchronous.
-        return None
-
-    def set_device(device: Any) -> None:
-        return None
-
-    def empty_cache() -> None:
-        return None
-
-    def current_stream(device: Any = None) -> _NullStream:
-        # DDP / param-and-grad buffers take stream handles even when they do not overlap.
-        return stream
-
-    def default_stream(device: Any = None) -> _NullStream:
-        return stream
-
-    def stream_context(s: Any = None) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    return {
-        "current_device": current_device,
-        "synchronize": synchronize,
-        "set_device": set_device,
-        "empty_cache": empty_cache,
-        "current_stream": current_stream,
-        "default_stream": default_stream,
-        "Stream": _NullStream,
-        "Event": _NullEvent,
-        "stream": stream_context,
-    }
-
-
-class _NullEvent:
-    """Stand-in for ``torch.cuda.Event``: CPU work is synchronous, so every event has already happened."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def record(self, stream: Any = None) -> None:
-        return None
-
-    def wait(self, stream: Any = None) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, other: Any) -> float:
-        return 0.0
-
-
-class _NullStream:
-    """Stand-in for ``torch.cuda.Stream`` and the current/default stream: all waits are no-ops."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        return None
-
-    def wait_stream(self, stream: Any) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-    def record_event(self, event: Any = None) -> _NullEvent:
-        return event if event is not None else _NullEvent()
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -231,31 +134,3 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
         return func(*args, **(kwargs or {}))
-
-
-def _install_rng_tracker() -> None:
-    """Replace the CUDA RNG tracker by megatron-core's inference tracker (no CUDA generator state).
-
-    Keeps a reference to the previous tracker so that ``uninstall()`` restores it. Skipped when
-    megatron-core is not importable (the shim then only covers torch-level calls).
-    """
-    global _saved_rng_tracker
-    try:
-        from megatron.core.tensor_parallel import random as mc_random
-    except ImportError:
-        return
-    _saved_rng_tracker = (mc_random._CUDA_RNG_STATE_TRACKER, mc_random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
-    # What ``force_reset=True`` does on 0.16+; megatron-core 0.12.x (MindSpeed-LLM) lacks that argument.
-    mc_random._CUDA_RNG_STATE_TRACKER = None
-    mc_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
-    mc_random.initialize_rng_tracker(inference_rng_tracker=True)
-
-
-def _restore_rng_tracker() -> None:
-    global _saved_rng_tracker
-    if _saved_rng_tracker is None:
-        return
-    from megatron.core.tensor_parallel import random as mc_random
-
-    mc_random._CUDA_RNG_STATE_TRACKER, mc_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = _saved_rng_tracker
-    _saved_rng_tracker = None

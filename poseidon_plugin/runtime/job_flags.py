@@ -4,8 +4,8 @@ Torch-free. Poseidon never asks the user to describe the model twice: the flags 
 Megatron-LM's ``pretrain_gpt.py`` (or MindSpeed-LLM's) *are* the job description. After planning, the
 parallelism flags are replaced by the plan's and everything else is passed through untouched, in order.
 
-Flag names are Megatron-LM's (``megatron/training/arguments.py``); both ``--flag value`` and
-``--flag=value`` are understood, as argparse does.
+Flag names are Megatron-LM's (``megatron/training/arguments.py``); the command line is read with
+``poseidon_plugin.argv``'s rules (``--flag value``, ``--flag=value``, switches), as argparse does.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from poseidon_plugin import argv
 from poseidon_plugin.errors import PoseidonError
 
 # Parallelism / layer-split flags the plan decides. Each takes one value unless listed in _SWITCHES.
@@ -33,12 +34,14 @@ PLANNED_FLAGS: tuple[str, ...] = (
     "--account-for-embedding-in-pipeline-split",
     "--account-for-loss-in-pipeline-split",
     "--standalone-embedding-stage",
+    "--no-overlap-p2p-communication",  # the plan decides p2p overlap for interleaved (poseidon_plugin/target.py)
 )
 _SWITCHES = frozenset(
     {
         "--account-for-embedding-in-pipeline-split",
         "--account-for-loss-in-pipeline-split",
         "--standalone-embedding-stage",
+        "--no-overlap-p2p-communication",
         "--group-query-attention",
         "--swiglu",
         "--bf16",
@@ -92,26 +95,13 @@ class JobFlags:
     add_bias_linear: bool
     hidden_dropout: float
     attention_dropout: float
+    overlap_p2p_comm: bool
+    """Megatron-LM's ``overlap_p2p_comm`` (on unless ``--no-overlap-p2p-communication``); off pins the plan's."""
 
 
 def flag_values(args: Sequence[str]) -> dict[str, str]:
     """``{flag: value}`` for every ``--flag`` in ``args`` (switches map to ``""``; the last occurrence wins)."""
-    values: dict[str, str] = {}
-    i = 0
-    while i < len(args):
-        token = args[i]
-        i += 1
-        if not token.startswith("--"):
-            continue
-        flag, has_inline, inline = token.partition("=")
-        if has_inline:
-            values[flag] = inline
-        elif flag in _SWITCHES or i >= len(args) or args[i].startswith("--"):
-            values[flag] = ""
-        else:
-            values[flag] = args[i]
-            i += 1
-    return values
+    return argv.flag_values(args, _SWITCHES)
 
 
 def read_job(script: str, args: Sequence[str]) -> JobFlags:
@@ -192,6 +182,7 @@ def read_job(script: str, args: Sequence[str]) -> JobFlags:
         add_bias_linear="--disable-bias-linear" not in values,
         hidden_dropout=fraction("--hidden-dropout", 0.1),
         attention_dropout=fraction("--attention-dropout", 0.1),
+        overlap_p2p_comm="--no-overlap-p2p-communication" not in values,
     )
 
 
@@ -218,20 +209,8 @@ def rewrite(args: Sequence[str], planned: Sequence[str]) -> list[str]:
     has one), followed by ``planned``. Every other token is kept, in order.
     """
     drop = set(PLANNED_FLAGS)
-    drop.update(token.partition("=")[0] for token in planned if token.startswith("--"))
-    kept: list[str] = []
-    i = 0
-    while i < len(args):
-        token = args[i]
-        i += 1
-        flag, has_inline, _ = token.partition("=")
-        if token.startswith("--") and flag in drop:
-            takes_value = not has_inline and flag not in _SWITCHES
-            if takes_value and i < len(args) and not args[i].startswith("--"):
-                i += 1
-            continue
-        kept.append(token)
-    return kept + list(planned)
+    drop.update(token.flag for token in argv.scan(planned, _SWITCHES))
+    return argv.remove_flags(args, drop, _SWITCHES) + list(planned)
 
 
 def command_line(script: str, args: Sequence[str]) -> str:

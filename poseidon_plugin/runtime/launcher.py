@@ -77,10 +77,12 @@ def validate(opts: runtime_options.RuntimeOptions, script: str, script_args: lis
     """Checks that need no process: the job is Megatron-shaped, files parse, options fit together."""
     from poseidon_plugin.plan import MEGATRON_SCHEDULES, SCHEDULES, Plan
     from poseidon_plugin.runtime import emulation
+    from poseidon_plugin.runtime.apply import resolve_style
     from poseidon_plugin.runtime.job_flags import read_job
+    from poseidon_plugin.target import TargetRuntime
     from poseidon_plugin.specs import device_presets, load_cluster
 
-    read_job(script, script_args)
+    job = read_job(script, script_args)
     if opts.emulate and opts.cluster:
         raise PoseidonError("--poseidon-emulate conflicts with --poseidon-cluster: both declare the devices; "
                             "use one (a cluster file is emulated on CPU ranks too)")
@@ -105,6 +107,8 @@ def validate(opts: runtime_options.RuntimeOptions, script: str, script_args: lis
         if schedule not in MEGATRON_SCHEDULES:
             raise PoseidonError(f"--poseidon-schedules: Megatron cannot run {schedule!r}; choose from "
                                 f"{', '.join(MEGATRON_SCHEDULES)}")
+    if not opts.plan:  # the plan's target runtime: its schedules must run in the flag style
+        TargetRuntime.for_job(opts, job, resolve_style(opts.flag_style))
 
 
 def _static_world_size(args) -> int | None:

@@ -230,63 +230,22 @@ def process_groups(*, tp: Any, pp: Any, cp: Any) -> Any:
     return groups
 
 
-# parallel_state global -> (field of the groups object, field used when it is absent). Expert groups:
-# a profiled layer runs its experts on its own TP group (EP = 1), as the plan's profile assumes.
-_GROUP_GLOBALS = {
-    "_TENSOR_MODEL_PARALLEL_GROUP": ("tp", None),
-    "_PIPELINE_MODEL_PARALLEL_GROUP": ("pp", None),
-    "_CONTEXT_PARALLEL_GROUP": ("cp", None),
-    "_EXPERT_MODEL_PARALLEL_GROUP": ("ep", "pp"),
-    "_EXPERT_TENSOR_PARALLEL_GROUP": ("expt_tp", "tp"),
-    "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": ("tp_ep", "tp"),
-}
-_RANK_LISTS = {"_PIPELINE_GLOBAL_RANKS": "pp", "_CONTEXT_PARALLEL_GLOBAL_RANKS": "cp",
-               "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": "tp"}
-# Cached sizes / ranks that would shadow the groups set here.
-_CACHED = ("_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE", "_MPU_TENSOR_MODEL_PARALLEL_RANK",
-           "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE", "_MPU_PIPELINE_MODEL_PARALLEL_RANK",
-           "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE", "_MPU_EXPERT_MODEL_PARALLEL_RANK",
-           "_MPU_EXPERT_TENSOR_PARALLEL_WORLD_SIZE", "_MPU_EXPERT_TENSOR_PARALLEL_RANK",
-           "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK", "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE")
-
-
 @contextlib.contextmanager
 def parallel_state_for(groups: Any) -> Iterator[None]:
     """Point parallel_state at ``groups`` (TP, PP, CP and the expert groups) and give it a global memory
-    buffer, for the duration; restore every global afterwards.
+    buffer, for the duration: the patch table ``patches/profiling.py``, applied, verified, reverted on exit.
 
     Needed on every core for the vocab-parallel loss (it reads the TP group from parallel_state) and, on
     cores whose GPTModel takes no ``pg_collection``, for everything else the model reads there.
     """
-    import torch.distributed as dist
+    from poseidon_plugin.patches import profiling
 
-    saved = {name: getattr(parallel_state, name) for name in (*_GROUP_GLOBALS, *_RANK_LISTS, *_CACHED)
-             if hasattr(parallel_state, name)}
-    own_buffer = parallel_state._GLOBAL_MEMORY_BUFFER is None
-    if own_buffer:
-        parallel_state._set_global_memory_buffer()
+    patched = profiling.table(groups)
+    patched.apply()
     try:
-        for name, (field, fallback) in _GROUP_GLOBALS.items():
-            group = getattr(groups, field, None)
-            if group is None and fallback is not None:
-                group = getattr(groups, fallback, None)
-            if name in saved and group is not None:
-                setattr(parallel_state, name, group)
-        for name, field in _RANK_LISTS.items():
-            group = getattr(groups, field, None)
-            if name in saved and group is not None:
-                ranks = dist.get_process_group_ranks(group)
-                # 0.12 keeps the pipeline ranks as a list of lists only for multi-group setups.
-                setattr(parallel_state, name, ranks)
-        for name in _CACHED:
-            if name in saved:
-                setattr(parallel_state, name, None)
         yield
     finally:
-        for name, value in saved.items():
-            setattr(parallel_state, name, value)
-        if own_buffer:
-            parallel_state.destroy_global_memory_buffer()
+        patched.revert()
 
 
 def padded_vocab_size(job: JobFlags, tensor_parallel: int, divisible_by: int = 128) -> int:

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from poseidon_plugin.argv import scan
 from poseidon_plugin.errors import PoseidonError
 
 PREFIX = "--poseidon-"
@@ -117,6 +118,7 @@ _SPECS: tuple[_Spec, ...] = (
     _Spec(field="flag_style", kind="str", choices=FLAG_STYLES),
 )
 _BY_FLAG = {spec.flag: spec for spec in _SPECS}
+_SWITCHES = frozenset(spec.flag for spec in _SPECS if spec.kind == "bool")
 assert {spec.field for spec in _SPECS} == {f.name for f in fields(RuntimeOptions)}
 
 
@@ -128,20 +130,19 @@ def known_flags() -> tuple[str, ...]:
 def split_argv(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
     """Take the ``--poseidon-*`` options out of ``argv``; return ``({flag: raw value}, remaining argv)``.
 
-    Boolean options take no value (``--poseidon-dry-run``) or an inline one (``--poseidon-dry-run=0``);
-    the others take the next token or an inline ``=value``. Raises PoseidonError on an unknown
+    Read with ``poseidon_plugin.argv``'s rules: boolean options take no value (``--poseidon-dry-run``) or
+    an inline one (``--poseidon-dry-run=0``); the others take the next token or an inline ``=value``. Raises PoseidonError on an unknown
     ``--poseidon-*`` flag (with a suggestion), a missing value, or a repeated flag.
     """
     found: dict[str, str] = {}
     rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        i += 1
-        if not token.startswith(PREFIX):
-            rest.append(token)
+    position = 0
+    for token in scan(argv, switches=_SWITCHES):
+        if not token.flag.startswith(PREFIX):
             continue
-        flag, has_inline, inline = token.partition("=")
+        rest.extend(argv[position:token.start])
+        position = token.stop
+        flag = token.flag
         spec = _BY_FLAG.get(flag)
         if spec is None:
             # Compare the part after the shared prefix, or every typo would look close to every flag.
@@ -151,15 +152,13 @@ def split_argv(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
             raise PoseidonError(f"unknown option {flag}; {hint}")
         if flag in found:
             raise PoseidonError(f"{flag} is given twice ({found[flag]!r} and the next); give it once")
-        if has_inline:
-            found[flag] = inline
+        if token.value is not None:
+            found[flag] = token.value
         elif spec.kind == "bool":
             found[flag] = "1"
-        elif i < len(argv) and not argv[i].startswith("--"):
-            found[flag] = argv[i]
-            i += 1
         else:
             raise PoseidonError(f"{flag} needs a value, e.g. {flag}={_example(spec)}")
+    rest.extend(argv[position:])
     return found, rest
 
 

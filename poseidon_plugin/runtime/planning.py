@@ -8,7 +8,7 @@ The search is called in exactly one place, :func:`plan_on_rank0`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -19,6 +19,7 @@ from poseidon_plugin.runtime.collectives import PhaseFailed, all_gather_json, br
 from poseidon_plugin.runtime.inventory import World
 from poseidon_plugin.runtime.job_flags import JobFlags
 from poseidon_plugin.specs import ModelSpec
+from poseidon_plugin.target import TargetRuntime, search_plan
 
 
 def model_spec(job: JobFlags, *, global_batch_size: int, name: str) -> ModelSpec:
@@ -50,35 +51,30 @@ def job_name(script: str, job: JobFlags) -> str:
     return f"{stem}-{job.num_layers}l-h{job.hidden_size}"
 
 
-def plan_on_rank0(cost_model: CostModel, *, schedules: Sequence[str], keep: JobFlags | None,
-                  time_limit_s: float, mode: str = "exact") -> Plan:
-    """The one call into the search: best plan for the cost model (NoFeasiblePlanError when none fits).
+def plan_on_rank0(cost_model: CostModel, target: TargetRuntime, *, keep: JobFlags | None,
+                  time_limit_s: float) -> Plan:
+    """The one call into the search: best plan for the cost model on the target runtime (NoFeasiblePlanError
+    when none fits); the same function ``poseidon plan`` calls (``poseidon_plugin.target.search_plan``).
 
-    ``keep`` (``--poseidon-keep``) pins TP, PP and mbs to the job's: only placement, layer split, DP and
-    schedule are searched. ``time_limit_s`` keeps the search shorter than the other ranks' wait for it;
-    ``mode`` is the search mode (``--poseidon-search-mode``: the proven optimum by default).
+    ``keep`` (``--poseidon-keep``) pins TP, PP and mbs to the job's: only placement, layer split, DP,
+    schedule and p2p overlap are searched. ``time_limit_s`` keeps the search shorter than the other ranks'
+    wait for it.
     """
-    from poseidon_plugin.search import SearchOptions, search
+    from poseidon_plugin.search import SearchOptions
 
-    # the plan runs on Megatron: time it with Megatron's blocking p2p (docs/FIDELITY.md)
-    options: dict = {"schedules": tuple(schedules), "time_limit_s": time_limit_s, "comm_model": _COMM_MODEL,
-                     "mode": mode}
     if keep is None:
-        return search(cost_model, SearchOptions(**options)).plan
-    options.update(tp_degrees=(keep.tensor_parallel,), micro_batch_sizes=(keep.micro_batch_size,),
-                   min_pipeline_stages=keep.pipeline_parallel, max_pipeline_stages=keep.pipeline_parallel)
+        return search_plan(cost_model, target, SearchOptions(time_limit_s=time_limit_s)).plan
+    options = SearchOptions(time_limit_s=time_limit_s, tp_degrees=(keep.tensor_parallel,),
+                            micro_batch_sizes=(keep.micro_batch_size,), min_pipeline_stages=keep.pipeline_parallel,
+                            max_pipeline_stages=keep.pipeline_parallel)
     try:
-        return search(cost_model, SearchOptions(**options)).plan
+        return search_plan(cost_model, target, options).plan
     except NoFeasiblePlanError as exc:
         raise PoseidonError(
             f"--poseidon-keep: no plan keeps --tensor-model-parallel-size {keep.tensor_parallel}, "
             f"--pipeline-model-parallel-size {keep.pipeline_parallel} and --micro-batch-size "
             f"{keep.micro_batch_size} on this cluster ({exc}); drop --poseidon-keep to let Poseidon choose"
         ) from None
-
-
-# Simulator comm model of the target runtime (Megatron-LM's blocking p2p).
-_COMM_MODEL = "megatron"
 
 
 def share_plan(search: Callable[[], Plan] | None, rank: int, device: torch.device) -> Plan:

@@ -35,12 +35,11 @@ from poseidon_plugin.runtime.collectives import all_gather_json
 from poseidon_plugin.runtime.devices import Device
 from poseidon_plugin.runtime.inventory import World
 from poseidon_plugin.runtime.job_flags import JobFlags
-from poseidon_plugin.runtime.megatron_model import gpt_model, padded_vocab_size, transformer_config
+from poseidon_plugin.runtime.megatron_model import (gpt_model, padded_vocab_size, parallel_state_for,
+                                                     process_groups, transformer_config)
 from poseidon_plugin.specs import ClusterSpec, ModelSpec, ProfileEntry, ProfileSpec, load_profile, valid_tp_degrees
 from poseidon_plugin.specs import write_profile
 from poseidon_plugin.errors import InputError, PoseidonError
-
-DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,12 +59,13 @@ def candidate_requests(cluster: ClusterSpec, model: ModelSpec, job: JobFlags, *,
                        keep: bool) -> list[ProfileRequest]:
     """Every (type, TP, mbs) the search may use: TP degrees valid for the type, mbs dividing the batch.
 
-    ``keep`` (``--poseidon-keep``) restricts both to the user's own TP and micro-batch size.
+    ``micro_batch_sizes``: the target runtime's candidates (``TargetRuntime.micro_batch_sizes``); ``keep``
+    (``--poseidon-keep``) restricts both to the user's own TP and micro-batch size.
     """
     if keep:
         sizes: Sequence[int] = (job.micro_batch_size,)
     else:
-        sizes = micro_batch_sizes or DEFAULT_MICRO_BATCH_SIZES
+        sizes = micro_batch_sizes
     sizes = [m for m in sizes if model.global_batch_size % m == 0]
     if not sizes:
         raise PoseidonError(
@@ -217,33 +217,12 @@ class _Hooks:
             handle.remove()
 
 
-@contextlib.contextmanager
-def _megatron_globals(tp_group: Any) -> Iterator[None]:
-    """Point parallel_state's TP group at ``tp_group`` (the vocab-parallel loss reads it) and give it a
-    global memory buffer, for the duration of profiling; restore both afterwards."""
-    from megatron.core import parallel_state as ps
-
-    saved = (ps._TENSOR_MODEL_PARALLEL_GROUP, ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE, ps._MPU_TENSOR_MODEL_PARALLEL_RANK)
-    own_buffer = ps._GLOBAL_MEMORY_BUFFER is None
-    if own_buffer:
-        ps._set_global_memory_buffer()
-    ps._TENSOR_MODEL_PARALLEL_GROUP = tp_group
-    ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = ps._MPU_TENSOR_MODEL_PARALLEL_RANK = None
-    try:
-        yield
-    finally:
-        (ps._TENSOR_MODEL_PARALLEL_GROUP, ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE,
-         ps._MPU_TENSOR_MODEL_PARALLEL_RANK) = saved
-        if own_buffer:
-            ps.destroy_global_memory_buffer()
-
-
 def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest, *, warmup: int,
             iters: int) -> dict[str, Any]:
     """Profile one (TP, mbs) on this rank's TP group; the ProfileEntry fields as a dict."""
     on_cpu = device.torch_device.type == "cpu"
     config = transformer_config(job, tensor_parallel=request.tp, num_layers=1, on_cpu=on_cpu)
-    with _megatron_globals(groups.tp):
+    with parallel_state_for(groups):
         model = gpt_model(job, config, pre_process=True, post_process=True, pg_collection=groups)
         if not on_cpu:
             model.to(device.torch_device)
@@ -320,8 +299,6 @@ class ProfileOutcome:
 
 def _profiling_groups(world: World, requests: Sequence[ProfileRequest], rank: int) -> dict[int, Any]:
     """``{tp: ProcessGroupCollection}`` for this rank's TP groups; every rank creates every group, in order."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
     own = None
     for r in range(len(world.ranks)):  # singleton pipeline / context groups: the profiled model has one stage
         group = dist.new_group([r])
@@ -337,10 +314,7 @@ def _profiling_groups(world: World, requests: Sequence[ProfileRequest], rank: in
                 members = list(node[start:start + tp])
                 group = dist.new_group(members)
                 if rank in members:
-                    pgc = ProcessGroupCollection()
-                    pgc.tp, pgc.cp, pgc.pp = group, own, own
-                    pgc.embd = pgc.pos_embd = None
-                    collections[tp] = pgc
+                    collections[tp] = process_groups(tp=group, pp=own, cp=own)
     return collections
 
 

@@ -1,12 +1,15 @@
 """``poseidon plan``: search the fastest plan for a cluster and a model.
 
     poseidon plan --cluster PRESET|FILE --model PRESET|FILE [--global-batch-size N] [--seq-length N]
-                  [--profile FILE] [--schedules 1f1b,interleaved-1f1b] [--exact | --exhaustive]
-                  [--comm-model dag|megatron|megatron-overlap]
-                  [--json] [--trace OUT.json] [--output PLAN.json]
+                  [--profile FILE] [--schedules 1f1b,interleaved-1f1b] [--search-mode exact|default|exhaustive]
+                  [--comm-model megatron|megatron-overlap|dag] [--overlap-p2p-comm auto|on|off]
+                  [--flag-style megatron|mindspeed|patch] [--json] [--trace OUT.json] [--output PLAN.json]
 
-Prints the plan as a table (``--json``: the plan document), draws a progress bar on stderr when the
-search takes more than a second, and fails with one line naming the constraint when nothing fits.
+Plans for the same target runtime as ``poseidon-run`` (``poseidon_plugin/target.py``: Megatron's comm
+model, its schedules, planned p2p overlap, micro-batch sizes 1,2,4, the proven optimum), so both give the
+same plan for the same job. Prints the plan as a table (``--json``: the plan document), draws a progress
+bar on stderr when the search takes more than a second, and fails with one line naming the constraint
+when nothing fits.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import time
 
 from ..errors import InputError, PoseidonError
 from ..simulator.graph import COMM_MODELS
-from .options import MEGATRON_SCHEDULES, SearchOptions
+from ..target import DEFAULT_MICRO_BATCH_SIZES, FLAG_STYLES, P2P_OVERLAP, SEARCH_MODES, TargetRuntime
+from .options import SearchOptions
 
 
 def _int_list(flag: str):
@@ -49,27 +53,39 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-length", type=int, metavar="N", help="tokens per sample (overrides the model file)")
     parser.add_argument("--profile", metavar="FILE",
                         help="measured profile (poseidon-profile JSON); default: analytic profile")
-    parser.add_argument("--schedules", type=_str_list, default=MEGATRON_SCHEDULES, metavar="S1,S2",
-                        help="pipeline schedules to consider (default: 1f1b,interleaved-1f1b; also gpipe, "
-                             "eager-1f1b)")
+    parser.add_argument("--flag-style", choices=FLAG_STYLES, default="megatron",
+                        help="the stack that runs the plan, as poseidon-run's --poseidon-flag-style: megatron "
+                             "(layout flag; 1f1b and interleaved), mindspeed (--num-layer-list) or patch "
+                             "(1f1b only); default megatron")
+    parser.add_argument("--schedules", type=_str_list, default=None, metavar="S1,S2",
+                        help="pipeline schedules to consider (default: what the flag style runs, "
+                             "1f1b,interleaved-1f1b for megatron; gpipe and eager-1f1b for study)")
     parser.add_argument("--virtual-stages", type=_int_list("--virtual-stages"), default=(2,),
                         metavar="V1,V2", help="chunks per rank tried with interleaved-1f1b (default 2)")
     parser.add_argument("--micro-batch-size", type=_int_list("--micro-batch-size"), metavar="B1,B2",
-                        help="micro-batch sizes to try (default: 1,2,4,8 or what the profile covers)")
+                        help="micro-batch sizes to try (default: "
+                             f"{','.join(map(str, DEFAULT_MICRO_BATCH_SIZES))}, as poseidon-run profiles; with "
+                             "--profile: what it covers)")
     parser.add_argument("--tp", type=_int_list("--tp"), metavar="T1,T2",
                         help="TP degrees to try (default: every valid power of two)")
     parser.add_argument("--max-pp", type=int, metavar="N", help="largest pipeline size to try")
     parser.add_argument("--min-pp", type=int, metavar="N", help="smallest pipeline size to try")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--exact", action="store_true",
-                      help="only provably safe pruning: the true optimum of the cost model (slow on large "
-                           "clusters; see --time-limit)")
-    mode.add_argument("--exhaustive", action="store_true",
-                      help="simulate every plan (small problems only; a reference for checking)")
-    parser.add_argument("--comm-model", choices=COMM_MODELS, default="dag",
-                        help="simulator communication model the plans are timed with: dag (fixed transfer "
-                             "delays, the paper's), megatron (Megatron's blocking p2p calls), "
-                             "megatron-overlap; see docs/FIDELITY.md (default dag)")
+    mode.add_argument("--search-mode", choices=SEARCH_MODES, default="exact",
+                      help="exact (default, as poseidon-run): only provably safe pruning, the true optimum "
+                           "of the cost model; default: faster, also the paper's ridge rule; exhaustive: "
+                           "every plan (small problems only)")
+    mode.add_argument("--exact", action="store_true", help="same as --search-mode exact")
+    mode.add_argument("--exhaustive", action="store_true", help="same as --search-mode exhaustive")
+    parser.add_argument("--comm-model", choices=COMM_MODELS, default="megatron",
+                        help="simulator communication model the plans are timed with: megatron (default: "
+                             "Megatron's blocking p2p calls, what the plan runs on), megatron-overlap "
+                             "(= megatron with --overlap-p2p-comm on), dag (the paper's fixed transfer "
+                             "delays); see docs/FIDELITY.md")
+    parser.add_argument("--overlap-p2p-comm", choices=P2P_OVERLAP, default="auto",
+                        help="Megatron's overlap_p2p_comm for interleaved plans: auto (default) prices both "
+                             "and plans the faster, on / off pin it (off: the job passes "
+                             "--no-overlap-p2p-communication)")
     parser.add_argument("--gap", type=float, default=0.0, metavar="FRACTION",
                         help="default mode: stop improving once no plan can be faster by more than this "
                              "fraction (e.g. 0.01); default 0")
@@ -120,18 +136,19 @@ class ProgressBar:
 
 
 def options_from_args(args) -> SearchOptions:
-    """The :class:`SearchOptions` of the parsed command line."""
-    mode = "exact" if args.exact else "exhaustive" if args.exhaustive else "default"
+    """The :class:`SearchOptions` of the parsed command line, for what the target runtime does not decide
+    (:func:`poseidon_plugin.target.search_plan` sets mode, schedules, virtual stages and comm model)."""
     return SearchOptions(
-        mode=mode, schedules=tuple(args.schedules), virtual_stages=tuple(args.virtual_stages),
-        micro_batch_sizes=args.micro_batch_size, tp_degrees=args.tp, max_pipeline_stages=args.max_pp, min_pipeline_stages=args.min_pp,
+        micro_batch_sizes=args.micro_batch_size if args.profile else None, tp_degrees=args.tp,
+        max_pipeline_stages=args.max_pp, min_pipeline_stages=args.min_pp,
         top_k=args.top_k, warmup_samples=args.warmup_samples, seed=args.seed,
         time_limit_s=args.time_limit, gap=args.gap, type_blocks=not args.any_type_order,
-        exact_alternatives=args.exact_alternatives, comm_model=args.comm_model)
+        exact_alternatives=args.exact_alternatives)
 
 
-def build_cost_model(args):
-    """Load cluster, model (with the job overrides) and profile, and build the cost model."""
+def build_cost_model(args, target: TargetRuntime | None = None):
+    """Load cluster, model (with the job overrides) and profile, and build the cost model (an analytic
+    profile covers the target's micro-batch sizes)."""
     from ..costmodel import CostModel
     from ..specs import load_cluster, load_model, load_profile
     cluster = load_cluster(args.cluster)
@@ -139,13 +156,16 @@ def build_cost_model(args):
                                                   seq_length=args.seq_length)
     profile = load_profile(args.profile) if args.profile else None
     kwargs = {}
-    if profile is None and args.micro_batch_size:
-        kwargs["micro_batch_sizes"] = args.micro_batch_size
+    if profile is None:
+        kwargs["micro_batch_sizes"] = (target or TargetRuntime.from_cli(args)).micro_batch_sizes
     return CostModel(cluster, model, profile, **kwargs)
 
 
-def write_trace(cm, plan, path: str, comm_model: str = "dag") -> None:
-    """Simulate the plan again and write its timeline as Chrome trace events."""
+def write_trace(cm, plan, path: str, comm_model: str | None = None) -> None:
+    """Simulate the plan again (under the comm model it was priced with) and write its timeline as Chrome
+    trace events."""
+    if comm_model is None:
+        comm_model = plan.search_stats.get("comm_model", "dag")
     from ..costmodel import Candidate
     from ..simulator import Simulator
     from ..simulator.trace import trace_events, write_json_atomic
@@ -162,17 +182,18 @@ def write_trace(cm, plan, path: str, comm_model: str = "dag") -> None:
 def run(args) -> int:
     """Search and print the plan."""
     from ..plan import render_table
-    from .engine import search
+    from ..target import search_plan
     for flag, value in (("--global-batch-size", args.global_batch_size), ("--seq-length", args.seq_length),
                         ("--max-pp", args.max_pp)):
         if value is not None and value < 1:
             raise InputError(f"{flag} {value} is invalid: must be an integer >= 1")
+    target = TargetRuntime.from_cli(args)
     options = options_from_args(args)
-    cm = build_cost_model(args)
+    cm = build_cost_model(args, target)
     bar = ProgressBar(enabled=not args.no_progress)
     options = dataclasses.replace(options, progress=bar)
     try:
-        result = search(cm, options)
+        result = search_plan(cm, target, options)
     finally:
         bar.close()
     plan = result.plan
@@ -182,11 +203,11 @@ def run(args) -> int:
         except OSError as exc:
             raise PoseidonError(f"--output {args.output}: cannot write: {exc.strerror}") from None
     if args.trace:
-        write_trace(cm, plan, args.trace, args.comm_model)
+        write_trace(cm, plan, args.trace)
     if args.json:
         print(plan.to_json())
         return 0
-    print(render_table(plan, max_alternatives=max(0, args.top_k - 1)))
+    print(render_table(plan, max_alternatives=max(0, args.top_k - 1), runtime=target.describe(plan)))
     if not result.stats.complete:
         print("note: stopped by --time-limit; the plan is the best found, not proven optimal",
               file=sys.stderr)

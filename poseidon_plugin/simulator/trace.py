@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-
+from ..specs.fields import write_json_atomic  # noqa: F401  (re-exported: the one atomic JSON writer)
 from .core import Simulator, node_name
 from .graph import ALLREDUCE
 
@@ -37,18 +34,3 @@ def trace_events(sim: Simulator, forward_ms, backward_ms, send_ms, allreduce_ms)
                        "ts": (finish[node] - dur) * 1000.0, "dur": dur * 1000.0,
                        "args": {"node": node_name(label, sim.virtual_stages)}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
-def write_json_atomic(path: str, doc) -> None:
-    """Write ``doc`` as JSON to ``path`` atomically (temp file in the same folder, then rename)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, indent=1)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

@@ -15,6 +15,7 @@ architecture query made with TP > 1 answers Hopper.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -37,7 +38,7 @@ USER_ARGS = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads"
              "--mock-data", "--tokenizer-type", "NullTokenizer", "--global-batch-size", "16",
              # the user's own parallelism, which the plan replaces:
              "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
-             "--decoder-first-pipeline-num-layers", "3", "--micro-batch-size", "4"]
+             "--decoder-first-pipeline-num-layers", "3", "--micro-batch-size", "4", "--no-overlap-p2p-communication"]
 
 _CHECK = textwrap.dedent("""
     import json, os, sys, types, typing, typing_extensions
@@ -57,12 +58,13 @@ _CHECK = textwrap.dedent("""
         results.append({"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
                         "dp": args.data_parallel_size, "vpp": args.virtual_pipeline_model_parallel_size,
                         "mbs": args.micro_batch_size, "gbs": args.global_batch_size,
+                        "overlap": args.overlap_p2p_comm,
                         "layout": str(config.pipeline_model_parallel_layout)})
     print("RESULTS " + json.dumps(results))
 """)
 
 
-def _plan(tp: int, pp: int, dp: int, layers: tuple[int, ...], v: int = 1):
+def _plan(tp: int, pp: int, dp: int, layers: tuple[int, ...], v: int = 1, overlap: bool | None = None):
     types = ["A2-2", "A2-4"]
     cluster = parse_cluster({"name": "c", "device_types": types,
                              "nodes": [{"device_type": t, "count": 1, "devices_per_node": 4} for t in types],
@@ -71,14 +73,17 @@ def _plan(tp: int, pp: int, dp: int, layers: tuple[int, ...], v: int = 1):
     stage_types = tuple(types[i * 2 // pp] for i in range(pp))
     cand = Candidate(tp=tp, pp=pp, dp=dp, mbs=2, stage_types=stage_types, layers=layers,
                      schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v)
-    return CostModel(cluster, model).make_plan(cand)
+    plan = CostModel(cluster, model).make_plan(cand)
+    return plan if overlap is None else dataclasses.replace(plan, overlap_p2p_comm=overlap)
 
 
 CASES = [
     dict(tp=1, pp=4, dp=1, layers=(1, 3, 3, 1)),
     dict(tp=2, pp=2, dp=1, layers=(5, 3)),
     dict(tp=1, pp=2, dp=2, layers=(2, 6)),
-    dict(tp=1, pp=2, dp=1, layers=(1, 2, 3, 2), v=2),
+    dict(tp=1, pp=2, dp=1, layers=(1, 2, 3, 2), v=2),  # overlap on (Megatron-LM needs it at pp 2)
+    dict(tp=1, pp=4, dp=1, layers=(1,) * 8, v=2, overlap=False),  # --no-overlap-p2p-communication
+    dict(tp=1, pp=4, dp=1, layers=(1,) * 8, v=2, overlap=True),
 ]
 
 
@@ -102,3 +107,4 @@ def test_rewritten_flags_pass_megatron_validation(tmp_path):
         assert got["vpp"] == (plan.virtual_stages if plan.virtual_stages > 1 else None)
         assert (got["mbs"], got["gbs"]) == (plan.micro_batch_size, 16)
         assert got["layout"] == planned_flags(plan, "megatron", 16)[5]
+        assert got["overlap"] == plan.overlap_p2p_comm  # the user's --no-overlap-p2p-communication is replaced

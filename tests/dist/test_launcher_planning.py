@@ -16,7 +16,8 @@ from poseidon_plugin.runtime.inventory import (RankInfo, World, cluster_from_wor
 from poseidon_plugin.runtime.job_flags import read_job  # noqa: E402
 from poseidon_plugin.runtime.placement import planned_layers, planned_ranks, stage_of  # noqa: E402
 from poseidon_plugin.runtime.planning import check_plan_fits, model_spec, plan_on_rank0  # noqa: E402
-from poseidon_plugin.specs import GIB, LinkSpec, parse_cluster  # noqa: E402
+from poseidon_plugin.specs import GIB, LinkSpec, load_cluster, load_model, parse_cluster  # noqa: E402
+from poseidon_plugin.target import TargetRuntime  # noqa: E402
 
 JOB = read_job("pretrain_gpt.py", ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
                                    "--seq-length", "32", "--vocab-size", "512", "--global-batch-size", "8"])
@@ -114,13 +115,13 @@ def test_search_call_and_keep():
     cluster = cluster_from_world(world, link_specs(LINKS), None)
     model = model_spec(JOB, global_batch_size=8, name="m")
     cm = CostModel(cluster, model)
-    plan = plan_on_rank0(cm, schedules=("1f1b",), keep=None, time_limit_s=60)
+    plan = plan_on_rank0(cm, TargetRuntime(schedules=("1f1b",)), keep=None, time_limit_s=60)
     assert plan.schedule == "1f1b"
     check_plan_fits(plan, world, JOB, 8, "the searched plan")
     kept_job = read_job("t.py", ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
                                  "--seq-length", "32", "--pipeline-model-parallel-size", "2",
                                  "--micro-batch-size", "2", "--global-batch-size", "8"])
-    kept = plan_on_rank0(cm, schedules=("1f1b",), keep=kept_job, time_limit_s=60)
+    kept = plan_on_rank0(cm, TargetRuntime(schedules=("1f1b",)), keep=kept_job, time_limit_s=60)
     assert (kept.tp, kept.pp, kept.micro_batch_size) == (1, 2, 2)
 
 
@@ -130,6 +131,26 @@ def test_no_feasible_plan_is_a_user_error():
                              "nodes": [{"device_type": "tiny", "count": 1, "devices_per_node": 2}], "links": "npu",
                              "constants": {"memory_reserve_gb": 0}})
     with pytest.raises(NoFeasiblePlanError):
-        plan_on_rank0(CostModel(cluster, model_spec(JOB, global_batch_size=8, name="m")), schedules=("1f1b",),
-                      keep=None, time_limit_s=60)
+        plan_on_rank0(CostModel(cluster, model_spec(JOB, global_batch_size=8, name="m")),
+                      TargetRuntime(schedules=("1f1b",)), keep=None, time_limit_s=60)
     assert world.node_type(0) == "tiny"
+
+
+def test_launcher_plans_as_poseidon_plan(capsys):
+    """Paper Setting 1 / Llama-3 8B: the launcher's planning function (its target from the default options and
+    the job's flags) gives the plan ``poseidon plan`` prints."""
+    import json
+
+    from poseidon_plugin.cli import main
+    from poseidon_plugin.plan import Plan
+    from poseidon_plugin.runtime.options import RuntimeOptions
+
+    assert main(["plan", "--cluster", "paper-setting-1", "--model", "llama3-8b", "--json", "--no-progress"]) == 0
+    offline = Plan.from_dict(json.loads(capsys.readouterr().out))
+    job = read_job("pretrain_gpt.py", ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
+                                       "--seq-length", "4096", "--global-batch-size", "128"])
+    target = TargetRuntime.for_job(RuntimeOptions(), job, "megatron")
+    cm = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"), micro_batch_sizes=target.micro_batch_sizes)
+    launched = plan_on_rank0(cm, target, keep=None, time_limit_s=300.0)
+    assert launched.plan_hash() == offline.plan_hash()
+    assert launched.overlap_p2p_comm and launched.schedule == "interleaved-1f1b"

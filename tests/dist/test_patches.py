@@ -184,3 +184,56 @@ def test_emulation_factor_must_not_speed_up():
 
     with pytest.raises(ValueError, match="must be >= 1.0"):
         emulation.set_factor(0.5)
+
+
+# --- CPU shim and profiling: megatron-core state changed through tables ------------------------------
+
+
+def test_cpu_shim_is_a_verified_reversible_table():
+    """The shim's torch.cuda stand-ins and megatron-core's RNG tracker go through patches/cpu_shim.py: verified
+    after install, and install/uninstall restore the exact objects (tracker included)."""
+    from megatron.core.tensor_parallel import random as mc_random
+
+    from poseidon_plugin.patches import cpu_shim as shim_table
+    from poseidon_plugin.runtime import cpu_shim
+
+    if cpu_shim.installed():
+        pytest.skip("the shim is installed process-wide by an earlier test")
+    before = {name: getattr(torch.cuda, name) for name in ("current_device", "synchronize", "Stream", "Event")}
+    tracker = (mc_random._CUDA_RNG_STATE_TRACKER, mc_random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    assert cpu_shim.install(force=True)
+    try:
+        assert shim_table.TABLE.verify() == []
+        assert {row.target.rsplit(".", 1)[1] for row in shim_table.TABLE.rows} >= {
+            "_CUDA_RNG_STATE_TRACKER", "current_device", "synchronize", "Stream", "Event"}
+        assert mc_random._CUDA_RNG_STATE_TRACKER_INITIALIZED is True
+        assert type(mc_random.get_cuda_rng_tracker()).__name__ == "InferenceCudaRNGStatesTracker"
+        torch.cuda.synchronize = lambda device=None: None  # someone else's patch on top: verify() notices
+        assert shim_table.TABLE.verify() == ["torch.cuda.synchronize is not patched"]
+    finally:
+        cpu_shim.uninstall()
+    assert not cpu_shim.installed()
+    assert {name: getattr(torch.cuda, name) for name in before} == before
+    assert (mc_random._CUDA_RNG_STATE_TRACKER, mc_random._CUDA_RNG_STATE_TRACKER_INITIALIZED) == tracker
+
+
+def test_profiling_table_points_parallel_state_at_a_group_and_back():
+    from megatron.core import parallel_state as ps
+
+    from poseidon_plugin.patches import profiling
+
+    names = ("_TENSOR_MODEL_PARALLEL_GROUP", "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE",
+             "_MPU_TENSOR_MODEL_PARALLEL_RANK", "_GLOBAL_MEMORY_BUFFER")
+    before = {name: getattr(ps, name) for name in names}
+    group = object()  # identity is all the table handles
+    table = profiling.table(group)
+    table.apply()
+    try:
+        assert table.verify() == []
+        assert ps._TENSOR_MODEL_PARALLEL_GROUP is group and ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE is None
+        assert ps.get_global_memory_buffer() is not None
+        ps._MPU_TENSOR_MODEL_PARALLEL_RANK = 3  # a write behind the table's back shows up
+        assert table.verify() == ["megatron.core.parallel_state._MPU_TENSOR_MODEL_PARALLEL_RANK is not patched"]
+    finally:
+        table.revert()
+    assert all(getattr(ps, name) is value for name, value in before.items())

@@ -94,10 +94,9 @@ def test_rewrite_replaces_parallelism_and_keeps_the_rest():
 
 _OTHER = ["--num-layers", "--lr", "--seed", "--data-path", "--save"]
 _OTHER_SWITCHES = ["--mock-data", "--bf16", "--swiglu"]
-_PLANNED_WITH_VALUE = [f for f in PLANNED_FLAGS if f not in ("--account-for-embedding-in-pipeline-split",
-                                                             "--account-for-loss-in-pipeline-split",
-                                                             "--standalone-embedding-stage")]
-_PLANNED_SWITCHES = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+_PLANNED_SWITCHES = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+                     "--standalone-embedding-stage", "--no-overlap-p2p-communication"]
+_PLANNED_WITH_VALUE = [f for f in PLANNED_FLAGS if f not in _PLANNED_SWITCHES]
 
 _items = st.one_of(
     st.tuples(st.sampled_from(_OTHER), st.sampled_from(["1", "0.5", "x/y", "-3"]), st.booleans(), st.just(False)),

@@ -91,9 +91,25 @@ def test_missing_target_leaves_nothing_patched(fake):
 
 
 def test_unswept_copy_fails_verification(fake):
+    table = PatchTable("t", [Patch(target="fakestack.core.layers", make=_wrap("p"), sweep=True)])
+    table.apply()
+    assert table.verify() == []
+    fake.user.layers = fake.layers  # a swept copy put back behind the table's back
+    assert table.verify() == ["copy fakestack.user.layers is not patched"]
+    fake.user.layers = fake.core.layers
+    fake.user.late = fake.layers  # a by-name copy made after apply(), never swept
+    assert table.verify() == ["fakestack.user.late still holds the original"]
+    del fake.user.late
+    fake.core.layers = fake.layers  # the target itself reverted behind the table's back
+    assert "fakestack.core.layers is not patched" in table.verify()
+    table.revert()
+    assert fake.core.layers is fake.layers and fake.user.layers is fake.layers
+
+
+def test_unswept_row_checks_only_its_target(fake):
     table = PatchTable("t", [Patch(target="fakestack.core.layers", make=_wrap("p"), sweep=False)])
-    table.apply()  # without sweep the copy is not checked (e.g. a method has no module-level copies)
-    assert fake.user.layers is fake.layers
+    table.apply()  # without sweep the copies are left alone and not checked (a method has no module copies)
+    assert fake.user.layers is fake.layers and table.verify() == []
     table.revert()
 
 

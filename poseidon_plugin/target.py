@@ -1,0 +1,231 @@
+"""The target runtime: what will run the plan, and so what the search must plan for.
+
+One definition shared by ``poseidon plan`` (:meth:`TargetRuntime.from_cli`) and ``poseidon-run``
+(:meth:`TargetRuntime.for_job`), so that the same job gets the same plan offline and at launch, and
+printed with the plan (:meth:`TargetRuntime.describe`). :func:`search_plan` is the one way both search.
+
+Megatron-LM runs its interleaved schedule with ``overlap_p2p_comm`` unless the job passes
+``--no-overlap-p2p-communication``, and refuses interleaved without overlap on fewer than three pipeline
+ranks. Overlap changes the schedule's communication (and its time, docs/FIDELITY.md), so it is a planned
+choice: with the ``megatron`` comm model interleaved candidates are priced both ways (one search per
+variant, ``megatron-overlap`` and ``megatron``) and the faster plan is kept; the plan records the choice
+(``Plan.overlap_p2p_comm``) and its Megatron flags carry it. Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import InputError, NoFeasiblePlanError
+from .simulator.schedules import SCHEDULES
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .costmodel import CostModel
+    from .search.options import SearchOptions, SearchResult
+
+INTERLEAVED = "interleaved-1f1b"
+FLAG_STYLES = ("megatron", "mindspeed", "patch")
+COMM_MODELS = ("megatron", "dag")
+P2P_OVERLAP = ("auto", "on", "off")
+SEARCH_MODES = ("exact", "default", "exhaustive")
+DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4)
+# Megatron-LM's validate_args: interleaved without overlap_p2p_comm needs pp > 2.
+MIN_PP_INTERLEAVED_WITHOUT_OVERLAP = 3
+NO_OVERLAP_FLAG = "--no-overlap-p2p-communication"
+_STYLE_NAMES = {"megatron": "Megatron-LM / megatron-core (layout flag)",
+                "mindspeed": "MindSpeed-LLM (--num-layer-list)",
+                "patch": "megatron-core without layout flag (layer patches)"}
+
+
+def style_schedules(flag_style: str) -> tuple[str, ...]:
+    """Schedules the runtime executes in this flag style (a virtual split needs the layout flag)."""
+    return ("1f1b", INTERLEAVED) if flag_style == "megatron" else ("1f1b",)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TargetRuntime:
+    """What runs the plan: stack, comm model, schedules, p2p overlap, micro-batch candidates, search mode."""
+
+    flag_style: str = "megatron"
+    """How the plan reaches the training script, i.e. which stack runs it: ``megatron`` (Megatron-LM /
+    megatron-core >= 0.13, ``--pipeline-model-parallel-layout``: any uneven and virtual split),
+    ``mindspeed`` (MindSpeed-LLM, ``--num-layer-list``: one chunk per rank) or ``patch`` (older
+    megatron-core: layer patches). The last two run 1F1B only."""
+
+    comm_model: str = "megatron"
+    """Simulator communication model the plans are timed with: ``megatron`` (Megatron's blocking p2p
+    calls; with overlap, ``megatron-overlap``: docs/FIDELITY.md) or ``dag`` (the paper's fixed transfer
+    delays, which misranks interleaved plans on Megatron)."""
+
+    schedules: tuple[str, ...] = ()
+    """Pipeline schedules the search may choose; empty: every schedule the flag style runs."""
+
+    virtual_stages: tuple[int, ...] = (2,)
+    """Model chunks per rank tried with ``interleaved-1f1b``."""
+
+    p2p_overlap: str = "auto"
+    """``overlap_p2p_comm`` of interleaved plans: ``auto`` plans it (both priced, the faster kept),
+    ``on`` / ``off`` pin it (``off``: the job passes ``--no-overlap-p2p-communication``)."""
+
+    micro_batch_sizes: tuple[int, ...] = DEFAULT_MICRO_BATCH_SIZES
+    """Candidate micro-batch sizes, profiled (analytic or measured) and searched where they divide the
+    global batch."""
+
+    search_mode: str = "exact"
+    """``exact``: the proven optimum of the cost model; ``default``: the faster search that also uses the
+    paper's ridge rule (docs/SEARCH.md); ``exhaustive``: every plan (small problems, for checking)."""
+
+    def __post_init__(self) -> None:
+        if self.flag_style not in FLAG_STYLES:
+            raise InputError(f"flag style {self.flag_style!r} is invalid: choose one of {', '.join(FLAG_STYLES)}")
+        if self.comm_model not in COMM_MODELS:
+            raise InputError(f"--comm-model {self.comm_model!r} is invalid: choose one of "
+                             f"{', '.join(COMM_MODELS)} (or megatron-overlap: megatron with p2p overlap on)")
+        if self.p2p_overlap not in P2P_OVERLAP:
+            raise InputError(f"p2p overlap {self.p2p_overlap!r} is invalid: choose one of {', '.join(P2P_OVERLAP)}")
+        if self.search_mode not in SEARCH_MODES:
+            raise InputError(f"search mode {self.search_mode!r} is invalid: choose one of {', '.join(SEARCH_MODES)}")
+        if not self.schedules:
+            object.__setattr__(self, "schedules", style_schedules(self.flag_style))
+        for schedule in self.schedules:
+            if schedule not in SCHEDULES:
+                raise InputError(f"--schedules: {schedule!r} is not a pipeline schedule; allowed: "
+                                 f"{', '.join(SCHEDULES)}")
+        if INTERLEAVED in self.schedules and self.flag_style != "megatron":
+            raise InputError(f"--schedules {INTERLEAVED} cannot run with flag style {self.flag_style} (one chunk "
+                             f"per rank); use --schedules 1f1b or the megatron flag style")
+        if not self.micro_batch_sizes or any(isinstance(m, bool) or not isinstance(m, int) or m < 1
+                                             for m in self.micro_batch_sizes):
+            raise InputError(f"micro-batch sizes {self.micro_batch_sizes!r} are invalid: give integers >= 1, "
+                             f"e.g. 1,2,4")
+
+    @classmethod
+    def from_cli(cls, args: Any) -> "TargetRuntime":
+        """The target of ``poseidon plan``'s parsed arguments (``search/cli.py``)."""
+        comm, overlap = args.comm_model, args.overlap_p2p_comm
+        if comm == "megatron-overlap":
+            if overlap == "off":
+                raise InputError("--comm-model megatron-overlap conflicts with --overlap-p2p-comm off; drop one")
+            comm, overlap = "megatron", "on"
+        mode = "exhaustive" if args.exhaustive else "exact" if args.exact else args.search_mode
+        values: dict[str, Any] = {"flag_style": args.flag_style, "comm_model": comm, "p2p_overlap": overlap,
+                                  "search_mode": mode, "virtual_stages": tuple(args.virtual_stages)}
+        if args.schedules:
+            values["schedules"] = tuple(args.schedules)
+        if args.micro_batch_size:
+            values["micro_batch_sizes"] = tuple(args.micro_batch_size)
+        return cls(**values)
+
+    @classmethod
+    def for_job(cls, options: Any, job: Any, flag_style: str) -> "TargetRuntime":
+        """The target of a ``poseidon-run`` launch: its ``RuntimeOptions``, the job's ``JobFlags`` and the
+        resolved flag style (``runtime/apply.py``)."""
+        values: dict[str, Any] = {"flag_style": flag_style, "search_mode": options.search_mode,
+                                  "p2p_overlap": "auto" if job.overlap_p2p_comm else "off"}
+        if options.schedules:
+            values["schedules"] = tuple(options.schedules)
+        if options.micro_batch_sizes:
+            values["micro_batch_sizes"] = tuple(options.micro_batch_sizes)
+        return cls(**values)
+
+    def describe(self, plan: Any = None) -> str:
+        """One line for the plan table; with ``plan``, the overlap it chose."""
+        overlap = self.p2p_overlap
+        if plan is not None and plan.schedule == INTERLEAVED:
+            overlap += f" (planned: {'on' if plan.overlap_p2p_comm else 'off'})"
+        return (f"runtime: {_STYLE_NAMES[self.flag_style]}; comm model {self.comm_model}; schedules "
+                f"{','.join(self.schedules)}; p2p overlap {overlap}; micro-batch sizes "
+                f"{','.join(map(str, self.micro_batch_sizes))}; search {self.search_mode}")
+
+    def variants(self) -> tuple["SearchVariant", ...]:
+        """The searches that together cover the target's plans (one per p2p-overlap setting that matters)."""
+        if INTERLEAVED not in self.schedules:
+            return (SearchVariant(comm_model=self.comm_model, schedules=self.schedules, overlap=False),)
+        others = tuple(s for s in self.schedules if s != INTERLEAVED)
+        with_overlap = "megatron-overlap" if self.comm_model == "megatron" else self.comm_model
+        out = []
+        if self.p2p_overlap in ("auto", "on"):
+            # 1F1B has no overlap variant (Megatron turns it off), so this search covers it too.
+            out.append(SearchVariant(comm_model=with_overlap, schedules=self.schedules, overlap=True))
+        elif others:
+            out.append(SearchVariant(comm_model=self.comm_model, schedules=others, overlap=False))
+        # dag has no overlap model: interleaved without overlap would only add plans Megatron may refuse
+        if self.p2p_overlap == "off" or (self.p2p_overlap == "auto" and self.comm_model != "dag"):
+            out.append(SearchVariant(comm_model=self.comm_model, schedules=(INTERLEAVED,), overlap=False,
+                                     min_pp=MIN_PP_INTERLEAVED_WITHOUT_OVERLAP))
+        return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchVariant:
+    """One search of :func:`search_plan`: a comm model, the schedules it prices, the overlap it stands for."""
+
+    comm_model: str
+    """Simulator comm model of this search (``megatron-overlap`` prices interleaved with overlap)."""
+    schedules: tuple[str, ...]
+    """Schedules searched."""
+    overlap: bool
+    """``overlap_p2p_comm`` of the interleaved plans it finds."""
+    min_pp: int = 1
+    """Smallest pipeline size (Megatron-LM needs 3 for interleaved without overlap)."""
+
+
+def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "SearchOptions | None" = None
+                ) -> "SearchResult":
+    """The fastest plan for ``target``: one search per :meth:`TargetRuntime.variants`, the best kept.
+
+    ``options`` carries everything the target does not decide (TP / PP / mbs limits, top-k, time limit,
+    progress...); its mode, schedules, virtual stages and comm model are the target's. The time limit is
+    shared among the variants. Raises the first variant's NoFeasiblePlanError when none finds a plan.
+    """
+    from .search import SearchOptions, search
+
+    base = dataclasses.replace(options or SearchOptions(), mode=target.search_mode,
+                               virtual_stages=target.virtual_stages)
+    variants = target.variants()
+    limit = None if base.time_limit_s is None else base.time_limit_s / len(variants)
+    best = None
+    first_error: NoFeasiblePlanError | None = None
+    wall_s = 0.0
+    for index, variant in enumerate(variants):
+        min_pp = max(variant.min_pp, base.min_pipeline_stages or 1)
+        if base.max_pipeline_stages is not None and min_pp > base.max_pipeline_stages:
+            continue
+        progress = base.progress
+        if progress is not None and len(variants) > 1:
+            progress = _scaled_progress(progress, index, len(variants))
+        opts = dataclasses.replace(base, comm_model=variant.comm_model, schedules=variant.schedules,
+                                   min_pipeline_stages=None if min_pp == 1 else min_pp, time_limit_s=limit,
+                                   progress=progress)
+        try:
+            result = search(cost_model, opts)
+        except NoFeasiblePlanError as exc:
+            first_error = first_error or exc
+            continue
+        wall_s += result.stats.wall_s
+        if best is None or result.plan.predicted_iteration_ms < best[1].plan.predicted_iteration_ms:
+            best = (variant, result)
+    if best is None:
+        if first_error is not None:
+            raise first_error
+        raise NoFeasiblePlanError(f"no plan: interleaved without p2p overlap needs at least "
+                                  f"{MIN_PP_INTERLEAVED_WITHOUT_OVERLAP} pipeline stages on Megatron-LM; allow a "
+                                  f"larger --max-pp, add schedule 1f1b, or let the plan overlap p2p")
+    variant, result = best
+    overlap = variant.overlap and result.plan.schedule == INTERLEAVED
+    stats = dict(result.plan.search_stats)
+    if variant.comm_model == "megatron-overlap" and result.plan.schedule != INTERLEAVED:
+        stats["comm_model"] = "megatron"  # Megatron overlaps p2p only when interleaved: the same timing
+    if len(variants) > 1:
+        stats["variants"] = len(variants)
+        stats["wall_s"] = round(wall_s, 4)
+    plan = dataclasses.replace(result.plan, overlap_p2p_comm=overlap, search_stats=stats)
+    return dataclasses.replace(result, plan=plan)
+
+
+def _scaled_progress(progress, index: int, count: int):
+    def report(fraction: float, message: str) -> None:
+        progress((index + fraction) / count, f"{message} [search {index + 1}/{count}]")
+    return report

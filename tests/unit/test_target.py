@@ -1,0 +1,167 @@
+"""The target runtime (``poseidon_plugin/target.py``): one definition for ``poseidon plan`` and ``poseidon-run``,
+p2p overlap as a planned choice, the plan field and its Megatron flag."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+
+from poseidon_plugin.cli import main
+from poseidon_plugin.costmodel import CostModel
+from poseidon_plugin.errors import InputError, PoseidonError
+from poseidon_plugin.plan import Plan, megatron_args
+from poseidon_plugin.runtime.apply import planned_flags
+from poseidon_plugin.runtime.job_flags import flag_values, read_job, rewrite
+from poseidon_plugin.runtime.options import RuntimeOptions
+from poseidon_plugin.search import SearchOptions
+from poseidon_plugin.search import cli as search_cli
+from poseidon_plugin.specs import load_cluster, load_model
+from poseidon_plugin.target import SearchVariant, TargetRuntime, search_plan
+
+JOB_ARGS = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length", "4096",
+            "--global-batch-size", "128"]
+
+
+def _cli_target(*argv: str) -> TargetRuntime:
+    parser = argparse.ArgumentParser()
+    search_cli.configure(parser)
+    return TargetRuntime.from_cli(parser.parse_args(["--cluster", "c", "--model", "m", *argv]))
+
+
+def _launcher_target(job_args=(), **options) -> TargetRuntime:
+    return TargetRuntime.for_job(RuntimeOptions(**options), read_job("pretrain_gpt.py", [*JOB_ARGS, *job_args]),
+                                 "megatron")
+
+
+def test_plan_cli_and_launcher_share_one_target():
+    target = _cli_target()
+    assert target == _launcher_target()
+    assert (target.comm_model, target.search_mode, target.p2p_overlap, target.micro_batch_sizes, target.schedules) == (
+        "megatron", "exact", "auto", (1, 2, 4), ("1f1b", "interleaved-1f1b"))
+    # the same knobs give the same target on both sides
+    assert _cli_target("--search-mode", "default", "--micro-batch-size", "1,2", "--schedules", "1f1b") == \
+        _launcher_target(search_mode="default", micro_batch_sizes=(1, 2), schedules=("1f1b",))
+    assert _cli_target("--overlap-p2p-comm", "off") == _launcher_target(["--no-overlap-p2p-communication"])
+
+
+def test_setting_1_same_plan_offline_and_at_launch(capsys):
+    """``poseidon plan`` (paper Setting 1 / Llama-3 8B) and the launcher's target give one plan."""
+    assert main(["plan", "--cluster", "paper-setting-1", "--model", "llama3-8b", "--json", "--no-progress"]) == 0
+    offline = Plan.from_dict(json.loads(capsys.readouterr().out))
+    target = _launcher_target()
+    cm = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"), micro_batch_sizes=target.micro_batch_sizes)
+    launched = search_plan(cm, target, SearchOptions(time_limit_s=300.0)).plan  # as planning.plan_on_rank0
+    assert launched.plan_hash() == offline.plan_hash()
+    assert offline.schedule == "interleaved-1f1b" and offline.overlap_p2p_comm and offline.pp == 2
+    assert offline.search_stats["comm_model"] == "megatron-overlap" and offline.search_stats["mode"] == "exact"
+    assert "--no-overlap-p2p-communication" not in megatron_args(offline)  # Megatron-LM's default is on
+
+
+@pytest.mark.parametrize("comm, overlap, schedules, expected", [
+    ("megatron", "auto", ("1f1b", "interleaved-1f1b"),
+     [("megatron-overlap", ("1f1b", "interleaved-1f1b"), True, 1), ("megatron", ("interleaved-1f1b",), False, 3)]),
+    ("megatron", "on", ("1f1b", "interleaved-1f1b"), [("megatron-overlap", ("1f1b", "interleaved-1f1b"), True, 1)]),
+    ("megatron", "off", ("1f1b", "interleaved-1f1b"),
+     [("megatron", ("1f1b",), False, 1), ("megatron", ("interleaved-1f1b",), False, 3)]),
+    ("megatron", "auto", ("1f1b",), [("megatron", ("1f1b",), False, 1)]),
+    ("dag", "auto", ("1f1b", "interleaved-1f1b"), [("dag", ("1f1b", "interleaved-1f1b"), True, 1)]),
+])
+def test_variants_cover_each_overlap_setting(comm, overlap, schedules, expected):
+    target = TargetRuntime(comm_model=comm, p2p_overlap=overlap, schedules=schedules)
+    assert target.variants() == tuple(SearchVariant(comm_model=c, schedules=s, overlap=o, min_pp=m)
+                                      for c, s, o, m in expected)
+
+
+def test_best_variant_wins_and_each_plan_is_priced_as_it_runs():
+    cm = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"), micro_batch_sizes=(1,))
+    auto = search_plan(cm, TargetRuntime(micro_batch_sizes=(1,))).plan
+    results = {}
+    for overlap in ("on", "off"):
+        results[overlap] = search_plan(cm, TargetRuntime(micro_batch_sizes=(1,), p2p_overlap=overlap)).plan
+    assert auto.predicted_iteration_ms == min(p.predicted_iteration_ms for p in results.values())
+    off = results["off"]
+    assert not off.overlap_p2p_comm and (off.schedule == "1f1b" or off.pp >= 3)
+    from poseidon_plugin.costmodel import Candidate
+    cand = Candidate(tp=off.tp, pp=off.pp, dp=off.dp, mbs=off.micro_batch_size, stage_types=off.stage_types,
+                     layers=off.layers, schedule=off.schedule, virtual_stages=off.virtual_stages)
+    assert cm.iteration_ms(cand, "megatron") == pytest.approx(off.predicted_iteration_ms)
+
+
+def test_no_overlap_plan_renders_megatron_flag_and_launcher_rewrites_it():
+    cm = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"), micro_batch_sizes=(1,))
+    plan = search_plan(cm, TargetRuntime(micro_batch_sizes=(1,), p2p_overlap="off", schedules=("interleaved-1f1b",)),
+                       SearchOptions(max_pipeline_stages=4)).plan
+    assert plan.schedule == "interleaved-1f1b" and not plan.overlap_p2p_comm and plan.pp in (3, 4)
+    flags = planned_flags(plan, "megatron", 128)
+    assert "--no-overlap-p2p-communication" in flags
+    with_overlap = dataclasses.replace(plan, overlap_p2p_comm=True)
+    user = ["--lr", "1", "--no-overlap-p2p-communication", "--bf16"]
+    assert rewrite(user, planned_flags(with_overlap, "megatron", 128))[:3] == ["--lr", "1", "--bf16"]
+    assert "--no-overlap-p2p-communication" not in rewrite(user, planned_flags(with_overlap, "megatron", 128))
+    assert flag_values(rewrite(user, flags))["--no-overlap-p2p-communication"] == ""
+    with pytest.raises(PoseidonError, match="interleaved without p2p overlap only on >= 3 pipeline ranks, not pp = 2"):
+        megatron_args(_pp2_without_overlap())
+
+
+def _pp2_without_overlap() -> Plan:
+    cm = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"), micro_batch_sizes=(1,))
+    plan = search_plan(cm, TargetRuntime(micro_batch_sizes=(1,), p2p_overlap="on"),
+                       SearchOptions(max_pipeline_stages=2, min_pipeline_stages=2)).plan
+    assert plan.schedule == "interleaved-1f1b"
+    return dataclasses.replace(plan, overlap_p2p_comm=False)
+
+
+def test_schema_1_plans_load_with_the_overlap_they_ran_with():
+    cm = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"), micro_batch_sizes=(1,))
+    for schedules in (("1f1b",), ("interleaved-1f1b",)):
+        plan = search_plan(cm, TargetRuntime(micro_batch_sizes=(1,), schedules=schedules, p2p_overlap="on")).plan
+        doc = plan.to_dict()
+        doc.pop("overlap_p2p_comm")
+        doc["schema_version"] = 1
+        old = Plan.from_dict(doc)
+        assert old.overlap_p2p_comm == (plan.schedule == "interleaved-1f1b") and old.schema_version == 2
+    doc = plan.to_dict()
+    doc["schedule"], doc["virtual_stages"] = "1f1b", 1
+    with pytest.raises(InputError, match="overlap_p2p_comm = true needs schedule 'interleaved-1f1b'"):
+        Plan.from_dict(dict(doc, overlap_p2p_comm=True, layers=[16, 16],
+                            stages=[dict(s, layers=[sum(s["layers"])], first_layers=[s["first_layers"][0]],
+                                         forward_ms=[1.0], backward_ms=[1.0]) for s in doc["stages"]]))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"flag_style": "mindspeed", "schedules": ("1f1b", "interleaved-1f1b")},
+     "--schedules interleaved-1f1b cannot run with flag style mindspeed"),
+    ({"comm_model": "megatron-overlap"}, "--comm-model 'megatron-overlap' is invalid"),
+    ({"p2p_overlap": "maybe"}, "p2p overlap 'maybe' is invalid: choose one of auto, on, off"),
+    ({"schedules": ("zb",)}, "--schedules: 'zb' is not a pipeline schedule"),
+    ({"micro_batch_sizes": (0,)}, "micro-batch sizes \\(0,\\) are invalid"),
+])
+def test_target_errors_name_the_option(kwargs, match):
+    with pytest.raises(InputError, match=match):
+        TargetRuntime(**kwargs)
+
+
+def test_cli_overlap_conflict_is_one_line(capsys):
+    rc = main(["plan", "--cluster", "paper-setting-1", "--model", "llama3-8b", "--comm-model", "megatron-overlap",
+               "--overlap-p2p-comm", "off", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--comm-model megatron-overlap conflicts with --overlap-p2p-comm off" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_table_prints_the_target(capsys):
+    assert main(["plan", "--cluster", "paper-setting-1", "--model", "llama3-8b", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert ("runtime: Megatron-LM / megatron-core (layout flag); comm model megatron; schedules "
+            "1f1b,interleaved-1f1b; p2p overlap auto (planned: on); micro-batch sizes 1,2,4; search exact") in out
+
+
+def test_target_and_argv_modules_import_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys; import poseidon_plugin.target, poseidon_plugin.argv; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
