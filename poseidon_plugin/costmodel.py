@@ -184,7 +184,7 @@ class CostModel:
                                 + (4.0 if self.grad_bytes < 4.0 else 0.0))
         self._devices = {t: cluster.devices_of_type(t) for t in cluster.type_names}
         self._groups: dict[tuple[str, int, int, int], GroupCosts] = {}
-        self._slots: dict[tuple[str, int, int], tuple] = {}
+        self._slots: dict[tuple[str, int, int, int], tuple] = {}
         self._links: dict[tuple, int] = {}
         self._simulators: dict[tuple, Any] = {}
 
@@ -290,31 +290,31 @@ class CostModel:
     # --- placement ----------------------------------------------------------------------------
 
     def slot(self, device_type: str, tp: int, dp: int, j: int) -> tuple[tuple[int, ...], bool]:
-        """The ``j``-th stage slot of a type: (node of each DP replica's TP group, spans > 1 node)."""
-        key = (device_type, tp * dp, tp)
-        slots = self._slots.get(key)
-        if slots is None:
-            slots = self._slots[key] = self._make_slots(device_type, tp, dp)
-        if j >= len(slots):
-            raise InputError(f"{j + 1} stages of {dp}x{tp} {device_type} devices need "
-                             f"{(j + 1) * dp * tp} devices; the cluster has "
-                             f"{len(self._devices[device_type])}")
-        return slots[j]
+        """The ``j``-th stage slot of a type: (node of each DP replica's TP group, spans > 1 node).
 
-    def _make_slots(self, device_type: str, tp: int, dp: int) -> tuple:
-        devs = self._devices[device_type]
-        size = tp * dp
-        out = []
-        for start in range(0, len(devs) - size + 1, size):
-            nodes = []
-            for r in range(dp):
-                group = devs[start + r * tp: start + (r + 1) * tp]
-                if len({d.node for d in group}) != 1:
-                    raise InputError(f"tp={tp} does not fit the nodes of {device_type}: a TP group would "
-                                     "span two nodes; choose a TP degree that divides every node size")
-                nodes.append(group[0].node)
-            out.append((tuple(nodes), len(set(nodes)) > 1))
-        return tuple(out)
+        Built on demand, one slot at a time: a search touches only the first ``pp`` slots of a type,
+        and a per-device loop over every slot cost seconds on clusters of 100,000 devices."""
+        key = (device_type, tp, dp, j)
+        got = self._slots.get(key)
+        if got is None:
+            size = tp * dp
+            devs = self._devices[device_type]
+            if (j + 1) * size > len(devs):
+                raise InputError(f"{j + 1} stages of {dp}x{tp} {device_type} devices need "
+                                 f"{(j + 1) * size} devices; the cluster has {len(devs)}")
+            got = self._slots[key] = self._make_slot(device_type, devs, j * size, tp, dp)
+        return got
+
+    @staticmethod
+    def _make_slot(device_type: str, devs, start: int, tp: int, dp: int) -> tuple:
+        nodes = []
+        for r in range(dp):
+            group = devs[start + r * tp: start + (r + 1) * tp]
+            if len({d.node for d in group}) != 1:
+                raise InputError(f"tp={tp} does not fit the nodes of {device_type}: a TP group would "
+                                 "span two nodes; choose a TP degree that divides every node size")
+            nodes.append(group[0].node)
+        return (tuple(nodes), len(set(nodes)) > 1)
 
     def link_between(self, type_a: str, j_a: int, type_b: str, j_b: int, tp: int, dp: int) -> int:
         """``LINK_*`` between slot ``j_a`` of ``type_a`` and slot ``j_b`` of ``type_b`` (slowest pair)."""
