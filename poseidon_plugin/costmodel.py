@@ -183,6 +183,13 @@ class CostModel:
         self.optimizer_bytes = (c.adam_state_bytes + (4.0 if dtype != "fp32" else 0.0)
                                 + (4.0 if self.grad_bytes < 4.0 else 0.0))
         self._devices = {t: cluster.devices_of_type(t) for t in cluster.type_names}
+        # devices per node when every node of a type has the same size (0: mixed sizes). Devices are
+        # listed node by node, so device i of the type is on the type's node i // size: slots and links
+        # are then arithmetic, not a loop over a slot's devices (seconds at 800,000 devices)
+        self._node_size: dict[str, int] = {}
+        for t in cluster.type_names:
+            sizes = {g.devices_per_node for g in cluster.nodes if g.device_type == t}
+            self._node_size[t] = sizes.pop() if len(sizes) == 1 else 0
         self._groups: dict[tuple[str, int, int, int], GroupCosts] = {}
         self._slots: dict[tuple[str, int, int, int], tuple] = {}
         self._links: dict[tuple, int] = {}
@@ -305,6 +312,20 @@ class CostModel:
             got = self._slots[key] = self._make_slot(device_type, devs, j * size, tp, dp)
         return got
 
+    def _uniform(self, device_type: str, tp: int) -> int:
+        """The type's node size when the arithmetic of :meth:`slot_spans` applies (TP groups never
+        straddle a node), else 0."""
+        n = self._node_size.get(device_type, 0)
+        return n if n and n % tp == 0 else 0
+
+    def slot_spans(self, device_type: str, tp: int, dp: int, j: int) -> bool:
+        """Whether slot ``j``'s DP replicas span more than one node (``slot(...)[1]``)."""
+        n = self._uniform(device_type, tp)
+        size = tp * dp
+        if not n or (j + 1) * size > len(self._devices[device_type]):
+            return self.slot(device_type, tp, dp, j)[1]
+        return (j * size) // n != (j * size + (dp - 1) * tp) // n
+
     @staticmethod
     def _make_slot(device_type: str, devs, start: int, tp: int, dp: int) -> tuple:
         nodes = []
@@ -322,6 +343,16 @@ class CostModel:
             return LINK_CROSS_TYPE
         key = (type_a, j_a, j_b, tp, dp)
         kind = self._links.get(key)
+        n = self._uniform(type_a, tp)
+        size = tp * dp
+        if kind is None and n and max(j_a, j_b) * size + size <= len(self._devices[type_a]):
+            # replica r's node is (j size + r tp) // n, non-decreasing in r, and the two slots' device
+            # ranges are shifted by a multiple of size >= the range of r: the node tuples differ iff
+            # the first or the last replica's nodes differ
+            a, b = j_a * size, j_b * size
+            last = (dp - 1) * tp
+            differ = a // n != b // n or (a + last) // n != (b + last) // n
+            kind = self._links[key] = LINK_INTER_NODE if differ else LINK_INTRA_NODE
         if kind is None:
             na, _ = self.slot(type_a, tp, dp, j_a)
             nb, _ = self.slot(type_b, tp, dp, j_b)

@@ -71,8 +71,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "delays, the paper's), megatron (Megatron's blocking p2p calls), "
                              "megatron-overlap; see docs/FIDELITY.md (default dag)")
     parser.add_argument("--gap", type=float, default=0.0, metavar="FRACTION",
-                        help="default mode: stop improving once no plan can be faster by more than this "
-                             "fraction (e.g. 0.01); default 0")
+                        help="stop once no plan can be faster by more than this fraction (e.g. 0.01: "
+                             "within 1 %% of the optimum, proven; --exact too); default 0")
     parser.add_argument("--any-type-order", action="store_true",
                         help="default mode: let device types alternate along the pipeline (slower search; "
                              "--exact always does)")
@@ -188,8 +188,8 @@ def run(args) -> int:
         return 0
     print(render_table(plan, max_alternatives=max(0, args.top_k - 1)))
     if not result.stats.complete:
-        print("note: stopped by --time-limit; the plan is the best found, not proven optimal",
-              file=sys.stderr)
+        print("note: stopped by --time-limit; the plan is the best found, not proven optimal "
+              f"(gap {100 * result.stats.gap:.1f} % to the proven lower bound)", file=sys.stderr)
     if args.trace:
         print(f"trace written to {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
     return 0

@@ -87,7 +87,7 @@ def type_table(cm: CostModel, tp: int, mbs: int, dp: int, names: tuple[str, ...]
         for j in range(kept[t]):
             i = t * stride + j
             if dp > 1:
-                _nodes, spans = cm.slot(name, tp, dp, j)
+                spans = cm.slot_spans(name, tp, dp, j)
                 kind = 1 if spans else 0          # LINK_INTER_NODE / LINK_INTRA_NODE
                 for key in ("allreduce_ms", "embedding_allreduce_ms", "head_allreduce_ms"):
                     per_slot[key][i] = getattr(gc, key)[kind]
