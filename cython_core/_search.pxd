@@ -100,6 +100,7 @@ cdef class SplitSearch:
     cdef int* best_layers
     cdef bint have_best
     cdef double deadline
+    cdef long long max_nodes
     cdef bint aborted
 
     cdef double _need(self, int t, int r, int* chunks) noexcept nogil

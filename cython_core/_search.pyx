@@ -900,7 +900,8 @@ cdef class SplitSearch:
         if self.aborted:
             return
         self.ctr[NODES] += 1
-        if self.ctr[NODES] % CLOCK_EVERY == 0 and _monotonic() > self.deadline:
+        if (self.ctr[NODES] % CLOCK_EVERY == 0 and _monotonic() > self.deadline) or \
+                self.ctr[NODES] == self.max_nodes:
             self.aborted = True
             return
         if not self._propagate(k, left, lb, cap, self.capts + k * self.nv * self.nt):
@@ -1020,7 +1021,8 @@ cdef class SplitSearch:
             self.layers[i] = 0
         return [self.params[i] for i in range(self.n_params)]
 
-    def run(self, counts, double tau, *, bint root_only=False, double deadline=INFINITY):
+    def run(self, counts, double tau, *, bint root_only=False, double deadline=INFINITY,
+            long long max_nodes=0):
         """Best plan with time ``< tau`` for ``counts`` ranks per type (``root_only``: bound check)."""
         from poseidon_plugin.search.splits import SplitResult
         cdef int t, total = 0, i
@@ -1044,6 +1046,7 @@ cdef class SplitSearch:
         self.best = INFINITY
         self.have_best = False
         self.deadline = deadline
+        self.max_nodes = max_nodes
         self.aborted = False
         self.exact_counts = total == self.pp
         if root_only and total >= self.pp:

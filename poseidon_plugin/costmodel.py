@@ -183,8 +183,15 @@ class CostModel:
         self.optimizer_bytes = (c.adam_state_bytes + (4.0 if dtype != "fp32" else 0.0)
                                 + (4.0 if self.grad_bytes < 4.0 else 0.0))
         self._devices = {t: cluster.devices_of_type(t) for t in cluster.type_names}
+        # devices per node when every node of a type has the same size (0: mixed sizes). Devices are
+        # listed node by node, so device i of the type is on the type's node i // size: slots and links
+        # are then arithmetic, not a loop over a slot's devices (seconds at 800,000 devices)
+        self._node_size: dict[str, int] = {}
+        for t in cluster.type_names:
+            sizes = {g.devices_per_node for g in cluster.nodes if g.device_type == t}
+            self._node_size[t] = sizes.pop() if len(sizes) == 1 else 0
         self._groups: dict[tuple[str, int, int, int], GroupCosts] = {}
-        self._slots: dict[tuple[str, int, int], tuple] = {}
+        self._slots: dict[tuple[str, int, int, int], tuple] = {}
         self._links: dict[tuple, int] = {}
         self._simulators: dict[tuple, Any] = {}
 
@@ -290,31 +297,45 @@ class CostModel:
     # --- placement ----------------------------------------------------------------------------
 
     def slot(self, device_type: str, tp: int, dp: int, j: int) -> tuple[tuple[int, ...], bool]:
-        """The ``j``-th stage slot of a type: (node of each DP replica's TP group, spans > 1 node)."""
-        key = (device_type, tp * dp, tp)
-        slots = self._slots.get(key)
-        if slots is None:
-            slots = self._slots[key] = self._make_slots(device_type, tp, dp)
-        if j >= len(slots):
-            raise InputError(f"{j + 1} stages of {dp}x{tp} {device_type} devices need "
-                             f"{(j + 1) * dp * tp} devices; the cluster has "
-                             f"{len(self._devices[device_type])}")
-        return slots[j]
+        """The ``j``-th stage slot of a type: (node of each DP replica's TP group, spans > 1 node).
 
-    def _make_slots(self, device_type: str, tp: int, dp: int) -> tuple:
-        devs = self._devices[device_type]
+        Built on demand, one slot at a time: a search touches only the first ``pp`` slots of a type,
+        and a per-device loop over every slot cost seconds on clusters of 100,000 devices."""
+        key = (device_type, tp, dp, j)
+        got = self._slots.get(key)
+        if got is None:
+            size = tp * dp
+            devs = self._devices[device_type]
+            if (j + 1) * size > len(devs):
+                raise InputError(f"{j + 1} stages of {dp}x{tp} {device_type} devices need "
+                                 f"{(j + 1) * size} devices; the cluster has {len(devs)}")
+            got = self._slots[key] = self._make_slot(device_type, devs, j * size, tp, dp)
+        return got
+
+    def _uniform(self, device_type: str, tp: int) -> int:
+        """The type's node size when the arithmetic of :meth:`slot_spans` applies (TP groups never
+        straddle a node), else 0."""
+        n = self._node_size.get(device_type, 0)
+        return n if n and n % tp == 0 else 0
+
+    def slot_spans(self, device_type: str, tp: int, dp: int, j: int) -> bool:
+        """Whether slot ``j``'s DP replicas span more than one node (``slot(...)[1]``)."""
+        n = self._uniform(device_type, tp)
         size = tp * dp
-        out = []
-        for start in range(0, len(devs) - size + 1, size):
-            nodes = []
-            for r in range(dp):
-                group = devs[start + r * tp: start + (r + 1) * tp]
-                if len({d.node for d in group}) != 1:
-                    raise InputError(f"tp={tp} does not fit the nodes of {device_type}: a TP group would "
-                                     "span two nodes; choose a TP degree that divides every node size")
-                nodes.append(group[0].node)
-            out.append((tuple(nodes), len(set(nodes)) > 1))
-        return tuple(out)
+        if not n or (j + 1) * size > len(self._devices[device_type]):
+            return self.slot(device_type, tp, dp, j)[1]
+        return (j * size) // n != (j * size + (dp - 1) * tp) // n
+
+    @staticmethod
+    def _make_slot(device_type: str, devs, start: int, tp: int, dp: int) -> tuple:
+        nodes = []
+        for r in range(dp):
+            group = devs[start + r * tp: start + (r + 1) * tp]
+            if len({d.node for d in group}) != 1:
+                raise InputError(f"tp={tp} does not fit the nodes of {device_type}: a TP group would "
+                                 "span two nodes; choose a TP degree that divides every node size")
+            nodes.append(group[0].node)
+        return (tuple(nodes), len(set(nodes)) > 1)
 
     def link_between(self, type_a: str, j_a: int, type_b: str, j_b: int, tp: int, dp: int) -> int:
         """``LINK_*`` between slot ``j_a`` of ``type_a`` and slot ``j_b`` of ``type_b`` (slowest pair)."""
@@ -322,6 +343,16 @@ class CostModel:
             return LINK_CROSS_TYPE
         key = (type_a, j_a, j_b, tp, dp)
         kind = self._links.get(key)
+        n = self._uniform(type_a, tp)
+        size = tp * dp
+        if kind is None and n and max(j_a, j_b) * size + size <= len(self._devices[type_a]):
+            # replica r's node is (j size + r tp) // n, non-decreasing in r, and the two slots' device
+            # ranges are shifted by a multiple of size >= the range of r: the node tuples differ iff
+            # the first or the last replica's nodes differ
+            a, b = j_a * size, j_b * size
+            last = (dp - 1) * tp
+            differ = a // n != b // n or (a + last) // n != (b + last) // n
+            kind = self._links[key] = LINK_INTER_NODE if differ else LINK_INTRA_NODE
         if kind is None:
             na, _ = self.slot(type_a, tp, dp, j_a)
             nb, _ = self.slot(type_b, tp, dp, j_b)

@@ -502,6 +502,11 @@ def render_table(plan: Plan, max_alternatives: int = 5, runtime: str | None = No
                          f"mbs {a.micro_batch_size} {a.schedule} V {a.virtual_stages}  "
                          f"types {'/'.join(a.stage_types)}  layers {'/'.join(map(str, a.layers))}")
     if plan.search_stats:
+        lb = plan.search_stats.get("lower_bound_ms")
+        if lb:      # the anytime answer (search/engine.py): best, proven lower bound, gap
+            gap = plan.search_stats.get("gap")
+            lines += ["", f"best {plan.predicted_iteration_ms:,.0f} ms, proven >= {lb:,.0f} ms, "
+                          f"gap {100 * gap:.1f} %" if gap is not None else ""]
         stats = ", ".join(f"{k}={v}" for k, v in sorted(plan.search_stats.items()))
         lines += ["", f"search: {stats}"]
     return "\n".join(lines)

@@ -66,6 +66,81 @@ def fluid_cut(table: TypeTable, slots, micro_batches: int, pp: int, v: int, num_
     return sum(caps[:pp]) < num_layers
 
 
+def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int,
+                   num_layers: int, *, memory: bool = False) -> float:
+    """A lower bound on the iteration time of every plan of a shape group (``counts``: the most ranks
+    of each type) or of a structure (``counts``: exact ranks per type); inf when ``pp`` ranks do not
+    exist or cannot hold the model. Shape-free: the engine keeps it for every piece of the space it
+    has not searched yet (the anytime lower bound, docs/SEARCH.md "Anytime answers").
+
+    Bound path (b) of every rank ``r``: micro-batch 0's chunk-0 forwards on ranks ``< r``, rank ``r``'s
+    ``M`` forwards and backwards of every chunk, the last micro-batch's chunk-0 backwards back up. With
+    ``x_i = (f_i + b_i) l_i`` (one micro-batch, all chunks) and chunk 0 holding ``>= l_i / V`` layers,
+    ``T >= (x_0 + ... + x_{r-1}) / V + M x_r`` for every ``r``. Any ``k`` of the ``x`` obey the same
+    chain, so any ``k`` of them sum to at most ``U_k = T V (1 - q^k)``, ``q = 1 - 1 / (V M)``: the ``x``
+    lie in the polymatroid of the concave ``U``. The layers ``sum w_i x_i`` (``w_i = 1 / (f_i + b_i)``)
+    must reach ``num_layers``; their maximum over the polymatroid is ``(T / M) sum_k w_(k) q^k``
+    (greedy, largest ``w`` first), hence the bound. Memory: each rank holds at most ``cap_i`` layers
+    (the cost model's formula with one live micro-batch, never below the true cap); inf when the
+    ``pp`` roomiest ranks cannot hold the model, and (``memory``) the larger of the bound above and
+    the work bound with caps: ``l_i <= min(cap_i, w_i T / M)`` (rank ``i``'s own work fits in ``T``)."""
+    ranks = []            # (w, cap) of the pp best ranks by w; the group may pick any pp of them
+    for t in range(len(counts)):
+        n = min(counts[t], pp)
+        if n <= 0:
+            continue
+        per_layer = table.layer_state_bytes[t] + table.layer_activation_bytes[t] / v
+        most = int(table.usable_bytes[t] / per_layer * (1.0 + 1e-9)) if per_layer > 0 else num_layers
+        ranks.extend([(1.0 / (table.forward_ms[t] + table.backward_ms[t]), min(most, num_layers))] * n)
+    if len(ranks) < pp:
+        return INF
+    room = sorted((c for _w, c in ranks), reverse=True)
+    if sum(room[:pp]) < num_layers:
+        return INF
+    ranks.sort(reverse=True)
+    q = 1.0 - 1.0 / (v * micro_batches)
+    qk, cap = 1.0, 0.0
+    for w, _c in ranks[:pp]:
+        cap += w * qk
+        qk *= q
+    t_free = num_layers * micro_batches / cap
+    if not memory:
+        return t_free * (1.0 - 1e-9)
+    # memory-capped work bound: every rank's M forwards and backwards fit in T (its path (b) without
+    # the other ranks), so rank i holds at most min(cap_i, w_i T / M) layers; the best pp ranks must
+    # hold the model. Capacity is monotone in T: bisection on it (a few types: cheap)
+    per_type = {}
+    for w, c in ranks:
+        per_type[(w, c)] = per_type.get((w, c), 0) + 1
+
+    def capacity(t_ms: float) -> float:
+        vals = sorted(((min(c, w * t_ms / micro_batches), n) for (w, c), n in per_type.items()),
+                      reverse=True)
+        left, total = pp, 0.0
+        for val, n in vals:
+            k = min(n, left)
+            total += k * val
+            left -= k
+            if left == 0:
+                break
+        return total
+
+    lo, hi = 0.0, t_free
+    while capacity(hi) < num_layers:
+        lo, hi = hi, 2.0 * hi
+        if hi > 1e18:
+            return INF
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if capacity(mid) >= num_layers:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-9 * hi:
+            break
+    return max(t_free, lo) * (1.0 - 1e-9)
+
+
 class PathPrices:
     """One bound path priced at a node (:meth:`StructureBounds._path_prices`); the lazily computed
     parts of the placement bounds (``gsum``, ``gsum0``, ``lbo``, ``elb``: -1 until first needed)."""

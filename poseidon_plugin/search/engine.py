@@ -13,16 +13,17 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 import time
 from array import array
-from typing import Any
+from typing import Any, Callable
 
 from ..backend import compiled
 from ..costmodel import Candidate, CostModel
 from ..errors import NoFeasiblePlanError, PoseidonError
-from .bounds import fluid_cut
+from .bounds import fluid_cut, pipeline_bound
 from .counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES, PRUNED_BOUND,
                        PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH, PRUNED_RIDGE, SIM_CALLS)
 from .evaluate import greedy_split, plan_fits, simulate_plan, spread
@@ -35,6 +36,7 @@ from .splits import SplitSearch as PySplitSearch
 INF = math.inf
 WARMUP_SHAPES = 16
 SEED_SHAPES = 64
+LAZY_BOUNDS = 256            # memory-aware group bounds computed per lower_bound() call, at most
 
 
 def use_pure_python(options: SearchOptions) -> bool:
@@ -52,8 +54,14 @@ class SearchRun:
     ``SearchRun(cm, options).search()`` then ``.result()``; :func:`search` does both.
     """
 
-    def __init__(self, cm: CostModel, options: SearchOptions):
+    def __init__(self, cm: CostModel, options: SearchOptions, *, clock: Callable[[], float] | None = None,
+                 node_budget: int | None = None):
+        """``clock`` (default ``time.monotonic``) is what ``time_limit_s`` is measured on; a test
+        injects a counter to stop the search at a fixed point. ``node_budget``: stop each structure
+        search after this many nodes (deterministic, for tests); the result is then incomplete."""
         self.cm, self.options = cm, options
+        self.clock = clock or time.monotonic
+        self.node_budget = node_budget
         self.pure = use_pure_python(options)
         self.space = SearchSpace(cm, options)
         self.shapes = ShapeCache(self.pure, options.comm_model)
@@ -65,11 +73,20 @@ class SearchRun:
         self.structures = 0
         self.sim_calls = 0
         self.t0 = time.perf_counter()
-        self.deadline = INF if options.time_limit_s is None else time.monotonic() + options.time_limit_s
+        self.deadline = INF if options.time_limit_s is None else self.clock() + options.time_limit_s
+        # the compiled loop reads the real clock itself: an injected one stops only the engine
+        self.split_deadline = self.deadline if clock is None else INF
+        # anytime lower bound (docs/SEARCH.md): every plan of a closed piece of the space (searched or
+        # cut at a threshold) takes at least `floor`; the open pieces are bounded when asked
+        self.floor = INF
+        self.open_groups: list[tuple[float, bool, int]] = []   # heap: (bound, memory-aware, index)
+        self.sgs: list[ShapeGroup] = []
+        self.group_done: list[bool] = []
+        self.partial = INF          # bound of the structures of the current group not yet closed
         self.complete = True
         self.ridge = options.mode == "default"
         self.blocks = options.mode == "default" and options.type_blocks
-        self.gap = options.gap if options.mode == "default" else 0.0
+        self.gap = options.gap
         self.shrink = 1.0 / (1.0 + self.gap)
         self.memory_blocked: list[tuple[float, str, float]] = []   # (need GB, type, usable GB)
         self._splitters: dict[tuple, Any] = {}   # seeded groups that passed their root check
@@ -94,10 +111,57 @@ class SearchRun:
         self.board.offer(sg.key, ms, lambda: self.candidate(sg, types, layers))
 
     def out_of_time(self) -> bool:
-        if time.monotonic() > self.deadline:
+        if not self.complete:
+            return True
+        if self.clock() > self.deadline:
             self.complete = False
             return True
         return False
+
+    def close(self, bound: float) -> None:
+        """A piece of the space is closed: each of its plans takes at least ``bound``."""
+        if bound < self.floor:
+            self.floor = bound
+
+    def lower_bound(self) -> float:
+        """Proven lower bound on every plan of the space searched (default mode: of the default
+        space): the best plan, the floor of the closed pieces, the bounds of the open ones."""
+        lb = min(self.board.best_ms_all(), self.floor, self.partial)
+        heap = self.open_groups
+        # the open groups, cheapest bound first; the memory-aware bound is computed lazily, for the
+        # few groups that reach the top (a cheap bound is valid too, so the effort is capped)
+        for _ in range(LAZY_BOUNDS):
+            if not heap or heap[0][0] >= lb:
+                break
+            b, strong, i = heap[0]
+            if self.group_done[i]:
+                heapq.heappop(heap)
+            elif strong:
+                break
+            else:
+                heapq.heapreplace(heap, (max(b, self.bound(self.sgs[i], memory=True)), True, i))
+        if heap:
+            lb = min(lb, heap[0][0])
+        return lb
+
+    def gap_now(self) -> float:
+        """``best / lower bound - 1`` (inf without a plan or a positive bound)."""
+        best, lb = self.board.best_ms_all(), self.lower_bound()
+        if best == INF or lb <= 0:
+            return INF
+        return max(0.0, best / lb - 1.0)
+
+    def proven_within_gap(self) -> bool:
+        """With ``--gap F``: the best plan is proven within ``1 + F`` of every open piece."""
+        return self.gap > 0 and self.board.best_ms_all() * self.shrink <= self.lower_bound()
+
+    def bound(self, sg: ShapeGroup, counts=None, memory: bool = True) -> float:
+        """:func:`.bounds.pipeline_bound` of a shape group (``counts``: of one structure)."""
+        g = sg.group
+        if counts is None:
+            counts = [min(n, sg.pp) for n in g.slots]
+        return pipeline_bound(self.space.table(g), counts, g.micro_batches, sg.pp, sg.virtual_stages,
+                              self.space.num_layers, memory=memory)
 
     # --- phases -----------------------------------------------------------------------------
 
@@ -111,6 +175,8 @@ class SearchRun:
         params_cache: dict[tuple, array] = {}
         while done < n and tries < 20 * n:
             tries += 1
+            if tries % 16 == 0 and self.out_of_time():
+                break
             sg = rng.choice(sgs)
             g = sg.group
             table, shape = self.space.table(g), self.shape(sg)
@@ -191,13 +257,18 @@ class SearchRun:
         layers free) proves the group cannot beat its threshold. The splitter of a group that
         survives is kept: the seed phase checks the group before its own turn comes."""
         tau = self.board.threshold(sg.key) * self.shrink
-        if self.fluid_cut(sg, tau):
+        if self.fluid_cut(sg, tau) or self.bound(sg) >= tau:
+            self.close(tau)
+            return None
+        if self.out_of_time():          # building the shape's bound paths costs time at scale
             return None
         splitter = self._splitters.get(sg.key) or self.splitter(sg)
-        root = splitter.run(sg.group.slots, tau, root_only=True)
+        # counts are upper limits here: no plan uses more than pp slots of a type
+        root = splitter.run([min(n, sg.pp) for n in sg.group.slots], tau, root_only=True)
         self.add(root.counters)
         if root.time_ms == INF:
             self._splitters.pop(sg.key, None)
+            self.close(tau)
             return None
         self._splitters[sg.key] = splitter
         return splitter
@@ -205,39 +276,67 @@ class SearchRun:
     def run_shape_group(self, sg: ShapeGroup) -> None:
         key = sg.key
         g = sg.group
+        self.partial = self.bound(sg)          # the group is open until its structures are closed
         splitter = self.root_splitter(sg)
         self._splitters.pop(key, None)         # this is the group's turn: no later use
         if splitter is None:
-            self.pruned_shapes += 1
+            if self.complete:
+                self.pruned_shapes += 1
+                self.partial = INF
             return
         if sg.key not in self.board.best:
             self.seed(sg)
         vectors = self.space.count_vectors(sg)
         tb = self.space.table(g)
         vectors.sort(key=lambda vec: -sum(n / (tb.forward_ms[t] + tb.backward_ms[t]) for t, n in enumerate(vec)))
-        for vec in vectors:
+        bounds = [self.bound(sg, vec) for vec in vectors]
+        # the open structures of this group, as a suffix minimum: after structure i, i+1.. are open
+        suffix = [INF] * (len(vectors) + 1)
+        for i in range(len(vectors) - 1, -1, -1):
+            suffix[i] = min(bounds[i], suffix[i + 1])
+        for i, vec in enumerate(vectors):
+            if self.out_of_time():
+                self.partial = suffix[i]
+                return
             self.structures += 1
-            res = splitter.run(vec, self.board.threshold(key) * self.shrink, deadline=self.deadline)
+            tau = self.board.threshold(key) * self.shrink
+            if bounds[i] >= tau:
+                self.pruned_structures += 1
+                self.close(tau)
+                continue
+            res = splitter.run(vec, tau, deadline=self.split_deadline, max_nodes=self.node_budget or 0)
             self.add(res.counters)
-            if res.aborted:
-                self.complete = False
             if res.counters[NODES] <= 1 and res.counters[IMPROVED] == 0:
                 self.pruned_structures += 1
             if res.time_ms < INF:
                 self.offer(sg, res.time_ms, res.types, res.layers)
             if res.aborted:
+                self.complete = False
+                # this structure is open: its plans take at least its own bound (and a plan it found)
+                self.partial = min(bounds[i], suffix[i + 1])
                 return
+            # closed: every plan below tau was searched, and the loop lowered tau to best x shrink
+            self.close(min(tau, res.time_ms * self.shrink))
+        self.partial = INF
 
     def search(self) -> None:
         sgs = list(self.space.shape_groups())
         if not sgs:
             return
         sgs.sort(key=self.estimate)
+        # every group is open until the main loop closes it; its pipeline bound bounds it meanwhile
+        self.group_done = [False] * len(sgs)
+        self.sgs = sgs
+        self.open_groups = [(self.bound(sg, memory=False), False, i) for i, sg in enumerate(sgs)]
+        heapq.heapify(self.open_groups)
+        index = {sg.key: i for i, sg in enumerate(sgs)}
         # greedy seeds of the most promising groups, then search those with the best seeds first:
         # a tight incumbent early is what makes the bounds cut
         head = sgs[:SEED_SHAPES]
         alive = []
         for sg in head:
+            if self.out_of_time():
+                break
             # a seed builds the group's DAG: only for groups the cheap bounds cannot cut already
             if self.root_splitter(sg) is not None:
                 self.seed(sg)
@@ -251,14 +350,20 @@ class SearchRun:
         progress = self.options.progress
         last_report = time.perf_counter()
         for i, sg in enumerate(sgs):
-            if self.out_of_time():
+            if self.out_of_time() or self.proven_within_gap():
                 break
             self.run_shape_group(sg)
+            if self.partial == INF:
+                self.group_done[index[sg.key]] = True
             if progress is not None and time.perf_counter() - last_report > 0.1:
                 last_report = time.perf_counter()
-                progress(i / len(sgs), f"{i}/{len(sgs)} shapes")
+                progress(i / len(sgs), f"{i}/{len(sgs)} shapes  {self.gap_text()}")
         if progress is not None:
-            progress(1.0, f"{len(sgs)}/{len(sgs)} shapes")
+            progress(1.0, f"{len(sgs)}/{len(sgs)} shapes  {self.gap_text()}")
+
+    def gap_text(self) -> str:
+        """``best 277,445 ms, proven >= 270,100 ms, gap 2.7 %`` (progress lines)."""
+        return gap_text(self.board.best_ms_all(), self.lower_bound())
 
     # --- result -----------------------------------------------------------------------------
 
@@ -270,6 +375,8 @@ class SearchRun:
 
     def stats(self) -> SearchStats:
         c = self.ctr
+        best, lb = self.board.best_ms_all(), self.lower_bound()
+        gap = max(0.0, best / lb - 1.0) if 0 < lb < INF and best < INF else INF
         pruned = {"shape_bound": self.pruned_shapes, "structure_bound": self.pruned_structures,
                   "stage_bound": c[PRUNED_BOUND], "path_bound": c[PRUNED_PATH],
                   "memory": c[PRUNED_MEMORY], "ridge": c[PRUNED_RIDGE], "order": c[PRUNED_ORDER]}
@@ -279,7 +386,8 @@ class SearchRun:
             shapes=len(self.shapes), warmup_samples=getattr(self, "warmup_done", 0),
             simulator_calls=self.sim_calls + c[SIM_CALLS], bound_evaluations=c[BOUND_EVALS],
             nodes=c[NODES], pruned=pruned, comm_model=self.options.comm_model,
-            alternatives_proven=self.board.exact_alternatives and self.complete)
+            alternatives_proven=self.board.exact_alternatives and self.complete,
+            lower_bound_ms=lb, gap=gap)
 
     def result(self) -> SearchResult:
         """The best plan and its runners-up; an error naming the cause when there is none."""
@@ -290,6 +398,15 @@ class SearchRun:
             from .diagnose import explain_infeasible
             raise NoFeasiblePlanError(explain_infeasible(self.cm, self.space))
         return self.board.result(self.cm, self.stats(), self.options.comm_model)
+
+
+def gap_text(best: float, lb: float) -> str:
+    """The anytime answer in words: best time, proven lower bound, gap."""
+    if best == INF:
+        return "no plan yet"
+    if not 0 < lb < INF:
+        return f"best {best:,.0f} ms, no lower bound yet"
+    return f"best {best:,.0f} ms, proven >= {lb:,.0f} ms, gap {100 * max(0.0, best / lb - 1):.1f} %"
 
 
 def search(cost_model: CostModel, options: SearchOptions | None = None) -> SearchResult:
@@ -303,4 +420,4 @@ def search(cost_model: CostModel, options: SearchOptions | None = None) -> Searc
     return run.result()
 
 
-__all__ = ["COUNTER_NAMES", "Leaderboard", "SearchRun", "search", "use_pure_python"]
+__all__ = ["COUNTER_NAMES", "Leaderboard", "SearchRun", "gap_text", "search", "use_pure_python"]

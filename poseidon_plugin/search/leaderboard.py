@@ -51,6 +51,10 @@ class Leaderboard:
         """The best time recorded for ``key`` (inf: none yet)."""
         return self.best.get(key, (INF, None))[0]
 
+    def best_ms_all(self) -> float:
+        """The best time over every key (inf: no plan yet)."""
+        return min((ms for ms, _c in self.best.values()), default=INF)
+
     def offer(self, key: tuple, ms: float, make: Callable[[], Candidate] | Candidate) -> bool:
         """Record a plan of ``key``; True when it is that key's new best. ``make`` is the candidate
         or a function building it (called only when the plan is kept)."""

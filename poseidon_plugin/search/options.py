@@ -25,8 +25,9 @@ class SearchOptions:
     problems only: a reference for checking)."""
 
     gap: float = 0.0
-    """``default`` mode only: accept a plan once no other can be faster by more than this fraction
-    (0.01: the result is within 1 % of the best of the default space, provably). 0: no slack."""
+    """Stop once no other plan can be faster by more than this fraction (0.01: the result is provably
+    within 1 % of the optimum -- of the whole space in ``exact`` mode, of the default space in
+    ``default`` mode). 0: no slack."""
 
     type_blocks: bool = True
     """``default`` mode only: each device type's ranks form one contiguous block of the pipeline."""
@@ -165,6 +166,8 @@ class SearchStats:
     pruned: Mapping[str, int]       # branches cut, per rule
     comm_model: str = "dag"         # simulator communication model the times come from
     alternatives_proven: bool = False   # each runner-up is proven the best plan of its shape
+    lower_bound_ms: float = 0.0     # proven: no plan of the space searched is faster (docs/SEARCH.md)
+    gap: float = math.inf           # best / lower_bound_ms - 1 (0: proven optimal)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for ``Plan.search_stats`` and ``--json``."""
@@ -173,7 +176,9 @@ class SearchStats:
                 "warmup_samples": self.warmup_samples, "simulator_calls": self.simulator_calls,
                 "bound_evaluations": self.bound_evaluations, "nodes": self.nodes,
                 "pruned": dict(self.pruned), "comm_model": self.comm_model,
-                "alternatives_proven": self.alternatives_proven}
+                "alternatives_proven": self.alternatives_proven,
+                "lower_bound_ms": round(self.lower_bound_ms, 3) if math.isfinite(self.lower_bound_ms) else None,
+                "gap": round(self.gap, 6) if math.isfinite(self.gap) else None}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

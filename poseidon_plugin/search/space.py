@@ -88,6 +88,8 @@ class SearchSpace:
         self.tps = self._tp_degrees()
         self.mbs_list = self._micro_batch_sizes()
         self.groups = self._groups()
+        # no pipeline is longer: a structure uses at most this many slots of a type
+        self.max_pp = min(self.num_layers, options.max_pipeline_stages or self.num_layers)
         self._tables: dict[tuple[int, int, int], TypeTable] = {}
         self._classes: dict[tuple[int, int, int], array] = {}
 
@@ -121,7 +123,7 @@ class SearchSpace:
         key = (g.tp, g.mbs, g.dp)
         tb = self._tables.get(key)
         if tb is None:
-            tb = self._tables[key] = type_table(self.cm, g.tp, g.mbs, g.dp, g.names)
+            tb = self._tables[key] = type_table(self.cm, g.tp, g.mbs, g.dp, g.names, max_pp=self.max_pp)
         return tb
 
     def type_classes(self, g: Group) -> array:

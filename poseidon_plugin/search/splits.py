@@ -109,11 +109,12 @@ class SplitSearch(StructureBounds):
     # --- search ---------------------------------------------------------------------------------
 
     def run(self, counts, tau: float, *, root_only: bool = False,
-            deadline: float = INF) -> SplitResult:
+            deadline: float = INF, max_nodes: int = 0) -> SplitResult:
         """Best plan with time ``< tau`` for ``counts`` ranks per type (``root_only``: bound check only).
 
-        ``deadline`` (``time.monotonic()`` seconds) stops the search early: ``aborted`` is then set and
-        the result is the best found so far.
+        ``deadline`` (``time.monotonic()`` seconds) or ``max_nodes`` (> 0: a node budget, the same in
+        both backends) stops the search early: ``aborted`` is then set and the result is the best
+        found so far.
         """
         pp, nv, nt = self.pp, self.nv, self.nt
         self.counts = list(counts)
@@ -135,6 +136,7 @@ class SplitSearch(StructureBounds):
         self.best_layers: tuple[int, ...] = ()
         self.best = INF
         self.deadline = deadline
+        self.max_nodes = max_nodes
         self.aborted = False
         # root_only accepts counts that are upper limits (a type's free slots): the bounds only ask
         # which types may still appear, never how many
@@ -217,7 +219,8 @@ class SplitSearch(StructureBounds):
         if self.aborted:
             return
         ctr[NODES] += 1
-        if ctr[NODES] % CLOCK_EVERY == 0 and time.monotonic() > self.deadline:
+        if (ctr[NODES] % CLOCK_EVERY == 0 and time.monotonic() > self.deadline) or \
+                ctr[NODES] == self.max_nodes:
             self.aborted = True
             return
         lb, cap = self.lb[k], self.cap[k]

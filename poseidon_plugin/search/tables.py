@@ -66,10 +66,16 @@ class TypeTable:
         return (self.tp, self.mbs, self.dp)
 
 
-def type_table(cm: CostModel, tp: int, mbs: int, dp: int, names: tuple[str, ...]) -> TypeTable:
-    """Build the table of ``names`` for ``(tp, mbs, dp)`` from the cost model's records."""
+def type_table(cm: CostModel, tp: int, mbs: int, dp: int, names: tuple[str, ...],
+               max_pp: int | None = None) -> TypeTable:
+    """Build the table of ``names`` for ``(tp, mbs, dp)`` from the cost model's records.
+
+    ``max_pp``: the largest pipeline the search tries. A plan uses at most ``pp`` slots of a type, so
+    the slot columns stop there (``slots`` keeps the true count): on a cluster of 100,000 devices a
+    type has thousands of slots and a column per slot cost seconds."""
     slots = [cm.max_stages(t, tp, dp) for t in names]
-    stride = max(1, max(slots, default=1))
+    kept = [s if max_pp is None else min(s, max_pp) for s in slots]
+    stride = max(1, max(kept, default=1))
     cols: dict[str, array] = {k: array("d") for k in TYPE_COLUMNS}
     per_slot: dict[str, array] = {k: array("d", [0.0]) * (len(names) * stride)
                                   for k in SLOT_COLUMNS if k != "has_allreduce"}
@@ -78,10 +84,10 @@ def type_table(cm: CostModel, tp: int, mbs: int, dp: int, names: tuple[str, ...]
         gc = cm.group(name, tp, mbs, dp)
         for key in TYPE_COLUMNS:
             cols[key].append(gc.send_ms[LINK_CROSS_TYPE] if key == "send_cross_ms" else getattr(gc, key))
-        for j in range(slots[t]):
+        for j in range(kept[t]):
             i = t * stride + j
             if dp > 1:
-                _nodes, spans = cm.slot(name, tp, dp, j)
+                spans = cm.slot_spans(name, tp, dp, j)
                 kind = 1 if spans else 0          # LINK_INTER_NODE / LINK_INTRA_NODE
                 for key in ("allreduce_ms", "embedding_allreduce_ms", "head_allreduce_ms"):
                     per_slot[key][i] = getattr(gc, key)[kind]
