@@ -15,6 +15,7 @@ variant, ``megatron-overlap`` and ``megatron``) and the faster plan is kept; the
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -189,6 +190,8 @@ def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "Search
     best = None
     first_error: NoFeasiblePlanError | None = None
     wall_s = 0.0
+    bounds: list[float] = []      # each variant's proven lower bound: the whole space's is their minimum
+    complete = True
     for index, variant in enumerate(variants):
         min_pp = max(variant.min_pp, base.min_pipeline_stages or 1)
         if base.max_pipeline_stages is not None and min_pp > base.max_pipeline_stages:
@@ -205,6 +208,8 @@ def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "Search
             first_error = first_error or exc
             continue
         wall_s += result.stats.wall_s
+        complete = complete and bool(result.stats.complete)
+        bounds.append(float(result.stats.lower_bound_ms))
         if best is None or result.plan.predicted_iteration_ms < best[1].plan.predicted_iteration_ms:
             best = (variant, result)
     if best is None:
@@ -221,6 +226,11 @@ def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "Search
     if len(variants) > 1:
         stats["variants"] = len(variants)
         stats["wall_s"] = round(wall_s, 4)
+        stats["complete"] = complete
+        lower = min(bounds)
+        gap = max(0.0, result.plan.predicted_iteration_ms / lower - 1.0) if 0 < lower < math.inf else math.inf
+        stats["lower_bound_ms"] = round(lower, 3) if math.isfinite(lower) else None
+        stats["gap"] = round(gap, 6) if math.isfinite(gap) else None
     plan = dataclasses.replace(result.plan, overlap_p2p_comm=overlap, search_stats=stats)
     return dataclasses.replace(result, plan=plan)
 
