@@ -36,6 +36,7 @@ from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 from .errors import InputError
+from .fingerprint import priced_for
 from .plan import Plan, PlanStage, PlanSummary
 from .simulator.schedules import SCHEDULES, peak_live_microbatches
 from .specs import (GIB, LINK_CROSS_TYPE, LINK_INTER_NODE, LINK_INTRA_NODE, ClusterSpec,
@@ -569,6 +570,8 @@ class CostModel:
                     profile_source="analytic" if self.profile.source == "analytic" else "measured",
                     # Megatron-LM's default; target.search_plan sets the planned value
                     overlap_p2p_comm=cand.schedule == "interleaved-1f1b",
+                    priced_for=priced_for(self.cluster, model, "analytic" if self.profile.source == "analytic"
+                                          else "measured"),
                     alternatives=tuple(alternatives),
                     # normalised through JSON so that to_json/from_json round-trips it exactly
                     search_stats=json.loads(json.dumps(dict(search_stats or {}), allow_nan=False)))

@@ -29,7 +29,9 @@ from .specs.documents import parse_document
 from .simulator.schedules import MEGATRON_SCHEDULES, SCHEDULES
 from .specs.fields import read_document, write_json_atomic
 
-PLAN_SCHEMA_VERSION = 2   # 2: overlap_p2p_comm (version-1 files load with the value they ran with)
+# 2: overlap_p2p_comm (version-1 files load with the value they ran with)
+# 3: priced_for, the fingerprint of what the plan was priced for (older files load with none: unchecked)
+PLAN_SCHEMA_VERSION = 3
 PLAN_FORMAT = "poseidon-plan"
 NO_OVERLAP_P2P_FLAG = "--no-overlap-p2p-communication"   # Megatron-LM's; overlap is its default
 
@@ -91,6 +93,7 @@ class Plan:
     tokens_per_s: float
     profile_source: str = "analytic"   # analytic | measured: what the prediction rests on
     overlap_p2p_comm: bool = False     # interleaved only: Megatron's overlap_p2p_comm (planned, in the flags)
+    priced_for: tuple[tuple[str, str], ...] = ()  # model, devices, profile it was priced for (fingerprint.py)
     alternatives: tuple[PlanSummary, ...] = ()
     search_stats: Mapping[str, Any] = field(default_factory=dict)  # not part of plan_hash
     schema_version: int = PLAN_SCHEMA_VERSION
@@ -116,6 +119,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready document (lists for tuples)."""
         doc = _plain(self)
+        doc["priced_for"] = dict(self.priced_for)
         doc["format"] = PLAN_FORMAT
         return doc
 
@@ -205,6 +209,10 @@ def _validate(p: Plan) -> None:
     if p.overlap_p2p_comm and p.schedule != "interleaved-1f1b":
         raise InputError(f"{w}: overlap_p2p_comm = true needs schedule 'interleaved-1f1b' (Megatron overlaps "
                          f"p2p only there), not {p.schedule!r}")
+    if (not isinstance(p.priced_for, tuple) or len(p.priced_for) > 64
+            or any(not (isinstance(kv, tuple) and len(kv) == 2 and all(isinstance(x, str) and len(x) <= 512
+                                                                        for x in kv)) for kv in p.priced_for)):
+        raise _bad(w, "priced_for", "...", "an object of at most 64 short string values")
     if p.profile_source not in ("analytic", "measured"):
         raise _bad(w, "profile_source", p.profile_source, "'analytic' or 'measured'")
     if len(p.stages) != p.pp:
@@ -288,7 +296,11 @@ def _plan_from_dict(doc: Any, where: str) -> Plan:
         if doc.get("schema_version") == 1 and "overlap_p2p_comm" not in doc:
             # Version 1 rendered no overlap flag, so Megatron-LM ran interleaved plans with its default (on).
             doc["overlap_p2p_comm"] = doc.get("schedule") == "interleaved-1f1b"
-            doc["schema_version"] = PLAN_SCHEMA_VERSION
+            doc["schema_version"] = 2
+        if doc.get("schema_version") == 2 and "priced_for" not in doc:
+            doc["schema_version"] = PLAN_SCHEMA_VERSION  # no fingerprint: what it was priced for is unknown
+        if isinstance(doc.get("priced_for"), Mapping):
+            doc["priced_for"] = tuple(sorted((str(k), v) for k, v in doc["priced_for"].items()))
         if "schema_version" in doc and doc["schema_version"] != PLAN_SCHEMA_VERSION:
             raise InputError(f"{where}: schema_version = {doc['schema_version']!r} is not supported: "
                              f"this Poseidon reads version {PLAN_SCHEMA_VERSION}; re-run `poseidon plan`")

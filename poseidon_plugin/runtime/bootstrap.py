@@ -184,21 +184,9 @@ def _run(argv: list[str], rank: int, log: Log) -> int | None:
 
 def _declared_cluster(job: _Job) -> ClusterSpec | None:
     """The cluster ``--poseidon-cluster`` or ``--poseidon-emulate`` declares (None: detect)."""
-    from poseidon_plugin.runtime import emulation
-    from poseidon_plugin.specs import device_presets, load_cluster, parse_cluster
+    from poseidon_plugin.runtime.precheck import declared_cluster
 
-    if job.opts.cluster:
-        return load_cluster(job.opts.cluster)
-    if not job.opts.emulate:
-        return None
-    nodes = emulation.parse_emulate(job.opts.emulate, device_presets())
-    emulation.check_world(nodes, job.world_size)
-    return parse_cluster({
-        "name": "emulated",
-        "device_types": sorted({n.device_type for n in nodes}),
-        "nodes": [{"device_type": n.device_type, "count": 1, "devices_per_node": n.devices} for n in nodes],
-        "links": "npu",  # placeholder: the links of an emulated cluster are measured (emulation.py)
-    }, f"{emulation.FLAG} {job.opts.emulate}")
+    return declared_cluster(job.opts, job.world_size)
 
 
 def _device(job: _Job, declared: ClusterSpec | None) -> _Devices:

@@ -75,31 +75,14 @@ def prepare(opts: runtime_options.RuntimeOptions, rest: list[str]) -> tuple[list
 def validate(opts: runtime_options.RuntimeOptions, script: str, script_args: list[str],
              world_size: int | None) -> None:
     """Checks that need no process: the job is Megatron-shaped, files parse, options fit together."""
-    from poseidon_plugin.plan import MEGATRON_SCHEDULES, SCHEDULES, Plan
-    from poseidon_plugin.runtime import emulation
+    from poseidon_plugin.plan import MEGATRON_SCHEDULES, SCHEDULES
+    from poseidon_plugin.runtime import precheck
     from poseidon_plugin.runtime.apply import resolve_style
     from poseidon_plugin.runtime.job_flags import read_job
     from poseidon_plugin.target import TargetRuntime
-    from poseidon_plugin.specs import device_presets, load_cluster
 
     job = read_job(script, script_args)
-    if opts.emulate and opts.cluster:
-        raise PoseidonError("--poseidon-emulate conflicts with --poseidon-cluster: both declare the devices; "
-                            "use one (a cluster file is emulated on CPU ranks too)")
-    if opts.cluster:
-        cluster = load_cluster(opts.cluster)
-        if world_size is not None and cluster.num_devices != world_size:
-            raise PoseidonError(f"--poseidon-cluster {opts.cluster} declares {cluster.num_devices} devices but "
-                                f"the launch starts {world_size} ranks; declare one device per rank")
-    if opts.emulate:
-        nodes = emulation.parse_emulate(opts.emulate, device_presets())
-        if world_size is not None:
-            emulation.check_world(nodes, world_size)
-    if opts.plan:
-        plan = Plan.load(opts.plan)
-        if world_size is not None and plan.world_size > world_size:
-            raise PoseidonError(f"--poseidon-plan {opts.plan} needs {plan.world_size} devices (tp {plan.tp} x dp "
-                                f"{plan.dp} x pp {plan.pp}) but the launch starts {world_size} ranks")
+    precheck.check_launch(opts, job, world_size)
     for schedule in opts.schedules:
         if schedule not in SCHEDULES:
             raise PoseidonError(f"--poseidon-schedules: unknown schedule {schedule!r}; choose from "

@@ -102,22 +102,17 @@ def share_plan(search: Callable[[], Plan] | None, rank: int, device: torch.devic
 
 def check_plan_fits(plan: Plan, world: World, job: JobFlags, global_batch_size: int, source: str) -> None:
     """A plan (saved or searched) must match this job and this world; PoseidonError naming the mismatch."""
+    from poseidon_plugin.runtime.precheck import check_plan_job
+
+    check_plan_job(plan, source, job, global_batch_size)
 
     def fail(reason: str) -> PoseidonError:
         return PoseidonError(f"{source} does not match this job: {reason}; re-plan (drop --poseidon-plan) or "
                              f"fix the plan file")
 
-    if plan.num_layers != job.num_layers:
-        raise fail(f"it splits {plan.num_layers} layers but --num-layers is {job.num_layers}")
-    if plan.seq_length != job.seq_length:
-        raise fail(f"seq_length {plan.seq_length} but --seq-length is {job.seq_length}")
-    if plan.global_batch_size != global_batch_size:
-        raise fail(f"global_batch_size {plan.global_batch_size} but the job's global batch is {global_batch_size}")
     if plan.world_size > len(world.ranks):
         raise fail(f"it needs {plan.world_size} devices (tp {plan.tp} x dp {plan.dp} x pp {plan.pp}) but the job "
                    f"has {len(world.ranks)} ranks")
-    if job.num_attention_heads % plan.tp or job.num_query_groups % plan.tp:
-        raise fail(f"tp {plan.tp} does not divide the {job.num_attention_heads} heads / {job.num_query_groups} groups")
     for stage in plan.stages:
         for node, local in stage.devices:
             try:

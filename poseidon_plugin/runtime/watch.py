@@ -35,6 +35,7 @@ class Watch:
         self.log = log
         self.log_rank0 = log_rank0
         self.measured_ms: list[float] = []
+        self.priced_elsewhere = priced_elsewhere(plan, device.kind)
 
     def install(self) -> None:
         """Apply the watch patches and route their reports here."""
@@ -56,8 +57,12 @@ class Watch:
         measured = self.device.ms_between(start, stop)
         self.measured_ms.append(measured)
         predicted = self.plan.predicted_iteration_ms
-        self.log_rank0(f"iteration {index}: measured {measured:.1f} ms, predicted {predicted:.1f} ms "
-                       f"({_signed(measured, predicted)})")
+        if self.priced_elsewhere:
+            self.log_rank0(f"iteration {index}: measured {measured:.1f} ms (no prediction for this run: "
+                           f"{self.priced_elsewhere})")
+        else:
+            self.log_rank0(f"iteration {index}: measured {measured:.1f} ms, predicted {predicted:.1f} ms "
+                           f"({_signed(measured, predicted)})")
         if index == self.iterations:
             self.summarize()
 
@@ -81,12 +86,30 @@ class Watch:
         measured = statistics.median(steady)
         predicted = self.plan.predicted_iteration_ms
         which = f"iterations 2-{len(self.measured_ms)}" if len(self.measured_ms) >= 2 else "iteration 1"
+        if self.priced_elsewhere:
+            self.log_rank0(f"watch: median of {which}: measured {measured:.1f} ms; not compared with the plan's "
+                           f"{predicted:,.1f} ms: {self.priced_elsewhere}; re-plan here (drop --poseidon-plan) "
+                           f"for a prediction of this run")
+            return
         self.log_rank0(f"watch: median of {which}: measured {measured:.1f} ms vs predicted {predicted:.1f} ms "
                        f"({_signed(measured, predicted)})")
         if predicted > 0 and abs(measured - predicted) > WARN_FRACTION * predicted:
             self.log_rank0(f"WARNING: measured iteration time is {_signed(measured, predicted)} off the prediction "
                            f"(more than {WARN_FRACTION:.0%}); the profile may not reflect the training "
                            f"(contention, other jobs, clock changes)")
+
+
+def priced_elsewhere(plan: Plan, device_kind: str) -> str | None:
+    """Why the plan's predicted time does not apply to this run, or None when it does.
+
+    An analytic profile prices the named device types (FLOPs over their peak); a run that only emulates
+    them on CPU runs at the CPU's speed, so comparing the two would report a meaningless error.
+    """
+    if plan.profile_source == "analytic" and device_kind in ("cpu", "emulated"):
+        types = "/".join(dict.fromkeys(plan.stage_types))
+        return (f"the plan was priced with the analytic profile of real {types} devices, and this run emulates "
+                f"them on CPU")
+    return None
 
 
 def _signed(measured: float, predicted: float) -> str:

@@ -120,9 +120,11 @@ def test_schema_1_plans_load_with_the_overlap_they_ran_with():
         plan = search_plan(cm, TargetRuntime(micro_batch_sizes=(1,), schedules=schedules, p2p_overlap="on")).plan
         doc = plan.to_dict()
         doc.pop("overlap_p2p_comm")
+        doc.pop("priced_for")  # version 1 had neither
         doc["schema_version"] = 1
         old = Plan.from_dict(doc)
-        assert old.overlap_p2p_comm == (plan.schedule == "interleaved-1f1b") and old.schema_version == 2
+        assert old.overlap_p2p_comm == (plan.schedule == "interleaved-1f1b") and old.schema_version == 3
+        assert old.priced_for == ()
     doc = plan.to_dict()
     doc["schedule"], doc["virtual_stages"] = "1f1b", 1
     with pytest.raises(InputError, match="overlap_p2p_comm = true needs schedule 'interleaved-1f1b'"):

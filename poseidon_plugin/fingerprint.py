@@ -1,0 +1,75 @@
+"""What a plan was priced for: the model shape, job, devices and profile source behind its numbers.
+
+A plan is only as good as what it was priced for: applied to another model (``--hidden-size 128``
+instead of 64) its memory prediction is wrong, which on real hardware is an out-of-memory crash an hour
+in. So every plan carries ``priced_for`` (``Plan.priced_for``, flat string pairs), and ``poseidon-run
+--poseidon-plan`` compares it with the live job before anything starts, refusing a mismatch by name.
+Torch-free.
+
+Keys:
+- ``model.<field>``: every ModelSpec field that changes time or memory (``MODEL_FIELDS``), including the
+  global batch size and sequence length;
+- ``cluster.devices``: per device type, its count and memory (``A2-2 x2 64 GiB; A2-4 x2 32 GiB``);
+- ``profile``: ``analytic`` (FLOPs / peak of the named device types) or ``measured``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "vocab_size", "seq_length", "global_batch_size", "dtype", "num_experts", "moe_top_k", "swiglu",
+                "tie_embeddings", "distributed_optimizer", "sequence_parallel")
+
+# Megatron-LM flag that sets each model field (for messages that tell the user what to change)
+MODEL_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
+               "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
+               "vocab_size": "--vocab-size", "seq_length": "--seq-length",
+               "global_batch_size": "--global-batch-size", "dtype": "--bf16 / --fp16",
+               "num_experts": "--num-experts", "moe_top_k": "--moe-router-topk", "swiglu": "--swiglu",
+               "tie_embeddings": "--untie-embeddings-and-output-weights",
+               "distributed_optimizer": "--use-distributed-optimizer",
+               "sequence_parallel": "--sequence-parallel"}
+
+
+def _text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def model_part(model: Any) -> dict[str, str]:
+    """``{"model.<field>": value}`` of a ModelSpec."""
+    return {f"model.{name}": _text(getattr(model, name)) for name in MODEL_FIELDS}
+
+
+def devices_part(cluster: Any) -> str:
+    """Device types with their counts and memory, in the cluster's type order."""
+    return "; ".join(f"{t.name} x{cluster.num_devices_of_type(t.name)} {t.memory_gb:g} GiB"
+                     for t in cluster.device_types)
+
+
+def priced_for(cluster: Any, model: Any, profile_source: str) -> tuple[tuple[str, str], ...]:
+    """The fingerprint of a plan priced on ``cluster``, ``model`` and a profile of ``profile_source``."""
+    doc = {**model_part(model), "cluster.devices": devices_part(cluster), "profile": profile_source}
+    return tuple(sorted(doc.items()))
+
+
+def model_mismatches(fingerprint: Sequence[tuple[str, str]], model: Any) -> list[tuple[str, str, str]]:
+    """``(field, planned, live)`` for each model field the plan was priced with a different value of."""
+    planned = dict(fingerprint)
+    live = model_part(model)
+    return [(key.partition(".")[2], planned[key], live[key]) for key in live
+            if key in planned and planned[key] != live[key]]
+
+
+def describe_mismatch(source: str, mismatches: Sequence[tuple[str, str, str]]) -> str:
+    """One line naming every mismatched field with both values and the flag, and the fix."""
+    parts = [f"{field} {planned} (this job: {live}, {MODEL_FLAGS.get(field, field)})"
+             for field, planned, live in mismatches]
+    return (f"{source} was priced for another model or job: {'; '.join(parts)}; its memory and time do not "
+            f"hold here: re-plan (drop --poseidon-plan), or run the job it was made for")
+
+
+def as_mapping(fingerprint: Sequence[tuple[str, str]]) -> Mapping[str, str]:
+    """The fingerprint as a dict (for JSON and display)."""
+    return dict(fingerprint)
