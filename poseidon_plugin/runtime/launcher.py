@@ -41,7 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         torchrun_args, env = prepare(opts, rest)
     except PoseidonError as exc:
-        print(f"poseidon-run: error: {exc}", file=sys.stderr, flush=True)
+        message = runtime_options.as_given(str(exc), argv, os.environ)
+        print(f"poseidon-run: error: {message}", file=sys.stderr, flush=True)
         return 2
     os.environ.update(env)
     return launch(torchrun_args)

@@ -89,6 +89,7 @@ class _Spec:
     kind: str  # "bool" | "str" | "path" (must exist) | "out_path" | "float" | "int" | "str_list" | "int_list"
     minimum: float | None = None
     choices: tuple[str, ...] = ()
+    example: str = ""  # a typical value for messages (else one by kind)
 
     @property
     def flag(self) -> str:
@@ -109,7 +110,7 @@ _SPECS: tuple[_Spec, ...] = (
     _Spec(field="schedules", kind="str_list"),
     _Spec(field="keep", kind="bool"),
     _Spec(field="search_mode", kind="str", choices=("exact", "default")),
-    _Spec(field="emulate", kind="str"),
+    _Spec(field="emulate", kind="str", example="A2-2:2,A2-4:2"),
     _Spec(field="micro_batch_sizes", kind="int_list", minimum=1),
     _Spec(field="timeout", kind="float", minimum=1.0),
     _Spec(field="profile_iters", kind="int", minimum=1),
@@ -176,6 +177,8 @@ def resolve(cli: Mapping[str, str], environ: Mapping[str, str]) -> RuntimeOption
         else:
             continue
         values[spec.field] = _convert(spec, raw, source)
+        if spec.field == "emulate" and values[spec.field]:
+            _check_emulate(values[spec.field], source)
     options = RuntimeOptions(**values)
     _check_conflicts(options)
     return options
@@ -185,6 +188,19 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> tupl
     """``split_argv`` + ``resolve``: the options and the argv left for torchrun and the script."""
     cli, rest = split_argv(argv)
     return resolve(cli, os.environ if environ is None else environ), rest
+
+
+def as_given(message: str, argv: Sequence[str], environ: Mapping[str, str]) -> str:
+    """``message`` with each ``--poseidon-*`` flag the user set through its ``POSEIDON_*`` variable instead
+    named by that variable (what the user typed is what the error must name)."""
+    try:
+        cli, _ = split_argv(argv)
+    except PoseidonError:
+        return message
+    for spec in _SPECS:
+        if spec.flag in message and spec.flag not in cli and environ.get(spec.env):
+            message = message.replace(f"{spec.flag} ", f"{spec.env}=").replace(spec.flag, spec.env)
+    return message
 
 
 def to_env(options: RuntimeOptions) -> dict[str, str]:
@@ -226,6 +242,9 @@ def _convert(spec: _Spec, raw: str, source: str) -> Any:
         if spec.choices and text not in spec.choices:
             raise PoseidonError(f"{source}={raw!r} is not allowed; choose one of {', '.join(spec.choices)}")
         if not text:
+            if source.startswith(PREFIX):  # the launcher passes unset options to the ranks as empty variables
+                raise PoseidonError(f"{source} {raw!r} is empty; give a value, e.g. {source}={_example(spec)}, "
+                                    f"or leave the option out")
             return RuntimeOptions.__dataclass_fields__[spec.field].default
         if spec.kind == "path" and not os.path.isfile(text):
             raise PoseidonError(f"{source}={raw!r}: no such file; give the path of an existing JSON or YAML file")
@@ -244,6 +263,20 @@ def _convert(spec: _Spec, raw: str, source: str) -> Any:
     return tuple(dict.fromkeys(items))
 
 
+def _check_emulate(text: str, source: str) -> None:
+    """``--poseidon-emulate`` parses, and its errors name where the value came from (flag or variable)."""
+    from poseidon_plugin.runtime import emulation
+    from poseidon_plugin.specs import device_presets
+
+    try:
+        emulation.parse_emulate(text, device_presets())
+    except PoseidonError as exc:
+        if source == emulation.FLAG:
+            raise
+        raise PoseidonError(str(exc).replace(f"e.g. {emulation.FLAG} ", f"e.g. {source}=").replace(emulation.FLAG, source)
+                            ) from None
+
+
 def _number(kind: str, text: str, source: str, raw: str) -> float:
     try:
         number = int(text) if kind == "int" else float(text)
@@ -255,7 +288,7 @@ def _number(kind: str, text: str, source: str, raw: str) -> float:
 
 
 def _example(spec: _Spec) -> str:
-    return {
+    return spec.example or {
         "bool": "1",
         "path": "FILE.json",
         "out_path": "PATH",

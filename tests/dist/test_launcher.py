@@ -115,7 +115,7 @@ def test_environment_variables_are_options_too(capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("POSEIDON_EMULATE", "A2-2:3")
     assert launcher.main(["--nproc-per-node", "2", SCRIPT, *JOB]) == 2
-    assert "--poseidon-emulate A2-2:3 declares 3 devices but the job has 2 ranks" in capsys.readouterr().err
+    assert "POSEIDON_EMULATE=A2-2:3 declares 3 devices but the job has 2 ranks" in capsys.readouterr().err
 
 
 # --- launches -------------------------------------------------------------------------------------

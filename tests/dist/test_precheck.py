@@ -89,3 +89,14 @@ def test_prediction_is_compared_only_where_the_plan_was_priced(tmp_path):
     import dataclasses
     measured = dataclasses.replace(plan, profile_source="measured")
     assert priced_elsewhere(measured, "emulated") is None
+
+
+def test_empty_option_is_refused_and_variables_are_named_as_given(capsys, monkeypatch):
+    line = _run(["--nproc-per-node", "4", SCRIPT, *JOB, "--poseidon-emulate", ""], capsys, monkeypatch)
+    assert line == ("poseidon-run: error: --poseidon-emulate '' is empty; give a value, e.g. "
+                    "--poseidon-emulate=A2-2:2,A2-4:2, or leave the option out")
+    monkeypatch.setenv("POSEIDON_EMULATE", "A2-2:one")
+    monkeypatch.setattr(launcher, "launch", lambda args: pytest.fail("a rank was started"))
+    assert launcher.main(["--nproc-per-node", "4", SCRIPT, *JOB]) == 2
+    assert capsys.readouterr().err.strip() == ("poseidon-run: error: POSEIDON_EMULATE entry 'A2-2:one': COUNT "
+                                               "'one' is not an integer")
