@@ -16,6 +16,7 @@ import runpy
 import signal
 import sys
 import time
+import warnings
 from typing import TYPE_CHECKING
 
 from poseidon_plugin.errors import PoseidonError
@@ -28,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover  (torch-importing modules, imported when t
     from poseidon_plugin.plan import Plan
     from poseidon_plugin.runtime.devices import Device
     from poseidon_plugin.runtime.inventory import World
-    from poseidon_plugin.specs import ClusterSpec
+    from poseidon_plugin.specs import ClusterSpec, ModelSpec, ProfileSpec
     from poseidon_plugin.specs.cluster import Device as ClusterDevice
 
 
@@ -58,6 +59,10 @@ def _write(stream, line: str) -> None:
     stream.flush()
 
 
+# megatron-core warnings that say the same on every rank (what is installed, deprecated defaults)
+ENVIRONMENT_NOTICES = r".*(not installed|is deprecated|Falling back)"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of each rank; never returns normally when the job fails."""
     argv = sys.argv[1:] if argv is None else argv
@@ -68,6 +73,10 @@ def main(argv: list[str] | None = None) -> None:
         _exit(2)
     # torchrun stops every rank when one dies; say why instead of vanishing (restored before the script runs).
     signal.signal(signal.SIGTERM, lambda signum, frame: _stopped(log))
+    if rank != 0:
+        # Every rank would print megatron-core's identical notices about its environment (Apex or Transformer
+        # Engine not installed, a deprecated default): launcher rank 0 shows them once. Other warnings stay.
+        warnings.filterwarnings("ignore", message=ENVIRONMENT_NOTICES, category=UserWarning, module=r"megatron\.")
     try:
         exit_code = _run(argv, rank, log)
     except PhaseFailed as exc:
@@ -189,6 +198,18 @@ def _declared_cluster(job: _Job) -> ClusterSpec | None:
     return declared_cluster(job.opts, job.world_size)
 
 
+def profile_digest(cluster: ClusterSpec, model: ModelSpec, profile: ProfileSpec) -> str:
+    """12 hex digits naming the whole-job profile file by what it measured (devices, model, software), so a
+    run on other devices writes its own file instead of overwriting this one."""
+    import hashlib
+    import json
+
+    from poseidon_plugin.fingerprint import devices_part, model_part
+
+    key = {"devices": devices_part(cluster), "model": model_part(model), "software": dict(profile.software)}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()[:12]
+
+
 def _device(job: _Job, declared: ClusterSpec | None) -> _Devices:
     """This rank's device (emulated on CPU when a cluster is declared), with the CPU shim and emulation
     patches in place, and this rank's declared cluster device (None when detected)."""
@@ -273,7 +294,7 @@ def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) 
     phases.notes["profiling"] = f"cache: reused {outcome.reused} of {outcome.reused + outcome.measured} configurations"
     for why in outcome.unstored:
         log.rank_line(f"warning: profile cache entry not stored ({why}); it will be measured again next launch")
-    merged = os.path.join(cache_dir, f"{model.name}-profile.json")
+    merged = os.path.join(cache_dir, f"{model.name}-{profile_digest(cluster, model, outcome.profile)}-profile.json")
     written = f"written to {merged}"
     if job.rank == 0:  # the job's whole profile, for `poseidon plan --profile` later
         try:

@@ -76,6 +76,8 @@ def broadcast_json(obj: Any, device: torch.device, src: int = 0) -> Any:
 
 
 FAILURE_KEY = "poseidon/failure"
+# Phases any torchrun job of the script pays too (reported apart from Poseidon's own cost)
+SHARED_PHASES = ("start-up",)
 WHO_KEY = "poseidon/who/{}"
 BEAT_KEY = "poseidon/beat/{}"
 
@@ -272,10 +274,17 @@ class Phases:
         raise RuntimeError(f"injected fault in {name} (POSEIDON_INJECT_FAULT)")
 
     def summary(self) -> str:
-        """``inventory 0.1 s | probing 0.3 s | ...`` in phase order, with the total."""
+        """``Poseidon 1.52 s (inventory 0.10 s | probing 0.30 s | ...); start-up 5.68 s ...``: Poseidon's own
+        phases and their total, apart from the start-up (imports, process group) that the training script
+        pays under plain torchrun too."""
+        own = {name: sec for name, sec in self.seconds.items() if name not in SHARED_PHASES}
         parts = [f"{name} {sec:.2f} s" + (f" ({self.notes[name]})" if name in self.notes else "")
-                 for name, sec in self.seconds.items()]
-        return " | ".join(parts) + f" | total {sum(self.seconds.values()):.2f} s"
+                 for name, sec in own.items()]
+        text = f"Poseidon {sum(own.values()):.2f} s ({' | '.join(parts)})"
+        shared = [f"{name} {self.seconds[name]:.2f} s" for name in SHARED_PHASES if name in self.seconds]
+        if shared:
+            text += f"; {', '.join(shared)} before it (imports and process group: a plain torchrun run pays them too)"
+        return text
 
 
 def _failure(record: dict) -> PhaseFailed:

@@ -26,7 +26,9 @@ _MODULE_FLAGS = ("-m", "--module")
 # Set for the ranks unless the user set them. Megatron-LM refuses tensor parallelism on pre-Blackwell GPUs
 # without CUDA_DEVICE_MAX_CONNECTIONS=1; a user who ran TP 1 never needed it, but the plan may choose TP > 1,
 # and CUDA reads it when the context is created, before the plan exists.
-RANK_ENV_DEFAULTS = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+# OMP_NUM_THREADS=1 is what torchrun sets anyway when it is unset (with a banner saying so, which this
+# default keeps out of the demo's output); set it yourself for more threads per rank.
+RANK_ENV_DEFAULTS = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": "1"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
