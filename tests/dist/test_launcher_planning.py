@@ -5,6 +5,8 @@ These modules import torch (they sit in the framework layer), hence tests/dist; 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 pytest.importorskip("torch")
@@ -19,8 +21,9 @@ from poseidon_plugin.runtime.planning import check_plan_fits, model_spec, plan_o
 from poseidon_plugin.specs import GIB, LinkSpec, load_cluster, load_model, parse_cluster  # noqa: E402
 from poseidon_plugin.target import TargetRuntime  # noqa: E402
 
-JOB = read_job("pretrain_gpt.py", ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
-                                   "--seq-length", "32", "--vocab-size", "512", "--global-batch-size", "8"])
+JOB_ARGS = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--vocab-size", "512"]
+JOB = read_job("pretrain_gpt.py", [*JOB_ARGS, "--global-batch-size", "8"])
 LINKS = {"intra_node": {"bandwidth_gbps": 10.0, "latency_us": 50.0, "pair": [0, 1]},
          "cross_type": {"bandwidth_gbps": 5.0, "latency_us": 80.0, "pair": [0, 2]}}
 
@@ -91,9 +94,12 @@ def test_placement_maps_planned_devices_to_launcher_ranks():
 @pytest.mark.parametrize(
     "job_args, world_layout, match",
     [
-        (["--num-layers", "6"], None, r"it splits 8 layers but --num-layers is 6"),
-        (["--seq-length", "64"], None, r"seq_length 32 but --seq-length is 64"),
-        (["--global-batch-size", "16"], None, r"global_batch_size 8 but the job's global batch is 16"),
+        (["--num-layers", "6"], None, r"plan.json was priced for another model or job: num_layers 8 \(this job: 6, "
+                                      r"--num-layers\); its memory and time do not hold here"),
+        (["--seq-length", "64"], None, r"seq_length 32 \(this job: 64, --seq-length\)"),
+        (["--global-batch-size", "16"], None, r"global_batch_size 8 \(this job: 16, --global-batch-size\)"),
+        (["--hidden-size", "128"], None, r"hidden_size 64 \(this job: 128, --hidden-size\); ffn_hidden_size 256 "
+                                         r"\(this job: 512, --ffn-hidden-size\)"),
         ([], [("h", "A2-2", 2), ("h", "A2-4", 1)], r"it needs 4 devices \(tp 1 x dp 1 x pp 4\) but the job has 3 ranks"),
         ([], [("h", "A2-2", 2), ("h", "A2-4", 1), ("h2", "A2-4", 1)],
          r"stage 3: device \(node 1, local 1\) does not exist here"),
@@ -102,12 +108,25 @@ def test_placement_maps_planned_devices_to_launcher_ranks():
 )
 def test_plan_must_fit_job_and_world(job_args, world_layout, match):
     world, plan = _emulated_plan(["A2-4", "A2-2", "A2-2", "A2-4"], [1, 3, 3, 1])
-    base = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
-    job = read_job("t.py", base + job_args)
+    job = read_job("t.py", JOB_ARGS + job_args)
     gbs = job.global_batch_size or 8
     with pytest.raises(PoseidonError, match=match):
         check_plan_fits(plan, _world(world_layout) if world_layout else world, job, gbs, "plan.json")
     check_plan_fits(plan, world, JOB, 8, "plan.json")
+
+
+@pytest.mark.parametrize("job_args, match", [
+    (["--num-layers", "6"], r"it splits 8 layers but --num-layers is 6"),
+    (["--seq-length", "64"], r"seq_length 32 but --seq-length is 64"),
+    (["--global-batch-size", "16"], r"global_batch_size 8 but the job's global batch is 16"),
+])
+def test_plan_without_fingerprint_is_checked_field_by_field(job_args, match):
+    """Plans written before schema 3 carry no priced_for: the shape the plan itself states is still checked."""
+    world, plan = _emulated_plan(["A2-4", "A2-2", "A2-2", "A2-4"], [1, 3, 3, 1])
+    plan = dataclasses.replace(plan, priced_for=())
+    job = read_job("t.py", JOB_ARGS + job_args)
+    with pytest.raises(PoseidonError, match=match):
+        check_plan_fits(plan, world, job, job.global_batch_size or 8, "plan.json")
 
 
 def test_search_call_and_keep():
