@@ -92,7 +92,8 @@ def plan_cli(cluster: str, model: str, *flags: str) -> dict:
                          timeout=3600, cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     wall = time.perf_counter() - t0
     if out.returncode != 0:
-        return {"wall": wall, "error": (out.stderr.strip().splitlines() or ["?"])[-1][:100]}
+        lines = [x for x in out.stderr.strip().splitlines() if not x.startswith("VmHWM")] or ["?"]
+        return {"wall": wall, "error": lines[-1][:100]}
     doc = json.loads(out.stdout)
     rss = int(out.stderr.strip().splitlines()[-1].split()[1]) / 1024.0
     # the plan JSON (schema 3: ranks and devices as runs) against every rank and device listed (2)
