@@ -183,7 +183,8 @@ class CostModel:
         # low-precision gradients (Megatron's mixed-precision optimizer); sharded with the dist. optim.
         self.optimizer_bytes = (c.adam_state_bytes + (4.0 if dtype != "fp32" else 0.0)
                                 + (4.0 if self.grad_bytes < 4.0 else 0.0))
-        self._devices = {t: cluster.devices_of_type(t) for t in cluster.type_names}
+        # lazy per type (len, index, slice): no Device object per device of a huge cluster
+        self._devices = {t: cluster.type_devices(t) for t in cluster.type_names}
         # devices per node when every node of a type has the same size (0: mixed sizes). Devices are
         # listed node by node, so device i of the type is on the type's node i // size: slots and links
         # are then arithmetic, not a loop over a slot's devices (seconds at 800,000 devices)
@@ -388,7 +389,6 @@ class CostModel:
                          dp_link=tuple(dp_link))
 
     def _explicit_placement(self, cand: Candidate) -> Placement:
-        by_pos = {(d.node, d.local): d for d in self.cluster.devices()}
         used: set = set()
         stages = []
         for s, devs in enumerate(cand.devices or ()):
@@ -397,7 +397,9 @@ class CostModel:
                                  f"{cand.dp * cand.tp}")
             group = []
             for pos in devs:
-                d = by_pos.get(tuple(pos))
+                d = None
+                if len(pos) == 2 and all(type(x) is int for x in pos):
+                    d = self.cluster.device_at(*pos)
                 if d is None or d.device_type != cand.stage_types[s] or d.index in used:
                     raise InputError(f"candidate devices[{s}]: {tuple(pos)} is not a free "
                                      f"{cand.stage_types[s]} device of the cluster")

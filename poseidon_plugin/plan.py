@@ -29,9 +29,13 @@ from .specs.documents import parse_document
 from .simulator.schedules import MEGATRON_SCHEDULES, SCHEDULES
 from .specs.fields import read_document, write_json_atomic
 
-# 2: overlap_p2p_comm (version-1 files load with the value they ran with)
-# 3: priced_for, the fingerprint of what the plan was priced for (older files load with none: unchecked)
 PLAN_SCHEMA_VERSION = 3
+# 2: overlap_p2p_comm (version-1 files load with the value they ran with); 3: priced_for, the fingerprint of
+# what the plan was priced for (fingerprint.py; older files load with none: checked field by field only), and
+# a stage's ranks and devices stored as runs (_rank_runs, _device_runs), so the plan rank 0 broadcasts stays
+# small on 100,000 devices. Versions 1 and 2 (every rank and device listed) are read and upgraded.
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+MAX_PLAN_DEVICES = 1 << 20    # ranks (and devices) all of a plan's runs may expand to (a cluster's most)
 PLAN_FORMAT = "poseidon-plan"
 NO_OVERLAP_P2P_FLAG = "--no-overlap-p2p-communication"   # Megatron-LM's; overlap is its default
 
@@ -117,10 +121,13 @@ class Plan:
         return tuple(s.device_type for s in self.stages)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready document (lists for tuples)."""
+        """Plain JSON-ready document (lists for tuples; a stage's ranks and devices as runs)."""
         doc = _plain(self)
         doc["priced_for"] = dict(self.priced_for)
         doc["format"] = PLAN_FORMAT
+        for st, stage in zip(doc["stages"], self.stages):
+            st["ranks"] = _rank_runs(stage.ranks)
+            st["devices"] = _device_runs(stage.devices)
         return doc
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -287,29 +294,103 @@ def _pairs(items: list) -> tuple:
     return tuple(tuple(x) if isinstance(x, list) else x for x in items)
 
 
+def _rank_runs(ranks: Sequence[int]) -> list[list[int]]:
+    """Schema 3: ranks as ``[[first, last], ...]`` runs of consecutive integers, in order."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return runs
+
+
+def _device_runs(devices: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """Schema 3: devices as ``[[first_node, last_node, first_local, last_local], ...]`` blocks, each
+    its nodes' locals in node-major order (a stage on whole nodes is one block)."""
+    per_node: list[list[int]] = []        # [node, first_local, last_local]
+    for node, local in devices:
+        last = per_node[-1] if per_node else None
+        if last is not None and node == last[0] and local == last[2] + 1:
+            last[2] = local
+        else:
+            per_node.append([node, local, local])
+    runs: list[list[int]] = []
+    for node, lo, hi in per_node:
+        last = runs[-1] if runs else None
+        if last is not None and node == last[1] + 1 and (lo, hi) == (last[2], last[3]):
+            last[1] = node
+        else:
+            runs.append([node, node, lo, hi])
+    return runs
+
+
+def _int_runs(where: str, name: str, runs: Any, width: int, budget: list, slot: int) -> list[list[int]]:
+    """Check a schema-3 run list: lists of ``width`` integers >= 0, first <= last in each pair; the
+    entries it expands to are taken from ``budget[slot]`` (a plan expands to at most a cluster)."""
+    if not isinstance(runs, list):
+        raise _bad(where, name, runs, "a list of runs")
+    for run in runs:
+        if (not isinstance(run, list) or len(run) != width
+                or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in run)
+                or any(run[i] > run[i + 1] for i in range(0, width, 2))):
+            shape = "[first, last]" if width == 2 else "[first_node, last_node, first_local, last_local]"
+            raise _bad(where, f"{name} run", run, f"{shape}, integers >= 0, first <= last")
+        size = 1
+        for i in range(0, width, 2):
+            size *= run[i + 1] - run[i] + 1
+        budget[slot] -= size
+        if budget[slot] < 0:
+            raise InputError(f"{where}: {name} expand to more than {MAX_PLAN_DEVICES:,} entries over "
+                             "the plan; a plan has tp x dp x pp of them")
+    return runs
+
+
+def _expand_ranks(where: str, runs: Any, budget: list) -> tuple[int, ...]:
+    out: list[int] = []
+    for a, b in _int_runs(where, "ranks", runs, 2, budget, 0):
+        out.extend(range(a, b + 1))
+    return tuple(out)
+
+
+def _expand_devices(where: str, runs: Any, budget: list) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for n0, n1, l0, l1 in _int_runs(where, "devices", runs, 4, budget, 1):
+        out.extend((n, x) for n in range(n0, n1 + 1) for x in range(l0, l1 + 1))
+    return tuple(out)
+
+
 def _plan_from_dict(doc: Any, where: str) -> Plan:
     if isinstance(doc, Mapping):
         doc = dict(doc)
         fmt = doc.pop("format", PLAN_FORMAT)
         if fmt != PLAN_FORMAT:
             raise InputError(f"{where}: format = {fmt!r} is invalid: must be {PLAN_FORMAT!r}")
-        if doc.get("schema_version") == 1 and "overlap_p2p_comm" not in doc:
+        version = doc.get("schema_version", PLAN_SCHEMA_VERSION)
+        if version == 1 and "overlap_p2p_comm" not in doc:
             # Version 1 rendered no overlap flag, so Megatron-LM ran interleaved plans with its default (on).
             doc["overlap_p2p_comm"] = doc.get("schedule") == "interleaved-1f1b"
-            doc["schema_version"] = 2
-        if doc.get("schema_version") == 2 and "priced_for" not in doc:
-            doc["schema_version"] = PLAN_SCHEMA_VERSION  # no fingerprint: what it was priced for is unknown
+        if isinstance(version, bool) or version not in READABLE_SCHEMA_VERSIONS:
+            raise InputError(f"{where}: schema_version = {version!r} is not supported: this Poseidon "
+                             f"reads versions {', '.join(map(str, READABLE_SCHEMA_VERSIONS))}; "
+                             "re-run `poseidon plan`")
+        doc["schema_version"] = PLAN_SCHEMA_VERSION      # older versions: upgraded on load
         if isinstance(doc.get("priced_for"), Mapping):
             doc["priced_for"] = tuple(sorted((str(k), v) for k, v in doc["priced_for"].items()))
-        if "schema_version" in doc and doc["schema_version"] != PLAN_SCHEMA_VERSION:
-            raise InputError(f"{where}: schema_version = {doc['schema_version']!r} is not supported: "
-                             f"this Poseidon reads version {PLAN_SCHEMA_VERSION}; re-run `poseidon plan`")
+    else:
+        version = PLAN_SCHEMA_VERSION
     values = _take(doc, where, Plan, {"layers": tuple, "stages": list, "alternatives": list})
+    budget = [MAX_PLAN_DEVICES, MAX_PLAN_DEVICES]    # entries all runs may still expand to
     stages = []
     for i, s in enumerate(values.get("stages", ())):
-        sv = _take(s, f"{where}: stages[{i}]", PlanStage,
-                   {"ranks": tuple, "devices": _pairs, "layers": tuple, "first_layers": tuple,
-                    "forward_ms": tuple, "backward_ms": tuple})
+        ws = f"{where}: stages[{i}]"
+        if version >= 3:          # ranks and devices as runs
+            conv = {"ranks": lambda x, ws=ws: _expand_ranks(ws, x, budget),
+                    "devices": lambda x, ws=ws: _expand_devices(ws, x, budget)}
+        else:                     # every rank and device listed
+            conv = {"ranks": tuple, "devices": _pairs}
+        sv = _take(s, ws, PlanStage, {**conv, "layers": tuple, "first_layers": tuple,
+                                      "forward_ms": tuple, "backward_ms": tuple})
         stages.append(PlanStage(**sv))
     values["stages"] = tuple(stages)
     alts = []

@@ -12,7 +12,9 @@ finishes within ``--exact-limit`` seconds, and the peak memory of ``poseidon pla
 ``--scale`` adds the large-cluster rows (Llama-3.1 405B): generated clusters of 100,000 and 800,000
 devices and the presets ``frontier-1024`` / ``frontier-4096``, each ``poseidon plan`` run in a fresh
 process with a time limit, printing the limit against the wall time of the search and of the whole
-command, the best plan, the proven lower bound and the gap; then the issue's targets (not asserted).
+command, the best plan, the proven lower bound and the gap, the devices the plan uses and the size of
+its JSON (schema 3, ranks and devices as runs) against every rank and device listed (schema 2); then
+the issue's targets (not asserted).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from poseidon_plugin.costmodel import CostModel  # noqa: E402
+from poseidon_plugin.plan import Plan  # noqa: E402
 from poseidon_plugin.search import SearchOptions, search  # noqa: E402
 from poseidon_plugin.search.baselines import best_by_eq1, best_uniform  # noqa: E402
 from poseidon_plugin.simulator.core import cached_graph  # noqa: E402
@@ -85,19 +88,29 @@ def plan_cli(cluster: str, model: str, *flags: str) -> dict:
             "sys.exit(rc)")
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code, "plan", "--cluster", cluster, "--model", model,
-                          "--no-progress", "--json", *flags], check=True, capture_output=True, text=True,
+                          "--no-progress", "--json", *flags], capture_output=True, text=True,
                          timeout=3600, cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     wall = time.perf_counter() - t0
+    if out.returncode != 0:
+        lines = [x for x in out.stderr.strip().splitlines() if not x.startswith("VmHWM")] or ["?"]
+        return {"wall": wall, "error": lines[-1][:100]}
     doc = json.loads(out.stdout)
     rss = int(out.stderr.strip().splitlines()[-1].split()[1]) / 1024.0
-    return {"wall": wall, "rss": rss, "ms": doc["predicted_iteration_ms"], "stats": doc["search_stats"]}
+    # the plan JSON (schema 3: ranks and devices as runs) against every rank and device listed (2)
+    plan = Plan.from_json(out.stdout)
+    listed = doc | {"stages": [st | {"ranks": list(s.ranks), "devices": [list(d) for d in s.devices]}
+                               for st, s in zip(doc["stages"], plan.stages)]}
+    return {"wall": wall, "rss": rss, "ms": doc["predicted_iteration_ms"], "stats": doc["search_stats"],
+            "kb": len(plan.to_json()) / 1024, "listed_kb": len(json.dumps(listed, indent=2)) / 1024,
+            "devices": plan.world_size}
 
 
 def scale_rows(limits: dict[str, float]) -> None:
     """Time limit vs wall on very large clusters, and the anytime answers (best, bound, gap)."""
     print()
     print(f"{'cluster':<16} {'mode':<8} {'limit s':>7} {'search s':>8} {'cmd s':>6} {'over s':>6} "
-          f"{'MiB':>5} {'done':>5} {'best ms':>11} {'proven >= ms':>12} {'gap':>7}")
+          f"{'MiB':>5} {'done':>5} {'best ms':>11} {'proven >= ms':>12} {'gap':>7} {'devices':>7} "
+          f"{'plan kB':>8} {'listed kB':>9}")
     with tempfile.TemporaryDirectory() as tmp:
         runs = [(big_cluster(100_000, tmp), "100k devices", "default", 2.0),
                 (big_cluster(800_000, tmp), "800k devices", "default", 5.0),
@@ -108,12 +121,15 @@ def scale_rows(limits: dict[str, float]) -> None:
         for cluster, label, mode, limit in runs:
             flags = ["--time-limit", str(limit)] + (["--exact"] if mode == "exact" else [])
             r = plan_cli(cluster, "llama3-405b", *flags)
+            if "error" in r:
+                print(f"{label:<16} {mode:<8} {limit:>7.1f} {'':>8} {r['wall']:>6.2f}  failed: {r['error']}")
+                continue
             st = r["stats"]
             gap = f"{100 * st['gap']:.2f}%" if st.get("gap") is not None else "n/a"
             lb = f"{st['lower_bound_ms']:,.0f}" if st.get("lower_bound_ms") else "n/a"
             print(f"{label:<16} {mode:<8} {limit:>7.1f} {st['wall_s']:>8.2f} {r['wall']:>6.2f} "
                   f"{r['wall'] - limit:>6.2f} {r['rss']:>5.0f} {str(st['complete']):>5} {r['ms']:>11,.0f} "
-                  f"{lb:>12} {gap:>7}")
+                  f"{lb:>12} {gap:>7} {r['devices']:>7} {r['kb']:>8.1f} {r['listed_kb']:>9.1f}")
             sys.stdout.flush()
     print("targets (issue 12, not asserted): frontier-1024 --exact proven <= 30 s, frontier-4096 <= 60 s; "
           "default <= 5 s within 0.5 % of exact; peak memory < 1 GB; time limit kept within 1 s")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ..simulator.core import cached_graph, make_kernel
 from ..simulator.graph import ParamLayout, extra_params
-from ..simulator.schedules import BACKWARD, FORWARD, interleaved_table, peak_live_microbatches, rank_order
+from ..simulator.schedules import BACKWARD, FORWARD, peak_live_microbatches, warmup_forwards
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,25 +50,102 @@ def first_backward(schedule: str, pp: int, micro_batches: int, virtual_stages: i
                    rank: int) -> tuple[list[int], int]:
     """Forwards per chunk that ``rank`` runs before its first backward, and that backward's chunk.
 
-    Derived from the schedules' definitions (``simulator.schedules``: warm-up forwards, then pairs)
-    without building the whole op list; ``tests/unit/test_search_bounds.py`` checks it against
-    ``rank_order`` on many shapes. The first backward is always of micro-batch 0.
+    Read off :class:`RankOps` (the schedules' definitions without listing the ops);
+    ``tests/unit/test_search_bounds.py`` checks it against ``rank_order`` on many shapes. The first backward is always of micro-batch 0.
     """
-    m, v = micro_batches, virtual_stages
-    if schedule == "gpipe":
-        return [m], 0
-    if schedule == "1f1b":
-        w = min(pp - rank - 1, m)
-        return [w + 1 if w < m else m], 0
-    if schedule == "eager-1f1b":
-        return [min(2 * (pp - rank - 1) + 1, m)], 0
-    total = m * v
-    table = interleaved_table(m, v, pp)
-    w = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
-    counts = [0] * v
-    for k in range(w + 1 if w < total else total):
-        counts[table[k][1]] += 1
-    return counts, v - 1 - table[0][1]
+    ops = RankOps(schedule, pp, micro_batches, virtual_stages, rank)
+    i = ops.first_backward_index()
+    before, _bc = ops.counts(0, i)
+    return before, ops.op(i)[1]
+
+
+class RankOps:
+    """The op order of one rank (:func:`~poseidon_plugin.simulator.schedules.rank_order`) by
+    arithmetic: every schedule is ``w`` warm-up forwards, then ``total - w`` pairs (forward first, or
+    backward first for ``eager-1f1b``), then the remaining backwards, and Megatron's interleaved table
+    maps virtual micro-batch ``k`` to chunk ``(k // pp) % V`` and micro-batch ``k // (pp V) * pp +
+    k % pp`` (``M`` is a multiple of ``pp``). Counting a range's ops per chunk is O(V) where listing the
+    ops is O(M V): building the bound paths of a frontier-scale shape walked ~10^5 ops per rank.
+    ``tests/unit/test_search_bounds.py`` checks every method against the listed ops."""
+
+    __slots__ = ("pp", "m", "v", "total", "w", "bfirst")
+
+    def __init__(self, schedule: str, pp: int, micro_batches: int, virtual_stages: int, rank: int):
+        self.pp, self.m, self.v = pp, micro_batches, virtual_stages
+        self.total = micro_batches * virtual_stages
+        self.w = warmup_forwards(schedule, pp, micro_batches, virtual_stages, rank)
+        self.bfirst = schedule == "eager-1f1b"
+
+    def __len__(self) -> int:
+        return 2 * self.total
+
+    def _unit(self, k: int) -> tuple[int, int]:
+        """Virtual micro-batch ``k``: (chunk of its forward, micro-batch)."""
+        pp, v = self.pp, self.v
+        if v == 1:
+            return 0, k
+        return (k // pp) % v, k // (pp * v) * pp + k % pp
+
+    def op(self, i: int) -> tuple[str, int, int]:
+        """``rank_order(...)[i]``."""
+        w, total = self.w, self.total
+        if i < w:
+            c, mb = self._unit(i)
+            return FORWARD, c, mb
+        if i < 2 * total - w:
+            p, pos = divmod(i - w, 2)
+            if (pos == 0) != self.bfirst:
+                c, mb = self._unit(p + w)
+                return FORWARD, c, mb
+            c, mb = self._unit(p)
+            return BACKWARD, self.v - 1 - c, mb
+        c, mb = self._unit(i - total)
+        return BACKWARD, self.v - 1 - c, mb
+
+    def forward_index(self, k: int) -> int:
+        """Index of the forward of virtual micro-batch ``k``."""
+        if k < self.w:
+            return k
+        return self.w + 2 * (k - self.w) + (1 if self.bfirst else 0)
+
+    def first_backward_index(self) -> int:
+        if self.w >= self.total:
+            return self.total
+        return self.w if self.bfirst else self.w + 1
+
+    def last_forward_index(self) -> int:
+        return self.forward_index(self.total - 1)
+
+    def _chunk_count(self, n: int, c: int) -> int:
+        """Virtual micro-batches ``k < n`` whose forward runs chunk ``c``."""
+        if self.v == 1:
+            return n if n > 0 else 0
+        pp, v = self.pp, self.v
+        q, rest = divmod(n, pp * v)
+        return q * pp + min(max(rest - c * pp, 0), pp)
+
+    def counts(self, lo: int, hi: int) -> tuple[list[int], list[int]]:
+        """Forwards and backwards per chunk among ops ``lo <= i < hi``."""
+        w, total, v = self.w, self.total, self.v
+        lo, hi = max(lo, 0), min(hi, 2 * total)
+        f_ranges, b_ranges = [], []
+        if lo < hi:
+            f_ranges.append((lo, min(hi, w)))                   # warm-up: forward of k = i
+            a, b = max(lo, w), min(hi, 2 * total - w)          # pairs: forward of p + w, backward of p
+            if a < b:
+                sf, sb = (1, 0) if self.bfirst else (0, 1)    # offset of each kind inside a pair
+                f_ranges.append((w + -(-(a - w - sf) // 2), w + -(-(b - w - sf) // 2)))
+                b_ranges.append((-(-(a - w - sb) // 2), -(-(b - w - sb) // 2)))
+            b_ranges.append((max(lo, 2 * total - w) - total, hi - total))   # cool-down: backward of i - total
+        fc, bc = [0] * v, [0] * v
+        for ranges, out, flip in ((f_ranges, fc, False), (b_ranges, bc, True)):
+            for a, b in ranges:
+                if a >= b:
+                    continue
+                for c in range(v):
+                    n = self._chunk_count(b, c) - self._chunk_count(a, c)
+                    out[v - 1 - c if flip else c] += n
+        return fc, bc
 
 
 def _two_trips(pp: int, v: int, r: int, ops):
@@ -76,12 +153,13 @@ def _two_trips(pp: int, v: int, r: int, ops):
     ``r``'s first backward, rank ``r``'s ops up to its last forward, that micro-batch down the rest of
     the virtual stages and back up through all of them, then ``AR_0``. Heterogeneous 1F1B pipelines
     run on it: a slow block of ranks paces the steady state between the first and the last trip.
-    None when rank ``r`` has no forward after its first backward (GPipe, or M = 1)."""
+    None when rank ``r`` has no forward after its first backward (GPipe, or M = 1). ``ops``: a
+    :class:`RankOps` (or the same methods over the listed ops)."""
     nv = pp * v
-    i_b = next(i for i, op in enumerate(ops) if op[0] == BACKWARD)
-    i_f = max(i for i, op in enumerate(ops) if op[0] == FORWARD)
-    _k, c_b, mb_b = ops[i_b]
-    _k, c_f, mb_f = ops[i_f]
+    i_b = ops.first_backward_index()
+    i_f = ops.last_forward_index()
+    _k, c_b, mb_b = ops.op(i_b)
+    _k, c_f, mb_f = ops.op(i_f)
     if i_f < i_b or mb_f == mb_b:
         return None
     vstar, vlast = c_b * pp + r, c_f * pp + r
@@ -91,8 +169,10 @@ def _two_trips(pp: int, v: int, r: int, ops):
     rb[vstar:nv] = [1] * (nv - vstar)           # ... and back up to rank r's first backward
     for vs in range(vstar, nv - 1):
         rs[vs % pp] += 1
-    for kind, c, _mb in ops[i_b + 1:i_f + 1]:   # rank r's chain up to its last forward
-        (rf if kind == FORWARD else rb)[c * pp + r] += 1
+    fc, bc = ops.counts(i_b + 1, i_f + 1)       # rank r's chain up to its last forward
+    for c in range(v):
+        rf[c * pp + r] += fc[c]
+        rb[c * pp + r] += bc[c]
     for vs in range(vlast + 1, nv):             # mb_f down the remaining virtual stages
         rf[vs] += 1
     for vs in range(vlast, nv - 1):
@@ -113,30 +193,36 @@ def _detour(pp: int, m: int, v: int, r: int, ops, last):
     if v < 2 or r == pp - 1 or m < pp:
         return None
     nv = pp * v
-    i_b = next(i for i, op in enumerate(ops) if op[0] == BACKWARD)
-    i_f = ops.index((FORWARD, 0, pp - 1))
-    j_f = last.index((FORWARD, 0, pp - 1))
-    j_b = next(i for i, op in enumerate(last) if op[0] == BACKWARD)
-    _k, c_b, mb_b = ops[i_b]
-    _k, c_l, mb_l = last[j_b]
+    i_b = ops.first_backward_index()
+    i_f = ops.forward_index(pp - 1)             # virtual micro-batch pp - 1 = (chunk 0, mb pp - 1)
+    j_f = last.forward_index(pp - 1)
+    j_b = last.first_backward_index()
+    _k, c_b, mb_b = ops.op(i_b)
+    _k, c_l, mb_l = last.op(j_b)
     if not (i_f < i_b and j_f < j_b and mb_b == 0 and mb_l == 0 and c_l >= c_b):
         return None
     rf, rb, rs, rar = [0] * nv, [0] * nv, [0] * pp, [0] * pp
     for j in range(r):                          # head: micro-batch 0 down the chunk-0 stages to r
         rf[j] += 1
         rs[j] += 1
-    for kind, c, _mb in ops[:i_f + 1]:          # rank r up to F(chunk 0, mb pp-1)
-        (rf if kind == FORWARD else rb)[c * pp + r] += 1
+    fc, bc = ops.counts(0, i_f + 1)             # rank r up to F(chunk 0, mb pp-1)
+    for c in range(v):
+        rf[c * pp + r] += fc[c]
+        rb[c * pp + r] += bc[c]
     for j in range(r + 1, pp):                  # that micro-batch down to the last rank
         rf[j] += 1
         rs[j - 1] += 1
-    for kind, c, _mb in last[j_f + 1:j_b + 1]:  # the last rank up to its first backward
-        (rf if kind == FORWARD else rb)[c * pp + pp - 1] += 1
+    fc, bc = last.counts(j_f + 1, j_b + 1)      # the last rank up to its first backward
+    for c in range(v):
+        rf[c * pp + pp - 1] += fc[c]
+        rb[c * pp + pp - 1] += bc[c]
     for vs in range(c_b * pp + r, c_l * pp + pp - 1):   # backward of mb 0 back up to rank r
         rb[vs] += 1
         rs[vs % pp] += 1
-    for kind, c, _mb in ops[i_b + 1:]:          # the rest of rank r
-        (rf if kind == FORWARD else rb)[c * pp + r] += 1
+    fc, bc = ops.counts(i_b + 1, len(ops))      # the rest of rank r
+    for c in range(v):
+        rf[c * pp + r] += fc[c]
+        rb[c * pp + r] += bc[c]
     for j in range(r):                          # tail to AR_0
         rb[j] += 1
         rs[j] += 1
@@ -144,17 +230,20 @@ def _detour(pp: int, m: int, v: int, r: int, ops, last):
     return rf, rb, rs, rar
 
 
-def bound_paths(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> BoundPaths:
+def bound_paths(schedule: str, pp: int, micro_batches: int, virtual_stages: int,
+                rank_ops=RankOps) -> BoundPaths:
     """The bound paths of a shape (see the module docstring).
 
     They rely on every schedule starting a rank with F(chunk 0, mb 0) and ending it with
     B(chunk 0, mb M-1), with M forwards and M backwards per chunk (checked by the unit tests).
+    ``rank_ops(schedule, pp, M, V, rank)``: each rank's op order (the tests pass one over the listed
+    ops of ``rank_order``).
     """
     v, m = virtual_stages, micro_batches
     nv = pp * v
     rows: list[tuple[list[int], list[int], list[int], list[int]]] = []
     owner = array("i")
-    orders = [rank_order(schedule, pp, m, v, r) for r in range(pp)]   # each rank's ops, in order
+    orders = [rank_ops(schedule, pp, m, v, r) for r in range(pp)]   # each rank's ops, in order
     for r in range(pp):
         own_chunks = [c * pp + r for c in range(v)]
         cf, cb, cs, car = [0] * nv, [0] * nv, [0] * pp, [0] * pp

@@ -105,6 +105,18 @@ def rank_order(schedule: str, pp: int, micro_batches: int, virtual_stages: int,
         backward_first=False)
 
 
+def warmup_forwards(schedule: str, pp: int, micro_batches: int, virtual_stages: int, rank: int) -> int:
+    """Forwards ``rank`` runs before its first (forward, backward) pair: the warm-up of
+    :func:`rank_order` (``M`` for GPipe, which has no pairs)."""
+    if schedule == "gpipe":
+        return micro_batches
+    if schedule == "1f1b":
+        return min(pp - rank - 1, micro_batches)
+    if schedule == "eager-1f1b":
+        return min(2 * (pp - rank - 1) + 1, micro_batches)
+    return min((pp - rank - 1) * 2 + (virtual_stages - 1) * pp, micro_batches * virtual_stages)
+
+
 def peak_live_microbatches(schedule: str, pp: int, micro_batches: int,
                            virtual_stages: int = 1) -> list[int]:
     """Per rank, the largest number of (chunk, micro-batch) activations alive at once.
@@ -112,12 +124,20 @@ def peak_live_microbatches(schedule: str, pp: int, micro_batches: int,
     An activation is alive from the start of its forward to the end of its backward, so the count is a
     property of the op order alone. With ``V > 1`` each unit holds one chunk's activations (1/V of a
     rank's layers when chunks are even); the memory model multiplies by the per-chunk activation size.
+
+    By formula, from the shape of :func:`rank_order` (``w`` warm-up forwards, then pairs, then the
+    remaining backwards; ``tests/unit/test_simulator.py`` checks it against counting the ops): the
+    pairs of ``1f1b`` / ``interleaved-1f1b`` run forward first, so ``w + 1`` are alive, those of
+    ``eager-1f1b`` backward first, so ``w``; with no pair (``w`` = every unit) all ``w``. O(pp), where
+    walking the ops costs O(pp x M x V) (seconds over a search at frontier scale).
     """
+    validate_shape(schedule, pp, micro_batches, virtual_stages)
+    total = micro_batches * virtual_stages
     peaks = []
     for rank in range(pp):
-        live = peak = 0
-        for kind, _chunk, _mb in rank_order(schedule, pp, micro_batches, virtual_stages, rank):
-            live += 1 if kind == FORWARD else -1
-            peak = max(peak, live)
-        peaks.append(peak)
+        w = warmup_forwards(schedule, pp, micro_batches, virtual_stages, rank)
+        if w >= total or schedule == "eager-1f1b":
+            peaks.append(w)
+        else:
+            peaks.append(w + 1)
     return peaks

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Iterator, Mapping
 
 from ..errors import InputError
@@ -158,9 +159,28 @@ class ClusterSpec:
             node += group.count
 
     def devices_of_type(self, name: str) -> tuple[Device, ...]:
-        """The devices of one type, in enumeration order."""
+        """The devices of one type, in enumeration order (a list built per call: O(devices))."""
         self.device_type(name)
         return tuple(self.iter_devices(name))
+
+    def type_devices(self, name: str) -> "TypeDevices":
+        """The devices of one type as a lazy sequence: ``len``, indexing and slicing without a
+        :class:`Device` per device (the cost model asks for a few stage slots of 800,000 devices)."""
+        self.device_type(name)
+        return TypeDevices(self, name)
+
+    def device_at(self, node: int, local: int) -> Device | None:
+        """The device at ``(node, local)``, or None when the cluster has none there; O(node groups)."""
+        index = first = 0
+        for group in self.nodes:
+            if first <= node < first + group.count:
+                if not 0 <= local < group.devices_per_node:
+                    return None
+                return Device(index=index + (node - first) * group.devices_per_node + local, node=node,
+                              local=local, device_type=group.device_type)
+            index += group.count * group.devices_per_node
+            first += group.count
+        return None
 
     @property
     def num_devices(self) -> int:
@@ -218,6 +238,45 @@ class ClusterSpec:
 
 
 # --- parsing -------------------------------------------------------------------------------------
+
+class TypeDevices(Sequence):
+    """The devices of one type in enumeration order, computed per index from the node groups
+    (``ClusterSpec.type_devices``); equal, element by element, to ``ClusterSpec.devices_of_type``."""
+
+    __slots__ = ("_runs", "_len", "_type")
+
+    def __init__(self, cluster: "ClusterSpec", name: str):
+        runs = []          # (first position in this sequence, device index, node, devices per node, size)
+        pos = index = node = 0
+        for group in cluster.nodes:
+            size = group.count * group.devices_per_node
+            if group.device_type == name and size:
+                runs.append((pos, index, node, group.devices_per_node, size))
+                pos += size
+            index += size
+            node += group.count
+        self._runs, self._len, self._type = tuple(runs), pos, name
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _at(self, i: int) -> Device:
+        for pos, index, node, per, size in self._runs:
+            if i < pos + size:
+                n, local = divmod(i - pos, per)
+                return Device(index=index + i - pos, node=node + n, local=local,
+                              device_type=self._type)
+        raise IndexError(i)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self._at(j) for j in range(*i.indices(self._len)))
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(f"device {i} of {self._len}")
+        return self._at(i)
+
 
 def _device_presets() -> tuple[dict, dict]:
     doc = read_document(PRESET_DIR / "devices.yaml", "device preset")

@@ -353,3 +353,55 @@ def test_random_candidates_keep_invariants():
         assert total_fwd == pytest.approx(expect)
         assert all(s["send_ms"] >= 0 and s["allreduce_ms"] >= 0 for s in st)
         assert (dp == 1) == all(s["allreduce_ms"] == 0 for s in st)
+
+
+# --- lazy devices -------------------------------------------------------------------------------
+
+MIXED = parse_cluster({
+    "name": "mixed",
+    "device_types": [{"name": "X", "memory_gb": 16, "peak_tflops": 100},
+                     {"name": "Y", "memory_gb": 8, "peak_tflops": 50}],
+    "nodes": [{"device_type": "X", "count": 2, "devices_per_node": 4},
+              {"device_type": "Y", "count": 3, "devices_per_node": 2},
+              {"device_type": "X", "count": 1, "devices_per_node": 8},
+              {"device_type": "Y", "count": 1, "devices_per_node": 4}],
+    "links": "npu",
+}, "mixed.yaml")
+
+
+@pytest.mark.parametrize("cluster", [CLUSTER, MIXED, load_cluster("paper-setting-6-96")])
+def test_type_devices_equal_the_listed_devices(cluster):
+    """The lazy per-type sequence equals devices_of_type element by element, slices and negative
+    indices included, and device_at finds every device by (node, local)."""
+    every = cluster.devices()
+    for t in cluster.type_names:
+        lazy, listed = cluster.type_devices(t), cluster.devices_of_type(t)
+        assert len(lazy) == len(listed)
+        assert tuple(lazy) == listed
+        assert lazy[-1] == listed[-1]
+        for a, b in ((0, 3), (2, 7), (1, len(listed)), (5, 2)):
+            assert lazy[a:b] == listed[a:b]
+        with pytest.raises(IndexError):
+            lazy[len(listed)]
+    for d in every:
+        assert cluster.device_at(d.node, d.local) == d
+    assert cluster.device_at(len({d.node for d in every}), 0) is None
+    assert cluster.device_at(0, 99) is None
+
+
+def test_cost_model_builds_no_device_list(monkeypatch):
+    """CostModel and a plan on a huge cluster never enumerate every device."""
+    cluster = parse_cluster({
+        "name": "huge", "device_types": ["A2-2", "A2-3"], "links": "npu",
+        "nodes": [{"device_type": "A2-2", "count": 50_000, "devices_per_node": 8},
+                  {"device_type": "A2-3", "count": 50_000, "devices_per_node": 8}]}, "huge.yaml")
+    monkeypatch.setattr(type(cluster), "iter_devices",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("devices enumerated")))
+    model = load_model("llama3-8b")
+    big = CostModel(cluster, model)
+    assert big.num_devices("A2-3") == 400_000
+    assert big.max_stages("A2-2", 8, 4) == 12_500
+    cand = Candidate(tp=8, pp=2, dp=4, mbs=1, stage_types=("A2-2", "A2-3"), layers=(16, 16))
+    place = big.placement(cand)
+    assert place.stage_devices[1][0].index == 400_000 and place.stage_devices[1][0].node == 50_000
+    assert big.make_plan(cand).stages[1].devices[-1] == (50_003, 7)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from dataclasses import replace
@@ -102,7 +103,7 @@ def test_save_and_load(tmp_path, cm):
                                           r"equal global_batch_size = 128"),
     (lambda d: d.update(layers=[7, 9, 9]), r"layers has 3 entries; need pp x virtual_stages = 4"),
     (lambda d: d["stages"][1].update(layers=[8]), r"stages\[1\]: layers = \[8\] disagrees"),
-    (lambda d: d["stages"][1].update(ranks=[0, 1, 2, 3]), r"stages\[1\]: ranks = \[0, 1, 2, 3\] must be 4..7"),
+    (lambda d: d["stages"][1].update(ranks=[[0, 3]]), r"stages\[1\]: ranks = \[0, 1, 2, 3\] must be 4..7"),
     (lambda d: d["stages"][2].update(devices=d["stages"][0]["devices"]), r"device \[0, 0\] is used by two"),
     (lambda d: d["stages"][0].update(first_layers=[1]), r"first_layers = \[1\] must be \[0\]"),
     (lambda d: d["stages"][0].update(send_ms=-1), r"send_ms = -1 is invalid: must be a finite number"),
@@ -236,3 +237,81 @@ def test_plan_is_a_leaf_and_schedules_are_defined_once():
     from poseidon_plugin.simulator import schedules
     assert plan.SCHEDULES is schedules.SCHEDULES and costmodel.SCHEDULES is schedules.SCHEDULES
     assert plan.MEGATRON_SCHEDULES is schedules.MEGATRON_SCHEDULES
+
+
+# --- schema 3: ranks and devices as runs -------------------------------------------------------
+
+def _listed(doc: dict, plan: Plan, version: int) -> dict:
+    """A schema-1/2 document of ``plan``: every rank and device listed."""
+    doc = dict(doc, schema_version=version)
+    doc["stages"] = [dict(d, ranks=list(s.ranks), devices=[list(x) for x in s.devices])
+                     for d, s in zip(doc["stages"], plan.stages)]
+    if version == 1:
+        doc.pop("overlap_p2p_comm")
+    return doc
+
+
+@pytest.mark.parametrize("name", sorted(CANDIDATES))
+def test_schema_3_stores_runs_and_reads_versions_1_and_2(cm, name):
+    p = _plan(cm, name)
+    doc = p.to_dict()
+    assert doc["schema_version"] == PLAN_SCHEMA_VERSION == 3
+    for st, stage in zip(doc["stages"], p.stages):
+        assert st["ranks"] == [[stage.ranks[0], stage.ranks[-1]]]
+        assert all(len(run) == 4 for run in st["devices"])
+    for version in (1, 2):
+        old = json.dumps(_listed(doc, p, version))
+        assert Plan.from_json(old) == p            # upgraded on load: the same plan, version 3
+        assert Plan.from_json(old).to_json() == p.to_json()
+
+
+def test_device_runs_round_trip_any_order():
+    """Runs keep the order of the devices: blocks of whole nodes, partial nodes, gaps, reversals."""
+    from poseidon_plugin.plan import _device_runs, _expand_devices, _expand_ranks, _rank_runs
+    rng = random.Random(5)
+    cases = [tuple((n, x) for n in range(3, 7) for x in range(8)),          # whole nodes: one block
+             tuple((n, x) for n in range(2) for x in range(2, 5)),         # the same locals per node
+             ((0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (3, 4), (2, 5), (2, 6))]
+    for _ in range(30):
+        cases.append(tuple((rng.randrange(6), rng.randrange(8)) for _ in range(rng.randrange(1, 12))))
+    for devices in cases:
+        runs = _device_runs(devices)
+        assert _expand_devices("plan", json.loads(json.dumps(runs)), [1 << 20, 1 << 20]) == devices
+    assert _device_runs(cases[0]) == [[3, 6, 0, 7]]
+    assert _device_runs(cases[1]) == [[0, 1, 2, 4]]
+    for ranks in ((4, 5, 6, 7), (0,), (3, 4, 9, 10, 2)):
+        assert _expand_ranks("plan", _rank_runs(ranks), [1 << 20, 1 << 20]) == ranks
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: d["stages"][1].update(ranks=[4, 5, 6, 7]), r"ranks run = 4 is invalid: must be \[first, last\]"),
+    (lambda d: d["stages"][1].update(ranks=[[7, 4]]), r"ranks run = \[7, 4\] is invalid"),
+    (lambda d: d["stages"][1].update(devices=[[0, 1, 0]]), r"devices run = \[0, 1, 0\] is invalid"),
+    (lambda d: d["stages"][1].update(devices=[[0, 1, 0, -1]]), r"devices run = \[0, 1, 0, -1\] is invalid"),
+    (lambda d: d["stages"][1].update(devices=[[0, 10 ** 9, 0, 7]]), r"devices expand to more than 1,048,576"),
+    (lambda d: d["stages"][1].update(devices="0-3"), r"devices = '0-3' is invalid: must be a list"),
+    (lambda d: d.update(schema_version=4), r"schema_version = 4 is not supported: this Poseidon reads "
+                                           r"versions 1, 2, 3"),
+])
+def test_bad_runs_are_rejected_clearly(cm, mutate, match):
+    doc = _plan(cm, "1f1b").to_dict()
+    mutate(doc)
+    with pytest.raises(InputError, match=match):
+        Plan.from_json(json.dumps(doc), "plan.json")
+
+
+def test_plan_json_stays_small_at_scale():
+    """100,000 devices: the plan lists no device one by one (schema 3), and reads back equal."""
+    from poseidon_plugin.specs import parse_cluster
+    cluster = parse_cluster({
+        "name": "huge", "device_types": ["A2-2", "A2-3"], "links": "npu",
+        "nodes": [{"device_type": "A2-2", "count": 6_250, "devices_per_node": 8},
+                  {"device_type": "A2-3", "count": 6_250, "devices_per_node": 8}]}, "huge.yaml")
+    big = CostModel(cluster, replace(load_model("llama3-8b"), global_batch_size=3125))
+    cand = Candidate(tp=8, pp=4, dp=3125, mbs=1, stage_types=("A2-2", "A2-2", "A2-3", "A2-3"),
+                     layers=(8, 8, 8, 8))
+    p = big.make_plan(cand, 1000.0)
+    assert p.world_size == 100_000
+    text = p.to_json()
+    assert len(text) < 20_000
+    assert Plan.from_json(text) == p

@@ -118,3 +118,57 @@ def test_pipeline_bound_below_every_shape_groups_optimum(seed):
                 assert r.bound(sg, memory=memory) <= bests[sg.key]
             checked += 1
     assert checked == len(bests)
+
+
+def _pipeline_bound_by_ranks(table, counts, m, pp, v, num_layers):
+    """The free pipeline bound rank by rank (a list of pp ranks, sorted): the reference of the
+    per-type closed form in bounds.pipeline_bound."""
+    ranks = []
+    for t in range(len(counts)):
+        n = min(counts[t], pp)
+        per_layer = table.layer_state_bytes[t] + table.layer_activation_bytes[t] / v
+        most = int(table.usable_bytes[t] / per_layer * (1.0 + 1e-9)) if per_layer > 0 else num_layers
+        ranks.extend([(1.0 / (table.forward_ms[t] + table.backward_ms[t]), min(most, num_layers))] * n)
+    if len(ranks) < pp or sum(sorted((c for _w, c in ranks), reverse=True)[:pp]) < num_layers:
+        return float("inf")
+    ranks.sort(reverse=True)
+    q, qk, cap = 1.0 - 1.0 / (v * m), 1.0, 0.0
+    for w, _c in ranks[:pp]:
+        cap += w * qk
+        qk *= q
+    return num_layers * m / cap * (1.0 - 1e-9)
+
+
+def _fluid_cut_by_ranks(table, slots, m, pp, v, num_layers, tau):
+    caps = []
+    for t in range(len(slots)):
+        x = tau * (1.0 + 1e-9) / (m * (table.forward_ms[t] + table.backward_ms[t]))
+        caps.extend([int(x)] * min(slots[t], pp))
+    caps.sort(reverse=True)
+    if len(caps) < pp or caps[pp - 1] < v:
+        return True
+    return sum(caps[:pp]) < num_layers
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_per_type_bounds_equal_the_rank_by_rank_forms(seed):
+    """pipeline_bound (geometric series per type) within 1e-12 of the rank-by-rank sum, and
+    fluid_cut (integer blocks per type) identical, on every shape group and a range of thresholds."""
+    from poseidon_plugin.search.bounds import fluid_cut, pipeline_bound
+    cm, schedules = random_problem(seed)
+    r = SearchRun(cm, SearchOptions(mode="exact", schedules=schedules))
+    n = 0
+    for sg in r.space.shape_groups():
+        g = sg.group
+        tb = r.space.table(g)
+        m, pp, v, nl = g.micro_batches, sg.pp, sg.virtual_stages, r.space.num_layers
+        for counts in ([min(x, pp) for x in g.slots], [min(x, 1) for x in g.slots], list(g.slots)):
+            got, ref = pipeline_bound(tb, counts, m, pp, v, nl), _pipeline_bound_by_ranks(tb, counts, m, pp, v, nl)
+            assert got == ref or abs(got - ref) <= 1e-12 * ref
+        free = pipeline_bound(tb, g.slots, m, pp, v, nl)
+        if free < float("inf"):
+            for f in (0.5, 0.9, 1.0, 1.1, 2.0, 10.0):
+                assert fluid_cut(tb, g.slots, m, pp, v, nl, free * f) == \
+                    _fluid_cut_by_ranks(tb, g.slots, m, pp, v, nl, free * f)
+                n += 1
+    assert n > 0

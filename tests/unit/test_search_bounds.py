@@ -13,7 +13,7 @@ import pytest
 
 from poseidon_plugin.search.evaluate import plan_fits, simulate_plan, spread
 from poseidon_plugin.search.exhaustive import orders, rank_splits
-from poseidon_plugin.search.shapes import ShapeData, bound_paths, first_backward
+from poseidon_plugin.search.shapes import RankOps, ShapeData, bound_paths, first_backward
 from poseidon_plugin.search.splits import SplitSearch as PySplitSearch
 from poseidon_plugin.search.tables import TypeTable
 from poseidon_plugin.simulator import Simulator, rank_order
@@ -218,3 +218,71 @@ def test_first_backward_and_op_counts_match_the_schedules(schedule):
                     assert order[fb][2] == 0
                     before = [sum(1 for op in order[:fb] if op[1] == c) for c in range(v)]
                     assert first_backward(schedule, pp, m, v, r) == (before, order[fb][1])
+
+
+class _ListedOps:
+    """RankOps' methods read off the listed ops of rank_order (the reference)."""
+
+    def __init__(self, schedule, pp, m, v, rank):
+        self.ops = rank_order(schedule, pp, m, v, rank)
+        self.pp = pp
+
+    def __len__(self):
+        return len(self.ops)
+
+    def op(self, i):
+        return self.ops[i]
+
+    def forward_index(self, k):
+        fwd = [i for i, op in enumerate(self.ops) if op[0] == "F"]
+        return fwd[k]
+
+    def first_backward_index(self):
+        return next(i for i, op in enumerate(self.ops) if op[0] == "B")
+
+    def last_forward_index(self):
+        return max(i for i, op in enumerate(self.ops) if op[0] == "F")
+
+    def counts(self, lo, hi):
+        v = 1 + max(op[1] for op in self.ops)
+        fc, bc = [0] * v, [0] * v
+        for kind, c, _mb in self.ops[max(lo, 0):hi]:
+            (fc if kind == "F" else bc)[c] += 1
+        return fc, bc
+
+
+def _small_shapes():
+    for schedule in SCHEDULES:
+        for pp in range(1, 7):
+            for m in range(1, 13):
+                for v in ((2, 3) if schedule == "interleaved-1f1b" else (1,)):
+                    if v > 1 and (pp < 2 or m % pp):
+                        continue
+                    yield schedule, pp, m, v
+
+
+def test_rank_ops_arithmetic_equals_the_listed_ops():
+    """RankOps (ops by arithmetic) agrees with rank_order on every op, index and range count."""
+    for schedule, pp, m, v in _small_shapes():
+        for r in range(pp):
+            fast, ref = RankOps(schedule, pp, m, v, r), _ListedOps(schedule, pp, m, v, r)
+            n = len(ref)
+            assert len(fast) == n
+            assert [fast.op(i) for i in range(n)] == ref.ops
+            assert fast.first_backward_index() == ref.first_backward_index()
+            assert fast.last_forward_index() == ref.last_forward_index()
+            for k in range(m * v):
+                assert fast.forward_index(k) == ref.forward_index(k)
+            for lo in range(0, n + 1, 3):
+                for hi in range(lo, n + 1, 2):
+                    assert fast.counts(lo, hi) == ref.counts(lo, hi), (schedule, pp, m, v, r, lo, hi)
+
+
+def test_bound_paths_by_arithmetic_equal_those_of_the_listed_ops():
+    """bound_paths over RankOps equals bound_paths over the listed ops, array by array."""
+    for schedule, pp, m, v in _small_shapes():
+        fast = bound_paths(schedule, pp, m, v)
+        ref = bound_paths(schedule, pp, m, v, rank_ops=_ListedOps)
+        for name in ("count", "coef_f", "coef_b", "coef_s", "coef_ar", "term_ptr", "term_idx",
+                     "term_coef", "owner"):
+            assert getattr(fast, name) == getattr(ref, name), (schedule, pp, m, v, name)

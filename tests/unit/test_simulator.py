@@ -301,3 +301,29 @@ def test_topo_pack_detects_cycles():
     assert topo_pack_py(2, [0, 1, 2], [1, 0], [0, 0]) is None
     cy = pytest.importorskip("poseidon_plugin._core._dag", reason="compiled core not built")
     assert cy.topo_pack(2, [0, 1, 2], [1, 0], [0, 0]) is None
+
+
+def _peak_by_walking(schedule, pp, m, v):
+    peaks = []
+    for rank in range(pp):
+        live = peak = 0
+        for kind, _chunk, _mb in rank_order(schedule, pp, m, v, rank):
+            live += 1 if kind == "F" else -1
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
+def test_peak_live_formula_equals_walking_the_ops():
+    """The O(pp) formula of peak_live_microbatches equals counting live units along rank_order."""
+    shapes = []
+    for pp in (1, 2, 3, 4, 5, 8):
+        for m in (1, 2, 3, 5, 8, 16):
+            for sched in ("gpipe", "1f1b", "eager-1f1b"):
+                shapes.append((sched, pp, m, 1))
+            if pp >= 2:
+                for v in (2, 3, 4):
+                    for mm in (pp, 2 * pp, 3 * pp):
+                        shapes.append(("interleaved-1f1b", pp, mm, v))
+    for sched, pp, m, v in shapes:
+        assert peak_live_microbatches(sched, pp, m, v) == _peak_by_walking(sched, pp, m, v), (sched, pp, m, v)
