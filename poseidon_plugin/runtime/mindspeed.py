@@ -133,6 +133,11 @@ def transfer_to_npu(host: Host) -> bool:
     return True
 
 
+def adaptor_installed(find_spec: Callable[[str], Any] = importlib.util.find_spec) -> bool:
+    """Whether MindSpeed-LLM is importable (looked up, not imported: its import patches Megatron)."""
+    return _spec(find_spec, ADAPTOR_PACKAGE) is not None
+
+
 def import_adaptor(host: Host, script: str, user_args: Sequence[str]) -> Any:
     """Step 2: import MindSpeed-LLM's adaptor with ``sys.argv`` = the user's command line; the adaptor module."""
     early = megatron_imported(host)
