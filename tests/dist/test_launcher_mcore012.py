@@ -3,7 +3,10 @@
 Core 0.12 has no layout flag, so ``auto`` picks the ``patch`` style here (no MindSpeed installed) and the
 split reaches megatron-core through the layer-assignment table; ``--poseidon-flag-style mindspeed`` renders
 MindSpeed-LLM's ``--num-layer-list`` (``scripts/pretrain_gpt.py`` takes it as MindSpeed-LLM does) and, with
-no MindSpeed-LLM to import, says once that it skips the adaptor steps. Each launch is a real
+no MindSpeed-LLM to import, says once that it skips the adaptor steps; with a recording test double of
+MindSpeed-LLM's adaptor on the path, ``auto`` picks that style and the adaptor sees the start-up order
+(imported before megatron on the user's argv, repatched on the planned argv before Poseidon's tables). Each
+launch is a real
 ``python -m poseidon_plugin.runtime.launcher`` with torchrun underneath, ``PYTHONPATH`` putting 0.12.2 first
 (as ``test_patches.py`` does), bounded by a subprocess timeout. Saved plans make the uneven splits
 deterministic; the watch checks every rank's built layers against the plan.
@@ -11,6 +14,7 @@ deterministic; the watch checks every rank's built layers against the plan.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -24,6 +28,7 @@ pytest.importorskip("megatron.core")
 
 from poseidon_plugin.costmodel import Candidate, CostModel  # noqa: E402
 from poseidon_plugin.plan import Plan  # noqa: E402
+from poseidon_plugin.runtime.apply import planned_flags  # noqa: E402
 from poseidon_plugin.runtime.job_flags import read_job  # noqa: E402
 from poseidon_plugin.runtime.placement import planned_layers  # noqa: E402
 from poseidon_plugin.runtime.planning import model_spec  # noqa: E402
@@ -44,12 +49,13 @@ pytestmark = pytest.mark.skipif(not os.path.isdir(MCORE012), reason=(
     "--no-deps --target .cache/mcore012 megatron-core==0.12.2"))
 
 
-def poseidon_run(args: list[str], tmp_path) -> tuple[int, str]:
+def poseidon_run(args: list[str], tmp_path, env: dict[str, str] | None = None) -> tuple[int, str]:
     """The launcher on core 0.12.2; (exit code, stdout+stderr)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path / "xdg"),
-               PYTHONPATH=os.pathsep.join([MCORE012, REPO]))
-    for key in [k for k in env if k.startswith("POSEIDON_")]:
-        del env[key]
+    full = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path / "xdg"),
+                PYTHONPATH=os.pathsep.join([MCORE012, REPO]))
+    for key in [k for k in full if k.startswith("POSEIDON_")]:
+        del full[key]
+    env = {**full, **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "poseidon_plugin.runtime.launcher", *args], cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=LAUNCH_TIMEOUT_S)
     return proc.returncode, proc.stdout
@@ -117,21 +123,54 @@ def test_mindspeed_style_refuses_noop_layers_before_starting(tmp_path):
                      out, re.M), out[-2000:]
 
 
-def test_profiling_and_search_on_core_012(tmp_path):
-    """The whole flow without a saved plan: probe, profile on core 0.12.2, search, apply (dry run)."""
+_RECORDING_ADAPTOR = '''
+"""Test double of mindspeed_llm.tasks.megatron_adaptor_v2: records what poseidon-run does, and when."""
+import json, os, sys
+
+def _record(event, **data):
+    with open(os.environ["ADAPTOR_LOG"] + f".{os.environ.get('RANK', '0')}", "a") as f:
+        f.write(json.dumps({"event": event, **data}) + "\\n")
+
+def _layer_table_applied():
+    module = sys.modules.get("megatron.core.transformer.transformer_block")
+    return module is not None and hasattr(module.get_num_layers_to_build, "__poseidon_patch__")
+
+_record("import", megatron=sorted(m for m in sys.modules if m.split(".")[0] == "megatron"), argv=sys.argv[1:])
+
+def repatch(config):
+    _record("repatch", config=config, argv=sys.argv[1:], ours_applied=_layer_table_applied())
+'''
+
+
+def test_profiling_search_and_start_up_order_with_an_adaptor_on_core_012(tmp_path):
+    """The whole flow without a saved plan (probe, profile on 0.12.2, search, apply, train), with a recording
+    adaptor on the path so that ``auto`` picks the mindspeed style: the adaptor is imported before any megatron
+    module with the user's argv, then repatched with the planned argv before Poseidon's layer table."""
+    package = tmp_path / "adaptor" / "mindspeed_llm"
+    (package / "tasks").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "tasks" / "__init__.py").write_text("")
+    (package / "tasks" / "megatron_adaptor_v2.py").write_text(_RECORDING_ADAPTOR)
     saved = tmp_path / "plan.json"
+    env = {"PYTHONPATH": os.pathsep.join([MCORE012, REPO, str(tmp_path / "adaptor")]),
+           "ADAPTOR_LOG": str(tmp_path / "adaptor.log")}
     code, out = poseidon_run(["--nproc-per-node", "2", SCRIPT, *JOB, "--poseidon-emulate", "A2-2:1,A2-4:1",
                               "--poseidon-micro-batch-sizes", "1", "--poseidon-profile-iters", "2",
-                              "--poseidon-profile-warmup", "1", "--poseidon-flag-style", "mindspeed",
-                              "--poseidon-save-plan", str(saved), "--poseidon-dry-run"], tmp_path)
+                              "--poseidon-profile-warmup", "1", "--poseidon-save-plan", str(saved)], tmp_path, env=env)
     assert code == 0, out[-6000:]
     measured = re.search(r"profile: cache: reused 0 of (\d+) configurations", out)
     assert measured and int(measured.group(1)) >= 2, out[-3000:]
     plan = Plan.load(str(saved))
-    assert plan.profile_source == "measured" and plan.schedule == "1f1b" and sum(plan.layers) == 8
-    line = command(out)
-    if plan.pp > 1:
-        assert f"--num-layer-list {','.join(map(str, plan.layers))}" in line
-    else:
-        assert "--num-layer-list" not in line
-    assert "dry run: stopping before training" in out
+    assert plan.profile_source == "measured" and plan.schedule == "1f1b"
+    check_trained_as_planned(code, out, plan)
+    planned = planned_flags(plan, "mindspeed", 4)
+    assert command(out).endswith(" ".join(planned)) and "skipping its adaptor" not in out
+    assert ("--num-layer-list" in planned) == (plan.pp > 1)
+    for rank in (0, 1):  # every launcher rank, used by the plan or not, goes through the same start-up
+        events = [json.loads(line) for line in (tmp_path / f"adaptor.log.{rank}").read_text().splitlines()]
+        assert [e["event"] for e in events] == ["import", "repatch"], events
+        imported, repatched = events
+        assert imported["megatron"] == [] and imported["argv"] == JOB
+        assert repatched["argv"][-len(planned):] == planned
+        assert repatched["config"]["pipeline_model_parallel_size"] == plan.pp
+        assert repatched["ours_applied"] is False
