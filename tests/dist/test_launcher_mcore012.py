@@ -5,10 +5,9 @@ split reaches megatron-core through the layer-assignment table; ``--poseidon-fla
 MindSpeed-LLM's ``--num-layer-list`` (``scripts/pretrain_gpt.py`` takes it as MindSpeed-LLM does) and, with
 no MindSpeed-LLM to import, says once that it skips the adaptor steps; with a recording test double of
 MindSpeed-LLM's adaptor on the path, ``auto`` picks that style and the adaptor sees the start-up order
-(imported before megatron on the user's argv, repatched on the planned argv before Poseidon's tables). Each
-launch is a real
-``python -m poseidon_plugin.runtime.launcher`` with torchrun underneath, ``PYTHONPATH`` putting 0.12.2 first
-(as ``test_patches.py`` does), bounded by a subprocess timeout. Saved plans make the uneven splits
+(imported before megatron on the user's argv, repatched on the planned argv before Poseidon's tables).
+Each launch is a real ``python -m poseidon_plugin.runtime.launcher`` with torchrun underneath,
+``PYTHONPATH`` putting 0.12.2 first (as ``test_patches.py`` does), bounded by a subprocess timeout. Saved plans make the uneven splits
 deterministic; the watch checks every rank's built layers against the plan.
 """
 
