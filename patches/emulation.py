@@ -122,20 +122,34 @@ def _mark_output(output: Any, clock: _Clock) -> Any:
     return output
 
 
-TABLE = PatchTable(
-    "emulation",
-    (
-        Patch(
-            target="megatron.core.transformer.transformer_layer.TransformerLayer.forward",
-            make=_stretched(("hidden_states",)),
-        ),
-        Patch(
-            target="megatron.core.models.common.embeddings.language_model_embedding.LanguageModelEmbedding.forward",
-            make=_stretched(("input_ids",)),
-        ),
-        Patch(
-            target="megatron.core.models.gpt.gpt_model.GPTModel._postprocess",
-            make=_stretched(("hidden_states",)),
-        ),
-    ),
-)
+_LAYER = Patch(target="megatron.core.transformer.transformer_layer.TransformerLayer.forward",
+               make=_stretched(("hidden_states",)))
+_EMBEDDING = Patch(
+    target="megatron.core.models.common.embeddings.language_model_embedding.LanguageModelEmbedding.forward",
+    make=_stretched(("input_ids",)))
+_HEAD = Patch(target="megatron.core.models.gpt.gpt_model.GPTModel._postprocess", make=_stretched(("hidden_states",)))
+
+
+def _rows() -> tuple[Patch, ...]:
+    """The rows the installed core has (feature detection, not versions): megatron-core 0.12 computes the
+    output layer and the loss inline in ``GPTModel.forward`` (no ``_postprocess``), and stretching
+    ``forward`` would stretch the decoder twice, so there only the layers and the embedding are stretched."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    return (_LAYER, _EMBEDDING, _HEAD) if hasattr(GPTModel, "_postprocess") else (_LAYER, _EMBEDDING)
+
+
+class _DetectedTable(PatchTable):
+    """A table whose rows are chosen when it is applied (importing megatron then, not at import)."""
+
+    def __init__(self, name: str, rows) -> None:
+        super().__init__(name, ())
+        self._choose = rows
+
+    def apply(self) -> None:
+        if not self.applied:
+            self.rows = tuple(self._choose())
+        super().apply()
+
+
+TABLE = _DetectedTable("emulation", _rows)

@@ -27,7 +27,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .search.options import SearchOptions, SearchResult
 
 INTERLEAVED = "interleaved-1f1b"
-FLAG_STYLES = ("megatron", "mindspeed", "patch")
+FLAG_STYLES = ("megatron", "mindspeed-layout", "mindspeed", "patch")
+LAYOUT_STYLES = ("megatron", "mindspeed-layout")
+"""Styles that hand Megatron ``--pipeline-model-parallel-layout`` (any uneven and virtual split)."""
 COMM_MODELS = ("megatron", "dag")
 P2P_OVERLAP = ("auto", "on", "off")
 SEARCH_MODES = ("exact", "default", "exhaustive")
@@ -36,13 +38,19 @@ DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4)
 MIN_PP_INTERLEAVED_WITHOUT_OVERLAP = 3
 NO_OVERLAP_FLAG = "--no-overlap-p2p-communication"
 _STYLE_NAMES = {"megatron": "Megatron-LM / megatron-core (layout flag)",
+                "mindspeed-layout": "MindSpeed-LLM (layout flag backport)",
                 "mindspeed": "MindSpeed-LLM (--num-layer-list)",
                 "patch": "megatron-core without layout flag (layer patches)"}
 
 
 def style_schedules(flag_style: str) -> tuple[str, ...]:
-    """Schedules the runtime executes in this flag style (a virtual split needs the layout flag)."""
-    return ("1f1b", INTERLEAVED) if flag_style == "megatron" else ("1f1b",)
+    """Schedules the runtime executes in this flag style (a virtual split needs the layout flag).
+
+    No style needs a smallest pipeline size of its own: ``mindspeed`` plans with PP = 1 simply carry no
+    ``--num-layer-list`` (MindSpeed-LLM refuses the list without pipeline parallelism, and one stage has
+    no split to express), so the search keeps its pure data-parallel plans (``runtime/mindspeed.py``).
+    """
+    return ("1f1b", INTERLEAVED) if flag_style in LAYOUT_STYLES else ("1f1b",)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,6 +60,7 @@ class TargetRuntime:
     flag_style: str = "megatron"
     """How the plan reaches the training script, i.e. which stack runs it: ``megatron`` (Megatron-LM /
     megatron-core >= 0.13, ``--pipeline-model-parallel-layout``: any uneven and virtual split),
+    ``mindspeed-layout`` (MindSpeed-LLM on a MindSpeed with the layout backport: the same flag),
     ``mindspeed`` (MindSpeed-LLM, ``--num-layer-list``: one chunk per rank) or ``patch`` (older
     megatron-core: layer patches). The last two run 1F1B only."""
 
@@ -94,9 +103,10 @@ class TargetRuntime:
             if schedule not in SCHEDULES:
                 raise InputError(f"--schedules: {schedule!r} is not a pipeline schedule; allowed: "
                                  f"{', '.join(SCHEDULES)}")
-        if INTERLEAVED in self.schedules and self.flag_style != "megatron":
+        if INTERLEAVED in self.schedules and self.flag_style not in LAYOUT_STYLES:
             raise InputError(f"--schedules {INTERLEAVED} cannot run with flag style {self.flag_style} (one chunk "
-                             f"per rank); use --schedules 1f1b or the megatron flag style")
+                             f"per rank); use --schedules 1f1b or a layout flag style "
+                             f"({', '.join(LAYOUT_STYLES)})")
         if not self.micro_batch_sizes or any(isinstance(m, bool) or not isinstance(m, int) or m < 1
                                              for m in self.micro_batch_sizes):
             raise InputError(f"micro-batch sizes {self.micro_batch_sizes!r} are invalid: give integers >= 1, "

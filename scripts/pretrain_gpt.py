@@ -10,7 +10,8 @@ It is what Megatron-LM's ``pretrain_gpt.py`` does, cut to the bone: GPTModel (me
 the real pipeline schedules from ``get_forward_backward_func()``, DDP + ``finalize_model_grads``, Megatron's
 Adam, synthetic token data (``--mock-data`` is the only data source), and one log line per iteration on the
 last pipeline stage: ``iteration 1/3 | lm loss 6.2431 | 0.52 s``. Uneven and interleaved splits are given
-with ``--pipeline-model-parallel-layout`` exactly as in Megatron-LM.
+with ``--pipeline-model-parallel-layout`` exactly as in Megatron-LM, or, one chunk per stage, with
+MindSpeed-LLM's ``--num-layer-list`` (any core, including 0.12 without the layout flag).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
     add("--decoder-first-pipeline-num-layers", type=int, default=None)
     add("--decoder-last-pipeline-num-layers", type=int, default=None)
+    add("--num-layer-list", type=str, default=None)  # MindSpeed-LLM's uneven split: one count per stage
     add("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
     add("--micro-batch-size", type=int, default=1)
     add("--global-batch-size", type=int, default=None)
@@ -168,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
     init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size, args.micro_batch_size, dp)
 
+    _apply_layer_list(args)
     chunks = build_model(args, job, config)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [chunk.no_sync for chunk in chunks] if len(chunks) > 1 else chunks[0].no_sync
@@ -205,6 +208,28 @@ def main(argv: list[str] | None = None) -> int:
                   f"{time.perf_counter() - start:.2f} s{'' if update_ok else ' | skipped'}", flush=True)
     parallel_state.destroy_model_parallel()
     return 0
+
+
+def _apply_layer_list(args: argparse.Namespace) -> None:
+    """``--num-layer-list 5,3``: layers per pipeline stage, as MindSpeed-LLM takes them on megatron-core 0.12,
+    put into effect through Poseidon's layer-assignment table (poseidon-run has already applied it)."""
+    if not args.num_layer_list:
+        return
+    from megatron.core.transformer import transformer_block
+
+    from poseidon_plugin.patches import layer_assignment
+
+    try:
+        layers = [int(n) for n in args.num_layer_list.split(",")]
+    except ValueError:
+        layers = []
+    pp = args.pipeline_model_parallel_size
+    if len(layers) != pp or min(layers, default=0) < 1 or sum(layers) != args.num_layers:
+        raise SystemExit(f"--num-layer-list {args.num_layer_list!r} must give {pp} counts >= 1 (one per pipeline "
+                         f"stage) adding up to --num-layers {args.num_layers}, e.g. "
+                         f"{','.join([str(args.num_layers // pp)] * pp)}")
+    if not hasattr(transformer_block.get_num_layers_to_build, "__poseidon_patch__"):
+        layer_assignment.table(layers, pp).apply()
 
 
 def _virtual_stages(args: argparse.Namespace) -> int | None:

@@ -139,7 +139,7 @@ class _Job:
     global_batch: int
     """The global batch the job trains with (pinned in the rewritten flags)."""
     style: str
-    """Resolved flag style (``megatron`` / ``mindspeed`` / ``patch``: ``runtime/apply.py``)."""
+    """Resolved flag style (``megatron`` / ``mindspeed-layout`` / ``mindspeed`` / ``patch``: ``runtime/apply.py``)."""
     target: TargetRuntime
     """What runs the plan: the same definition ``poseidon plan`` uses (``poseidon_plugin/target.py``)."""
 
@@ -172,6 +172,7 @@ def _run(argv: list[str], rank: int, log: Log) -> int | None:
                local_rank=int(os.environ.get("LOCAL_RANK", "0")), world_size=world_size, flags=flags,
                global_batch=job_flags.effective_global_batch(flags, world_size), style=style,
                target=TargetRuntime.for_job(opts, flags, style))
+    adaptor = _mindspeed_adaptor(job, log)  # before _device(): it imports megatron (CPU shim, emulation)
     devices = _device(job, _declared_cluster(job))
     device = devices.device
 
@@ -188,7 +189,34 @@ def _run(argv: list[str], rank: int, log: Log) -> int | None:
     log.rank_line(f"{me.device_type} ({device.kind}) on {me.host}, local rank {me.local_rank}"
                   + (f", compute stretched x{device.slowdown():.2f}" if device.slowdown() > 1.0 else ""))
     plan = _plan(job, phases, world, devices, log)
-    return _apply_and_run(job, phases, world, device, plan, log)
+    return _apply_and_run(job, phases, world, device, plan, log, adaptor)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Adaptor:
+    """MindSpeed-LLM's adaptor as imported at start-up (MindSpeed styles only; ``runtime/mindspeed.py``)."""
+
+    host: object
+    """The process as ``mindspeed.Host``."""
+    module: object | None
+    """``mindspeed_llm.tasks.megatron_adaptor_v2``; None when MindSpeed-LLM is not installed."""
+
+
+def _mindspeed_adaptor(job: _Job, log: Log) -> _Adaptor | None:
+    """MindSpeed styles: ``transfer_to_npu`` on Ascend, then the adaptor on the user's argv, both before any
+    megatron import. Without MindSpeed-LLM installed (CPU runs) the adaptor steps are skipped, said once."""
+    from poseidon_plugin.runtime import apply, mindspeed
+
+    if job.style not in apply.MINDSPEED_STYLES:
+        return None
+    host = mindspeed.ProcessHost()
+    mindspeed.transfer_to_npu(host)
+    if not mindspeed.adaptor_installed():
+        log.job_line(f"flag style {job.style}: MindSpeed-LLM ({mindspeed.ADAPTOR_PACKAGE}) is not installed; "
+                     "skipping its adaptor (import before megatron, repatch for the plan) and MindSpeed's "
+                     "offset-helper patch; the split reaches megatron-core through Poseidon's layer patches")
+        return _Adaptor(host=host, module=None)
+    return _Adaptor(host=host, module=mindspeed.import_adaptor(host, job.script, job.script_args))
 
 
 def _declared_cluster(job: _Job) -> ClusterSpec | None:
@@ -268,7 +296,8 @@ def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) 
     if opts.plan:
         def check() -> Plan:
             plan = Plan.load(opts.plan)
-            planning.check_plan_fits(plan, world, job.flags, job.global_batch, f"--poseidon-plan {opts.plan}")
+            planning.check_plan_fits(plan, world, job.flags, job.global_batch, f"--poseidon-plan {opts.plan}",
+                                     script_args=job.script_args)
             return plan
 
         return phases.run("plan check", check)
@@ -306,23 +335,27 @@ def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) 
     def search() -> Plan:
         found = planning.plan_on_rank0(CostModel(cluster, model, outcome.profile), job.target,
                                        keep=job.flags if opts.keep else None, time_limit_s=opts.timeout / 2)
-        planning.check_plan_fits(found, world, job.flags, job.global_batch, "the searched plan")
+        planning.check_plan_fits(found, world, job.flags, job.global_batch, "the searched plan",
+                                 script_args=job.script_args)
         return found
 
     return phases.run("search", lambda: planning.share_plan(search, job.rank, device.torch_device))
 
 
-def _apply_and_run(job: _Job, phases: Phases, world: World, device: Device, plan: Plan, log: Log) -> int | None:
+def _apply_and_run(job: _Job, phases: Phases, world: World, device: Device, plan: Plan, log: Log,
+                   adaptor: _Adaptor | None = None) -> int | None:
     """Rewrite the flags, patch, renumber the ranks, then run the script in this process."""
     import torch.distributed as dist
 
     from poseidon_plugin.plan import render_table
-    from poseidon_plugin.runtime import apply, job_flags, placement
+    from poseidon_plugin.runtime import apply, job_flags, mindspeed, placement
     from poseidon_plugin.runtime.watch import Watch
 
     opts, style = job.opts, job.style
-    new_args = phases.run("apply", lambda: job_flags.rewrite(job.script_args,
-                                                             apply.planned_flags(plan, style, job.global_batch)))
+    rewritten = phases.run("apply", lambda: apply.rewrite_args(plan, style, job.global_batch, job.script_args))
+    new_args = rewritten.args
+    for note in rewritten.notes:
+        log.job_line(f"flag style {style}: {note}")
     log.job_line(render_table(plan, runtime=None if opts.plan else job.target.describe(plan)))
     log.job_line("command: " + job_flags.command_line(job.script, new_args))
     if job.rank == 0 and opts.save_plan:
@@ -334,9 +367,16 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, device: Device, plan
         dist.destroy_process_group()
         return None
 
-    layer_table = apply.layer_patches(plan, style)
-    if layer_table is not None:
-        phases.run("apply", layer_table.apply)
+    tables = apply.layer_patches(plan, style)
+    if adaptor is None:
+        for table in tables:
+            phases.run("apply", table.apply)
+    else:
+        # MindSpeed re-chooses its patches for the planned argv first: its apply_patch would overwrite ours.
+        if adaptor.module is not None:
+            phases.run("apply", lambda: mindspeed.repatch(adaptor.host, adaptor.module, job.script, new_args,
+                                                          rewritten.planned))
+        phases.run("apply", lambda: mindspeed.apply_and_verify(tables))
     new_rank = placement.planned_ranks(plan, world).get(job.rank)
     phases.run("placement", lambda: placement.regroup(new_rank, plan.world_size, device.backend, opts.timeout))
     me = world.ranks[job.rank]

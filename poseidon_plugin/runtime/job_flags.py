@@ -204,11 +204,12 @@ def effective_global_batch(job: JobFlags, world_size: int) -> int:
     return job.micro_batch_size * (world_size // model_parallel)
 
 
-def rewrite(args: Sequence[str], planned: Sequence[str]) -> list[str]:
-    """``args`` without any :data:`PLANNED_FLAGS` (and without a ``--global-batch-size``, when ``planned``
-    has one), followed by ``planned``. Every other token is kept, in order.
+def rewrite(args: Sequence[str], planned: Sequence[str], drop: Sequence[str] = ()) -> list[str]:
+    """``args`` without any :data:`PLANNED_FLAGS`, any flag of ``planned`` (e.g. ``--global-batch-size``)
+    or of ``drop`` (flags a flag style refuses next to its own: ``runtime/apply.py``), followed by
+    ``planned``. Every other token is kept, in order.
     """
-    drop = set(PLANNED_FLAGS)
+    drop = set(PLANNED_FLAGS) | set(drop)
     drop.update(token.flag for token in argv.scan(planned, _SWITCHES))
     return argv.remove_flags(args, drop, _SWITCHES) + list(planned)
 

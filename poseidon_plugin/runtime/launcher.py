@@ -80,12 +80,12 @@ def validate(opts: runtime_options.RuntimeOptions, script: str, script_args: lis
     """Checks that need no process: the job is Megatron-shaped, files parse, options fit together."""
     from poseidon_plugin.plan import MEGATRON_SCHEDULES, SCHEDULES
     from poseidon_plugin.runtime import precheck
-    from poseidon_plugin.runtime.apply import resolve_style
+    from poseidon_plugin.runtime.apply import MINDSPEED_STYLES, resolve_style
     from poseidon_plugin.runtime.job_flags import read_job
     from poseidon_plugin.target import TargetRuntime
 
     job = read_job(script, script_args)
-    precheck.check_launch(opts, job, world_size)
+    precheck.check_launch(opts, job, world_size, script_args)
     for schedule in opts.schedules:
         if schedule not in SCHEDULES:
             raise PoseidonError(f"--poseidon-schedules: unknown schedule {schedule!r}; choose from "
@@ -93,8 +93,16 @@ def validate(opts: runtime_options.RuntimeOptions, script: str, script_args: lis
         if schedule not in MEGATRON_SCHEDULES:
             raise PoseidonError(f"--poseidon-schedules: Megatron cannot run {schedule!r}; choose from "
                                 f"{', '.join(MEGATRON_SCHEDULES)}")
+    style = resolve_style(opts.flag_style)
     if not opts.plan:  # the plan's target runtime: its schedules must run in the flag style
-        TargetRuntime.for_job(opts, job, resolve_style(opts.flag_style))
+        TargetRuntime.for_job(opts, job, style)
+    if style in MINDSPEED_STYLES:  # MindSpeed-LLM's refused flags and CP/EP values fail before any process
+        from poseidon_plugin.runtime import mindspeed
+        from poseidon_plugin.runtime.job_flags import flag_values
+
+        user = flag_values(script_args)
+        mindspeed.user_cp_ep(user)
+        mindspeed.check_user_flags(user, tp=1, pp=1, ep=1, num_experts=0)
 
 
 def _static_world_size(args) -> int | None:

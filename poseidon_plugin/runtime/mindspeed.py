@@ -133,6 +133,11 @@ def transfer_to_npu(host: Host) -> bool:
     return True
 
 
+def adaptor_installed(find_spec: Callable[[str], Any] = importlib.util.find_spec) -> bool:
+    """Whether MindSpeed-LLM is importable (looked up, not imported: its import patches Megatron)."""
+    return _spec(find_spec, ADAPTOR_PACKAGE) is not None
+
+
 def import_adaptor(host: Host, script: str, user_args: Sequence[str]) -> Any:
     """Step 2: import MindSpeed-LLM's adaptor with ``sys.argv`` = the user's command line; the adaptor module."""
     early = megatron_imported(host)
@@ -366,13 +371,30 @@ def _spec(find_spec: Callable[[str], Any], name: str) -> Any:
 
 
 def _submodule_exists(find_spec: Callable[[str], Any], exists: Callable[[str], bool], dotted: str) -> bool:
+    """Whether ``dotted`` would be imported, looked up as the import system does but importing nothing.
+
+    ``megatron`` is a namespace package: with two megatron-cores on the path (MindSpeed-LLM's 0.12 first,
+    another further down) ``megatron.core`` is the *first* folder holding ``core/__init__.py``, so each level
+    is resolved in path order and a module of the other copy does not count.
+    """
     top, *rest = dotted.split(".")
     spec = _spec(find_spec, top)
     if spec is None or not spec.submodule_search_locations:
         return False
-    relative = os.path.join(*rest)
-    return any(exists(os.path.join(root, relative + ".py")) or exists(os.path.join(root, relative, "__init__.py"))
-               for root in spec.submodule_search_locations)
+    locations = list(spec.submodule_search_locations)
+    for depth, part in enumerate(rest):
+        last = depth == len(rest) - 1
+        found = next((os.path.join(root, part) for root in locations
+                      if exists(os.path.join(root, part, "__init__.py"))
+                      or (last and exists(os.path.join(root, part) + ".py"))), None)
+        if found is not None:
+            locations = [found]
+            continue
+        namespace = [os.path.join(root, part) for root in locations if exists(os.path.join(root, part))]
+        if last or not namespace:
+            return False
+        locations = namespace  # a namespace sub-package: all its folders, in order
+    return True
 
 
 def _quote(value: str, limit: int = 80) -> str:

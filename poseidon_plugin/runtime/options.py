@@ -30,7 +30,7 @@ ENV_INJECT_FAULT = "POSEIDON_INJECT_FAULT"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
-FLAG_STYLES = ("auto", "megatron", "mindspeed", "patch")
+FLAG_STYLES = ("auto", "megatron", "mindspeed-layout", "mindspeed", "patch")
 
 
 def default_profile_cache() -> str:
@@ -77,8 +77,9 @@ class RuntimeOptions:
     watch_iterations: int = 3
     """Training iterations timed to compare with the prediction (0 disables the watch)."""
     flag_style: str = "auto"
-    """How the layer split reaches Megatron: ``megatron`` (layout flag), ``mindspeed`` (``--num-layer-list`` +
-    layer patches), ``patch`` (layer patches only) or ``auto`` (see ``runtime/apply.py``)."""
+    """How the layer split reaches Megatron: ``megatron`` (layout flag), ``mindspeed-layout`` (MindSpeed-LLM
+    with MindSpeed's layout backport), ``mindspeed`` (MindSpeed-LLM, ``--num-layer-list`` + layer patches),
+    ``patch`` (layer patches only) or ``auto`` (see ``runtime/apply.py``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

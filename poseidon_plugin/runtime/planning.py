@@ -8,7 +8,7 @@ The search is called in exactly one place, :func:`plan_on_rank0`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -17,7 +17,8 @@ from poseidon_plugin.errors import NoFeasiblePlanError, PoseidonError
 from poseidon_plugin.plan import Plan
 from poseidon_plugin.runtime.collectives import PhaseFailed, all_gather_json, broadcast_json
 from poseidon_plugin.runtime.inventory import World
-from poseidon_plugin.runtime.job_flags import JobFlags
+from poseidon_plugin.runtime.job_flags import JobFlags, flag_values
+from poseidon_plugin.runtime.mindspeed import MindSpeedError, data_parallel_size, user_cp_ep
 from poseidon_plugin.specs import ModelSpec
 from poseidon_plugin.target import TargetRuntime, search_plan
 
@@ -100,8 +101,14 @@ def share_plan(search: Callable[[], Plan] | None, rank: int, device: torch.devic
     return received
 
 
-def check_plan_fits(plan: Plan, world: World, job: JobFlags, global_batch_size: int, source: str) -> None:
-    """A plan (saved or searched) must match this job and this world; PoseidonError naming the mismatch."""
+def check_plan_fits(plan: Plan, world: World, job: JobFlags, global_batch_size: int, source: str, *,
+                    script_args: Sequence[str] = ()) -> None:
+    """A plan (saved or searched) must match this job and this world; PoseidonError naming the mismatch.
+
+    ``script_args`` (the user's flags) give the context and expert parallelism the plan must fit:
+    megatron-core needs its ranks to be a multiple of both ``tp x pp x cp`` and ``etp x ep x pp``
+    (``mindspeed.model_parallel_world``).
+    """
     from poseidon_plugin.runtime.precheck import check_plan_job
 
     check_plan_job(plan, source, job, global_batch_size)
@@ -113,6 +120,14 @@ def check_plan_fits(plan: Plan, world: World, job: JobFlags, global_batch_size: 
     if plan.world_size > len(world.ranks):
         raise fail(f"it needs {plan.world_size} devices (tp {plan.tp} x dp {plan.dp} x pp {plan.pp}) but the job "
                    f"has {len(world.ranks)} ranks")
+    cp, ep, etp = user_cp_ep(flag_values(script_args))
+    try:
+        dp = data_parallel_size(plan.world_size, plan.tp, plan.pp, cp, ep, etp)
+    except MindSpeedError as exc:
+        raise fail(f"its tp {plan.tp} x dp {plan.dp} x pp {plan.pp} = {plan.world_size} ranks: {exc}") from None
+    if global_batch_size % (plan.micro_batch_size * dp):
+        raise fail(f"with --context-parallel-size {cp}, megatron's data-parallel size is {dp} and the global batch "
+                   f"{global_batch_size} is not a multiple of micro-batch {plan.micro_batch_size} x {dp}")
     for stage in plan.stages:
         for node, local in stage.devices:
             try:

@@ -112,7 +112,8 @@ def check_output_paths(opts: RuntimeOptions) -> None:
             raise PoseidonError(f"--poseidon-profile-cache {opts.profile_cache}: {existing} is not writable")
 
 
-def check_launch(opts: RuntimeOptions, job: JobFlags, world_size: int | None) -> None:
+def check_launch(opts: RuntimeOptions, job: JobFlags, world_size: int | None,
+                 script_args: tuple[str, ...] | list[str] = ()) -> None:
     """Everything that can be checked before torchrun starts; PoseidonError naming the flag and the fix."""
     from poseidon_plugin.runtime import job_flags
 
@@ -136,7 +137,7 @@ def check_launch(opts: RuntimeOptions, job: JobFlags, world_size: int | None) ->
     if cluster is not None and world_size is not None:
         from poseidon_plugin.runtime.planning import check_plan_fits
 
-        check_plan_fits(plan, declared_world(cluster), job, global_batch, source)
+        check_plan_fits(plan, declared_world(cluster), job, global_batch, source, script_args=script_args)
 
 
 def declared_world(cluster: ClusterSpec):

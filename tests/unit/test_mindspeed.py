@@ -234,20 +234,25 @@ def test_user_cp_ep():
 # --- layout backport and style ------------------------------------------------------------------------
 
 
-def _stack(installed: dict[str, list[str]]):
-    """find_spec / exists over a fake site-packages: {top package: [relative files]}."""
+def _stack(installed: dict[str, list[str]], shadowed: dict[str, list[str]] | None = None):
+    """find_spec / exists over a fake site-packages: {top package: [relative files]}; ``shadowed``: the same
+    namespace packages again in a second folder further down the path (e.g. another megatron-core)."""
     files = {f"/site/{top}/{path}" for top, paths in installed.items() for path in paths}
+    files |= {f"/later/{top}/{path}" for top, paths in (shadowed or {}).items() for path in paths}
 
     def find_spec(name):
         if name in installed:
-            return types.SimpleNamespace(name=name, submodule_search_locations=[f"/site/{name}"])
+            later = [f"/later/{name}"] if name in (shadowed or {}) else []
+            return types.SimpleNamespace(name=name, submodule_search_locations=[f"/site/{name}", *later])
         return None
 
     return find_spec, files.__contains__
 
 
-MINDSPEED_2610 = ["core/pipeline_parallel/pipeline_model_parallel_layout/__init__.py"]
-MEGATRON_016 = ["core/transformer/pipeline_parallel_layer_layout.py"]
+MINDSPEED_2610 = ["__init__.py", "core/__init__.py", "core/pipeline_parallel/__init__.py",
+                  "core/pipeline_parallel/pipeline_model_parallel_layout/__init__.py"]
+MEGATRON_012 = ["core/__init__.py", "core/transformer/__init__.py", "core/transformer/transformer_block.py"]
+MEGATRON_016 = ["core/__init__.py", "core/transformer/__init__.py", "core/transformer/pipeline_parallel_layer_layout.py"]
 
 
 @pytest.mark.parametrize("installed, style, backport", [
@@ -260,6 +265,14 @@ def test_style_detection(installed, style, backport):
     find_spec, exists = _stack(installed)
     assert mindspeed.choose_style(find_spec, exists) == style
     assert mindspeed.layout_backport(find_spec, exists) is backport
+
+
+def test_detection_follows_the_first_megatron_core_on_the_path():
+    """0.12 first on the path, 0.16 further down (megatron is a namespace package): 0.12 is imported."""
+    find_spec, exists = _stack({"megatron": MEGATRON_012}, shadowed={"megatron": MEGATRON_016})
+    assert mindspeed.choose_style(find_spec, exists) == "patch"
+    find_spec, exists = _stack({"megatron": MEGATRON_016}, shadowed={"megatron": MEGATRON_012})
+    assert mindspeed.choose_style(find_spec, exists) == "megatron"
 
 
 def test_module_is_torch_free_and_detection_imports_nothing():

@@ -85,7 +85,7 @@ def test_lists_are_parsed_deduplicated():
         ({"--poseidon-timeout": "nan"}, {}, r"not a finite number"),
         ({}, {"POSEIDON_PROFILE_ITERS": "2.5"}, r"POSEIDON_PROFILE_ITERS='2.5' is not an integer"),
         ({"--poseidon-micro-batch-sizes": "1,0"}, {}, r"every value must be >= 1"),
-        ({"--poseidon-flag-style": "deepspeed"}, {}, r"choose one of auto, megatron, mindspeed, patch"),
+        ({"--poseidon-flag-style": "deepspeed"}, {}, r"choose one of auto, megatron, mindspeed-layout, mindspeed, patch"),
         ({"--poseidon-plan": "/nonexistent/plan.json"}, {}, r"--poseidon-plan='/nonexistent/plan.json': no such file"),
         ({}, {"POSEIDON_CLUSTER": "/nonexistent.yaml"}, r"POSEIDON_CLUSTER='/nonexistent.yaml': no such file"),
     ],
