@@ -477,14 +477,16 @@ def megatron_args(plan: Plan) -> list[str]:
 
 
 def mindspeed_args(plan: Plan) -> list[str]:
-    """MindSpeed-LLM flags (``--num-layer-list``); only for one chunk per rank."""
+    """MindSpeed-LLM flags (``--num-layer-list``, left out at PP = 1); only for one chunk per rank."""
     if plan.virtual_stages != 1 or plan.schedule != "1f1b":
         raise PoseidonError(f"MindSpeed-LLM's --num-layer-list cannot express virtual_stages = "
                             f"{plan.virtual_stages} / schedule {plan.schedule!r}; re-plan with "
                             "--schedules 1f1b for MindSpeed-LLM")
+    # MindSpeed-LLM refuses --num-layer-list without pipeline parallelism; one stage has no split to express
+    layer_list = ["--num-layer-list", ",".join(str(n) for n in plan.layers)] if plan.pp > 1 else []
     return ["--tensor-model-parallel-size", str(plan.tp),
             "--pipeline-model-parallel-size", str(plan.pp),
-            "--num-layer-list", ",".join(str(n) for n in plan.layers),
+            *layer_list,
             "--micro-batch-size", str(plan.micro_batch_size)]
 
 
@@ -522,6 +524,8 @@ def parse_mindspeed_args(argv: Sequence[str]) -> ParallelFlags:
     f = _flag_values(argv)
     pp = _int_flag(f, "--pipeline-model-parallel-size", 1)
     raw = f.get("--num-layer-list")
+    if raw is None and pp == 1 and "--num-layers" in f:
+        raw = f["--num-layers"]  # one stage: the list is left out, the stage holds every layer
     if raw is None:
         raise InputError("--num-layer-list is missing")
     try:

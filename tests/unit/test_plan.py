@@ -148,6 +148,13 @@ def test_megatron_and_mindspeed_flags(cm):
     assert parse_mindspeed_args(ms) == (2, 4, (7, 9, 9, 7), 1)
 
 
+def test_mindspeed_flags_leave_the_layer_list_out_at_pp_1(cm):
+    cand = Candidate(tp=1, pp=1, dp=8, mbs=1, stage_types=("A2-2",), layers=(cm.model.num_layers,))
+    ms = mindspeed_args(cm.make_plan(cand))
+    assert "--num-layer-list" not in ms  # MindSpeed-LLM refuses the list without pipeline parallelism
+    assert parse_mindspeed_args([*ms, "--num-layers", str(cm.model.num_layers)]).layers == (cm.model.num_layers,)
+
+
 def test_interleaved_renders_megatron_only(cm):
     p = _plan(cm, "interleaved")
     args = megatron_args(p)
