@@ -49,9 +49,12 @@ def test_plan_for_other_device_types_is_refused_before_launch(tmp_path, capsys, 
 
 
 def test_old_plan_without_fingerprint_is_still_checked(tmp_path, capsys, monkeypatch):
-    doc = json.loads(open(_plan(tmp_path)).read())
+    path = _plan(tmp_path)
+    doc, plan = json.loads(open(path).read()), Plan.load(path)
     doc.pop("priced_for")
-    doc["schema_version"] = 2
+    doc["schema_version"] = 2  # version 2: no fingerprint, every rank and device listed
+    doc["stages"] = [dict(d, ranks=list(s.ranks), devices=[list(x) for x in s.devices])
+                     for d, s in zip(doc["stages"], plan.stages)]
     (tmp_path / "old.json").write_text(json.dumps(doc))
     assert Plan.load(tmp_path / "old.json").priced_for == ()
     job = [a if a != "8" else "6" for a in JOB]  # --num-layers 8 -> 6
