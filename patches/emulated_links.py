@@ -55,20 +55,22 @@ class _Call:
 class _DelayedWork:
     """A torch.distributed Work whose ``wait()`` also lasts the emulated transfer time."""
 
-    __slots__ = ("work", "seconds", "call", "done_at")
+    __slots__ = ("work", "seconds", "call", "done_at", "waited")
 
     def __init__(self, work: Any, seconds: float, call: _Call) -> None:
-        self.work, self.seconds, self.call, self.done_at = work, seconds, call, None
+        self.work, self.seconds, self.call, self.done_at, self.waited = work, seconds, call, None, False
         call.works.append(self)
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
-        if self.done_at is None:
-            self.work.wait(*args, **kwargs)
-            now = time.perf_counter()
-            self.done_at = now
-            for other in self.call.works:
-                if other.done_at is None and other._really_completed():
-                    other.done_at = now
+        if not self.waited:
+            self.work.wait(*args, **kwargs)  # always, even when stamped complete: it reports the transfer's errors
+            self.waited = True
+            if self.done_at is None:
+                now = time.perf_counter()
+                self.done_at = now
+                for other in self.call.works:
+                    if other.done_at is None and other._really_completed():
+                        other.done_at = now
         _sleep_until(self.done_at + self.seconds)
         return True
 
