@@ -50,7 +50,7 @@ def set_targets(targets: Callable[[str, int, int], tuple[float, float]] | None) 
 
 def mode() -> str:
     """``deadline``, ``stretch`` or ``off``: what the patched forwards do now."""
-    if _state["targets"] is not None:
+    if _state.get("targets") is not None:
         return "deadline"
     return "stretch" if _state["factor"] > 1.0 else "off"
 
@@ -165,7 +165,7 @@ def _stretched(inputs: tuple[str, ...], part: str = "layer", batch_dim: int = 1)
     def make(original):
         @functools.wraps(original)
         def forward(self, *args, **kwargs):
-            if _state["targets"] is not None and torch.is_grad_enabled():
+            if _state.get("targets") is not None and torch.is_grad_enabled():
                 # GPTModel._postprocess runs on every stage; only the last one has the output layer + loss
                 if part != "head" or getattr(self, "post_process", True):
                     return _deadline_forward(original, self, args, kwargs, part, inputs, batch_dim)

@@ -185,3 +185,35 @@ def test_saved_plan_runs_as_planned_near_its_prediction(tmp_path, stage_types, l
     measured = float(median.group(1))
     assert float(median.group(2)) == pytest.approx(predicted, rel=1e-3)
     assert abs(measured - predicted) <= 0.20 * predicted, out[-3000:]
+
+
+def test_bad_emulate_model_is_one_line_before_any_process(capsys, monkeypatch):
+    import os
+
+    from poseidon_plugin.runtime import launcher
+    from tests.dist.test_launcher import REPO
+
+    monkeypatch.chdir(REPO)
+    for key in [k for k in os.environ if k.startswith("POSEIDON_")]:
+        monkeypatch.delenv(key)
+    code = launcher.main(["--nproc-per-node", "2", SCRIPT, *JOB, "--poseidon-emulate", EMULATE,
+                          "--poseidon-emulate-model", "gpt-5:1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert re.search(r"--poseidon-emulate-model 'gpt-5:1': unknown model preset 'gpt-5'", err[0]), err[0]
+
+
+def test_emulated_links_table_applies_to_installed_megatron():
+    import megatron.core.distributed as mcore_distributed
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    original = mcore_distributed.finalize_model_grads
+    emulated_links.TABLE.apply()
+    try:
+        assert emulated_links.TABLE.verify() == []
+        assert p2p_communication._batched_p2p_ops.__poseidon_patch__ == "emulated_links"
+        assert p2p_communication._p2p_ops.__poseidon_patch__ == "emulated_links"
+        assert mcore_distributed.finalize_model_grads is not original  # the package's by-name copy, swept
+    finally:
+        emulated_links.TABLE.revert()
+    assert mcore_distributed.finalize_model_grads is original
