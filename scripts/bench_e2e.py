@@ -95,6 +95,8 @@ def run_case(case: ClusterCase, *, quick: bool, iters: int, workdir: str, log) -
     plans: list[tuple[str, Plan]] = [("(a) poseidon", plan_a)]
     seen = {plan_key(plan_a)}
     uniform = uniform_plan(cm)
+    uniform_note = ("no uniform split fits the devices' memory" if uniform is None
+                    else "the uniform split is Poseidon's plan" if plan_key(uniform) in seen else "")
     if uniform is not None and plan_key(uniform) not in seen:
         plans.append(("(b) uniform", uniform))
         seen.add(plan_key(uniform))
@@ -130,9 +132,11 @@ def run_case(case: ClusterCase, *, quick: bool, iters: int, workdir: str, log) -
         log(f"[{case.name}] {label}: predicted {predicted:.0f} ms, measured {measured:.0f} ms "
             f"({row['error']:+.1%}), spread {result.spread:.1%}, {result.wall_s:.0f} s")
     ok = [r for r in rows if r["measured_ms"] == r["measured_ms"]]
+    excess = profile_excess(case, profile)
     record = {"cluster": case.name, "why": case.why, "emulate": case.emulate, "model": case.model,
               "ranks": case.ranks, "layers": case.layers, "global_batch": case.global_batch,
-              "type_speed_ratio": case.type_speed_ratio(), "rows": rows,
+              "type_speed_ratio": case.type_speed_ratio(), "rows": rows, "profile_excess": excess,
+              "uniform_note": uniform_note,
               "spearman": spearman([r["predicted_ms"] for r in ok], [r["measured_ms"] for r in ok])}
     a = rows[0]
     b = next((r for r in rows if r["label"].startswith("(b)")), None)
@@ -140,6 +144,25 @@ def run_case(case: ClusterCase, *, quick: bool, iters: int, workdir: str, log) -
     fastest = min(r["measured_ms"] for r in ok) if ok else float("nan")
     record["poseidon_vs_fastest"] = a["measured_ms"] / fastest - 1.0 if ok else float("nan")
     return record
+
+
+def profile_excess(case: ClusterCase, profile_path: str) -> dict:
+    """How much the measured profile exceeds the emulation's deadlines (hooks, autograd, Python): per layer
+    forward and backward, median over the profiled (type, TP, mbs), in ms and relative."""
+    from poseidon_plugin.runtime import emulation
+    from poseidon_plugin.specs import load_profile
+
+    state = emulation.deterministic_state(emulate=case.emulate, emulate_model=case.model, rank=0,
+                                          world_size=case.ranks, num_layers=case.layers,
+                                          global_batch=case.global_batch, micro_batch_size=1)
+    fwd, bwd = [], []
+    for e in load_profile(profile_path).entries:
+        target = state.emulated_entry(e.device_type, e.tp, e.mbs)
+        fwd.append((e.forward_ms - target["forward_ms"], e.forward_ms / target["forward_ms"] - 1.0))
+        bwd.append((e.backward_ms - target["backward_ms"], e.backward_ms / target["backward_ms"] - 1.0))
+    med = statistics.median
+    return {"scale": state.scale, "forward_ms": med(x for x, _ in fwd), "forward_rel": med(r for _, r in fwd),
+            "backward_ms": med(x for x, _ in bwd), "backward_rel": med(r for _, r in bwd)}
 
 
 def render(records: list[dict], wall_s: float) -> str:
@@ -160,7 +183,15 @@ def render(records: list[dict], wall_s: float) -> str:
             out.append(f"{r['label']:<18}{r['plan'][:43]:<44}{r['predicted_ms']:>9.0f}{r['measured_ms']:>9.0f}"
                        f"{100 * r['error']:>+7.1f}{100 * r['spread']:>8.1f}{r['optimizer_ms']:>8.0f}"
                        f"{r['excess_per_step_ms']:>8.1f}{flag}")
+        px = rec.get("profile_excess")
+        if px:
+            out.append(f"scale {px['scale']:.3g}; profiled layer over its deadline (median): forward "
+                       f"+{px['forward_ms']:.2f} ms ({100 * px['forward_rel']:+.1f}%), backward +{px['backward_ms']:.2f} ms "
+                       f"({100 * px['backward_rel']:+.1f}%)")
         ratio = rec["type_speed_ratio"]
+        if not any(r["label"].startswith("(b)") for r in rec["rows"]):
+            note = rec.get("uniform_note") or "no uniform split fits the devices' memory"
+            out.append(f"(b) uniform: {note}")
         need = f"target >= {TARGET_SPEEDUP}x" if ratio >= SPEEDUP_WHEN_RATIO else "no target (types < 1.3x apart)"
         out.append(f"Spearman {rec['spearman']:.2f} (target >= {TARGET_SPEARMAN}); Poseidon vs fastest measured "
                    f"{100 * rec['poseidon_vs_fastest']:+.1f}% (target <= +{100 * TARGET_FASTEST_WITHIN:.0f}%); "
@@ -180,7 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma list of substrings of cluster names")
     parser.add_argument("--iters", type=int, default=7, help=f"training iterations per run (>= {2 + 5})")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    parser.add_argument("--render", metavar="JSON", help="print the table of a saved --json output and exit")
     args = parser.parse_args(argv)
+    if args.render:
+        with open(args.render, encoding="utf-8") as f:
+            doc = json.load(f)
+        print(render(doc["clusters"], doc["wall_s"]))
+        return 0
     cases = [c for c in CLUSTERS if not args.quick or c.name in QUICK]
     if args.only:
         wanted = [w.strip() for w in args.only.split(",") if w.strip()]

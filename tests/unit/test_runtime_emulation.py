@@ -213,3 +213,4 @@ def test_emulation_module_stays_torch_free():
             "num_layers=2, global_batch=2, micro_batch_size=1); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
