@@ -166,6 +166,8 @@ class RunResult:
     schedule_ms: list[float] = field(default_factory=list)   # watch: one schedule call per iteration
     iteration_s: list[float] = field(default_factory=list)   # the script: whole iteration incl. optimizer
     layers_as_planned: bool = False
+    load: float = float("nan")
+    """Machine load average (1 min) at the end of the run: other jobs on the shared cores."""
     tail: str = ""
 
     @property
@@ -215,7 +217,8 @@ def launch(case: ClusterCase, *, iters: int, cache_dir: str, plan_file: str | No
         code, out = proc.returncode, proc.stdout
     except subprocess.TimeoutExpired as exc:
         code, out = 124, (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-    result = RunResult(code=code, wall_s=time.perf_counter() - start, tail="\n".join(out.splitlines()[-15:]))
+    result = RunResult(code=code, wall_s=time.perf_counter() - start, tail="\n".join(out.splitlines()[-15:]),
+                       load=os.getloadavg()[0])
     result.schedule_ms = [float(m) for m in re.findall(r"^poseidon: iteration \d+: measured ([\d.]+) ms", out, re.M)]
     result.iteration_s = [float(m) for m in re.findall(r"^iteration \d+/\d+ \| lm loss \S+ \| ([\d.]+) s", out, re.M)]
     built = re.findall(r"built layers \S+ as planned", out)

@@ -125,12 +125,13 @@ def run_case(case: ClusterCase, *, quick: bool, iters: int, workdir: str, log) -
             "spread": result.spread, "optimizer_ms": result.optimizer_ms,
             "excess_per_step_ms": (measured - predicted) / steps, "layers_as_planned": result.layers_as_planned,
             "iterations_ms": result.schedule_ms, "code": result.code, "wall_s": round(result.wall_s, 1),
+            "load": round(result.load, 1),
         }
         if result.code != 0:
             row["tail"] = result.tail
         rows.append(row)
         log(f"[{case.name}] {label}: predicted {predicted:.0f} ms, measured {measured:.0f} ms "
-            f"({row['error']:+.1%}), spread {result.spread:.1%}, {result.wall_s:.0f} s")
+            f"({row['error']:+.1%}), spread {result.spread:.1%}, {result.wall_s:.0f} s, load {result.load:.1f}")
     ok = [r for r in rows if r["measured_ms"] == r["measured_ms"]]
     excess = profile_excess(case, profile)
     record = {"cluster": case.name, "why": case.why, "emulate": case.emulate, "model": case.model,
@@ -168,7 +169,7 @@ def profile_excess(case: ClusterCase, profile_path: str) -> dict:
 def render(records: list[dict], wall_s: float) -> str:
     out = []
     head = (f"{'plan':<18}{'layout':<44}{'pred ms':>9}{'meas ms':>9}{'err%':>7}{'spread%':>8}"
-            f"{'opt ms':>8}{'xs/step':>8}")
+            f"{'opt ms':>8}{'xs/step':>8}{'load':>6}")
     errors = []
     for rec in records:
         out.append(f"== {rec['cluster']}: {rec.get('why', '')}  [{rec.get('emulate', '')} | {rec.get('model', '')}]")
@@ -182,7 +183,7 @@ def render(records: list[dict], wall_s: float) -> str:
             flag = "" if r["layers_as_planned"] else "  (NOT as planned)"
             out.append(f"{r['label']:<18}{r['plan'][:43]:<44}{r['predicted_ms']:>9.0f}{r['measured_ms']:>9.0f}"
                        f"{100 * r['error']:>+7.1f}{100 * r['spread']:>8.1f}{r['optimizer_ms']:>8.0f}"
-                       f"{r['excess_per_step_ms']:>8.1f}{flag}")
+                       f"{r['excess_per_step_ms']:>8.1f}{r.get('load', float('nan')):>6.1f}{flag}")
         px = rec.get("profile_excess")
         if px:
             out.append(f"scale {px['scale']:.3g}; profiled layer over its deadline (median): forward "
