@@ -89,6 +89,10 @@ def validate(opts: runtime_options.RuntimeOptions, script: str, script_args: lis
         if world_size is not None and cluster.num_devices != world_size:
             raise PoseidonError(f"--poseidon-cluster {opts.cluster} declares {cluster.num_devices} devices but "
                                 f"the launch starts {world_size} ranks; declare one device per rank")
+    if opts.emulate_model:
+        from poseidon_plugin.specs import model_presets
+
+        emulation.parse_emulate_model(opts.emulate_model, model_presets(), tuple(emulation.link_families()))
     if opts.emulate:
         nodes = emulation.parse_emulate(opts.emulate, device_presets())
         if world_size is not None:

@@ -154,3 +154,66 @@ def test_emulated_links_table_applies_to_installed_megatron():
     finally:
         emulated_links.TABLE.revert()
     assert mcore_distributed.finalize_model_grads is original
+# --- end to end through poseidon-run (needs the bootstrap / options wiring of --poseidon-emulate-model) -------
+
+import re  # noqa: E402
+
+from poseidon_plugin.costmodel import Candidate, CostModel  # noqa: E402
+from poseidon_plugin.runtime import emulation  # noqa: E402
+from poseidon_plugin.runtime.job_flags import read_job  # noqa: E402
+from poseidon_plugin.runtime.planning import job_name, model_spec  # noqa: E402
+from poseidon_plugin.specs import ProfileEntry, ProfileSpec  # noqa: E402
+from tests.dist.test_launcher import JOB, SCRIPT, poseidon_run  # noqa: E402
+
+EMULATE = "A2-2:1,A2-4:1"
+MODEL = "llama3-8b"
+ITERS = 4
+E2E_JOB = [str(ITERS) if i and JOB[i - 1] == "--train-iters" else a for i, a in enumerate(JOB)]
+
+
+def _plan_file(path, stage_types, layers) -> tuple[str, float]:
+    flags = read_job(SCRIPT, E2E_JOB)
+    gbs = 4
+    state = emulation.deterministic_state(emulate=EMULATE, emulate_model=MODEL, rank=0, world_size=2,
+                                          num_layers=flags.num_layers, global_batch=gbs,
+                                          micro_batch_size=flags.micro_batch_size)
+    job = model_spec(flags, global_batch_size=gbs, name=job_name(SCRIPT, flags))
+    entries = tuple(ProfileEntry(**state.emulated_entry(t, 1, 1)) for t in ("A2-2", "A2-4"))
+    profile = ProfileSpec(model=job.name, seq_length=job.seq_length, dtype=job.dtype, entries=entries)
+    cm = CostModel(state.cluster, job, profile)
+    cand = Candidate(tp=1, pp=2, dp=1, mbs=1, stage_types=stage_types, layers=layers)
+    plan = cm.make_plan(cand, comm_model="megatron")
+    plan.save(path)
+    return str(path), plan.predicted_iteration_ms
+
+
+@pytest.mark.parametrize("stage_types, layers", [(("A2-2", "A2-4"), (5, 3)), (("A2-4", "A2-2"), (3, 5))])
+def test_saved_plan_runs_as_planned_near_its_prediction(tmp_path, stage_types, layers):
+    plan, predicted = _plan_file(tmp_path / "plan.json", stage_types, layers)
+    code, out = poseidon_run(["--nproc-per-node", "2", SCRIPT, *E2E_JOB, "--poseidon-emulate", EMULATE,
+                              "--poseidon-emulate-model", MODEL, "--poseidon-plan", plan,
+                              "--poseidon-watch-iterations", str(ITERS)], tmp_path)
+    assert code == 0, out[-3000:]
+    assert "deterministic emulation of llama3-8b" in out
+    assert len(re.findall(r"built layers \S+ as planned", out)) == 2, out[-3000:]
+    median = re.search(r"watch: median of iterations 2-4: measured ([\d.]+) ms vs predicted ([\d.]+) ms", out)
+    assert median, out[-3000:]
+    measured = float(median.group(1))
+    assert float(median.group(2)) == pytest.approx(predicted, rel=1e-3)
+    assert abs(measured - predicted) <= 0.20 * predicted, out[-3000:]
+
+
+def test_bad_emulate_model_is_one_line_before_any_process(capsys, monkeypatch):
+    import os
+
+    from poseidon_plugin.runtime import launcher
+    from tests.dist.test_launcher import REPO
+
+    monkeypatch.chdir(REPO)
+    for key in [k for k in os.environ if k.startswith("POSEIDON_")]:
+        monkeypatch.delenv(key)
+    code = launcher.main(["--nproc-per-node", "2", SCRIPT, *JOB, "--poseidon-emulate", EMULATE,
+                          "--poseidon-emulate-model", "gpt-5:1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert re.search(r"--poseidon-emulate-model 'gpt-5:1': unknown model preset 'gpt-5'", err[0]), err[0]

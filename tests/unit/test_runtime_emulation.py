@@ -214,3 +214,16 @@ def test_emulation_module_stays_torch_free():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
+
+
+# --- the option (runtime/options.py wiring) ---------------------------------------------------------------
+
+
+def test_emulate_model_option_needs_emulate_and_round_trips():
+    from poseidon_plugin.runtime import options
+
+    with pytest.raises(PoseidonError, match=r"--poseidon-emulate-model llama3-8b needs --poseidon-emulate"):
+        options.parse(["--poseidon-emulate-model", "llama3-8b"], {})
+    opts, rest = options.parse(["--poseidon-emulate", "A2-2:1", "--poseidon-emulate-model=llama3-8b:0.5", "x.py"], {})
+    assert opts.emulate_model == "llama3-8b:0.5" and rest == ["x.py"]
+    assert options.resolve({}, options.to_env(opts)).emulate_model == "llama3-8b:0.5"
