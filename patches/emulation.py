@@ -1,24 +1,33 @@
-"""Emulated device speed: stretch each transformer layer, the embedding and the output layer + loss.
+"""Emulated device speed of each transformer layer, the embedding and the output layer + loss.
 
 Used only with ``--poseidon-emulate`` / a declared cluster on CPU (``poseidon_plugin/runtime/emulation.py``
-documents the factor). Each patched ``forward`` sleeps ``(factor - 1) x`` its own measured compute time
-right after computing; for backward, an identity autograd function on the module's output notes when its
-gradient arrives (backward start) and one on its input sleeps ``(factor - 1) x`` the elapsed time when the
-input's gradient is complete (backward end). With ``factor == 1`` every wrapper falls through to the
-original, so a rank of the fastest emulated type runs the stock code path.
+documents both modes). Two modes, one table:
+
+* *stretch* (:func:`set_factor`): each patched ``forward`` sleeps ``(factor - 1) x`` its own measured
+  compute time right after computing; for backward, an identity autograd function on the module's output
+  notes when its gradient arrives (backward start) and one on its input sleeps ``(factor - 1) x`` the
+  elapsed time when the input's gradient is complete (backward end). With ``factor == 1`` every wrapper
+  falls through to the original, so a rank of the fastest emulated type runs the stock code path.
+* *deadline* (:func:`set_targets`, deterministic): the part's target times come from ``targets(part, tp,
+  mbs)``; forward runs the real compute, then sleeps until ``start + forward target``; backward (same
+  marks) sleeps until ``backward start + backward target``. The time no longer depends on how fast the CPU
+  computed, only on wake-up precision, so many ranks on few cores keep their deadlines as long as the
+  tiny real compute fits inside them. The embedding's backward is not emulated (its input is token ids;
+  its analytic time is zero without sequence parallelism, which does not run on CPU).
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .table import Patch, PatchTable
 
-_state = {"factor": 1.0}
+_state: dict[str, Any] = {"factor": 1.0, "targets": None}
 
 
 def set_factor(factor: float) -> None:
@@ -31,6 +40,19 @@ def set_factor(factor: float) -> None:
 def factor() -> float:
     """The stretch factor in effect."""
     return _state["factor"]
+
+
+def set_targets(targets: Callable[[str, int, int], tuple[float, float]] | None) -> None:
+    """Deadline mode: ``targets(part, tp, mbs) -> (forward ms, backward ms)`` for part ``layer``,
+    ``embedding`` or ``head``; None leaves deadline mode (the stretch factor applies again)."""
+    _state["targets"] = targets
+
+
+def mode() -> str:
+    """``deadline``, ``stretch`` or ``off``: what the patched forwards do now."""
+    if _state.get("targets") is not None:
+        return "deadline"
+    return "stretch" if _state["factor"] > 1.0 else "off"
 
 
 class _Clock:
@@ -70,9 +92,34 @@ class _BackwardEnd(torch.autograd.Function):
         return grad, None, None
 
 
+class _BackwardDeadline(torch.autograd.Function):
+    """Identity; its backward runs once the module's input gradient is complete, and waits for the deadline."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, clock: _Clock, seconds: float) -> torch.Tensor:
+        ctx.clock, ctx.seconds = clock, seconds
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        start = ctx.clock.backward_start
+        if start is not None:
+            _sleep_until(start + ctx.seconds)
+        return grad, None, None
+
+
 def _sleep(seconds: float) -> None:
     if seconds > 0:
         time.sleep(seconds)
+
+
+def _sleep_until(deadline: float) -> None:
+    """Sleep to ``deadline`` (perf_counter seconds); a second short sleep absorbs an early wake-up."""
+    while True:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return
+        time.sleep(left)
 
 
 def _first_tensor(args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[Any, torch.Tensor | None]:
@@ -87,23 +134,49 @@ def _first_tensor(args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[An
     return None, None
 
 
-def _stretched(inputs: tuple[str, ...]):
-    """Wrapper factory for a ``forward`` whose main input is the first tensor (or keyword ``inputs``)."""
+def _replace(args: tuple, kwargs: dict, where: Any, value: torch.Tensor) -> tuple[tuple, dict]:
+    if where[0] == "kw":
+        return args, {**kwargs, where[1]: value}
+    return (*args[: where[1]], value, *args[where[1] + 1:]), kwargs
+
+
+def _deadline_forward(original, module, args: tuple, kwargs: dict, part: str, inputs: tuple[str, ...],
+                      batch_dim: int):
+    """Deadline mode: real compute, then sleep to the part's forward target; backward marked likewise."""
+    where, tensor = _first_tensor(args, kwargs, inputs)
+    if tensor is None or tensor.dim() <= batch_dim:
+        return original(module, *args, **kwargs)
+    tp = int(getattr(getattr(module, "config", None), "tensor_model_parallel_size", 1) or 1)
+    forward_ms, backward_ms = _state["targets"](part, tp, int(tensor.shape[batch_dim]))
+    start = time.perf_counter()
+    clock = None
+    if backward_ms > 0 and tensor.requires_grad:
+        clock = _Clock()
+        args, kwargs = _replace(args, kwargs, where, _BackwardDeadline.apply(tensor, clock, backward_ms / 1e3))
+    output = original(module, *args, **kwargs)
+    _sleep_until(start + forward_ms / 1e3)
+    return output if clock is None else _mark_output(output, clock)
+
+
+def _stretched(inputs: tuple[str, ...], part: str = "layer", batch_dim: int = 1):
+    """Wrapper factory for a ``forward`` whose main input is the first tensor (or keyword ``inputs``);
+    ``part`` and ``batch_dim`` (the micro-batch dimension of that input) serve the deadline mode."""
 
     def make(original):
         @functools.wraps(original)
         def forward(self, *args, **kwargs):
+            if _state.get("targets") is not None and torch.is_grad_enabled():
+                # GPTModel._postprocess runs on every stage; only the last one has the output layer + loss
+                if part != "head" or getattr(self, "post_process", True):
+                    return _deadline_forward(original, self, args, kwargs, part, inputs, batch_dim)
+                return original(self, *args, **kwargs)
             stretch = _state["factor"] - 1.0
             if stretch <= 0.0 or not torch.is_grad_enabled():
                 return original(self, *args, **kwargs)
             clock = _Clock()
             where, tensor = _first_tensor(args, kwargs, inputs)
             if tensor is not None and tensor.requires_grad:
-                marked = _BackwardEnd.apply(tensor, clock, stretch)
-                if where[0] == "kw":
-                    kwargs = {**kwargs, where[1]: marked}
-                else:
-                    args = (*args[: where[1]], marked, *args[where[1] + 1:])
+                args, kwargs = _replace(args, kwargs, where, _BackwardEnd.apply(tensor, clock, stretch))
             start = time.perf_counter()
             output = original(self, *args, **kwargs)
             _sleep(stretch * (time.perf_counter() - start))
@@ -126,8 +199,9 @@ _LAYER = Patch(target="megatron.core.transformer.transformer_layer.TransformerLa
                make=_stretched(("hidden_states",)))
 _EMBEDDING = Patch(
     target="megatron.core.models.common.embeddings.language_model_embedding.LanguageModelEmbedding.forward",
-    make=_stretched(("input_ids",)))
-_HEAD = Patch(target="megatron.core.models.gpt.gpt_model.GPTModel._postprocess", make=_stretched(("hidden_states",)))
+    make=_stretched(("input_ids",), part="embedding", batch_dim=0))
+_HEAD = Patch(target="megatron.core.models.gpt.gpt_model.GPTModel._postprocess",
+              make=_stretched(("hidden_states",), part="head"))
 
 
 def _rows() -> tuple[Patch, ...]:

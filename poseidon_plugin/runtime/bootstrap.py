@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover  (torch-importing modules, imported when t
     from poseidon_plugin.runtime.inventory import World
     from poseidon_plugin.specs import ClusterSpec, ModelSpec, ProfileSpec
     from poseidon_plugin.specs.cluster import Device as ClusterDevice
+    from poseidon_plugin.runtime.emulation import EmulationState
 
 
 class Log:
@@ -154,6 +155,8 @@ class _Devices:
     """The cluster ``--poseidon-cluster`` / ``--poseidon-emulate`` declares; None: detected."""
     entry: ClusterDevice | None
     """This rank's device in ``declared`` (device *i* is launcher rank *i*); None when detected."""
+    emulated: EmulationState | None = None
+    """``--poseidon-emulate-model``: the deterministic emulation of this rank (runtime/emulation.py)."""
 
 
 def _run(argv: list[str], rank: int, log: Log) -> int | None:
@@ -173,7 +176,8 @@ def _run(argv: list[str], rank: int, log: Log) -> int | None:
                global_batch=job_flags.effective_global_batch(flags, world_size), style=style,
                target=TargetRuntime.for_job(opts, flags, style))
     adaptor = _mindspeed_adaptor(job, log)  # before _device(): it imports megatron (CPU shim, emulation)
-    devices = _device(job, _declared_cluster(job))
+    emulated = _deterministic_emulation(job)
+    devices = _device(job, emulated.cluster if emulated is not None else _declared_cluster(job), emulated)
     device = devices.device
 
     dist.init_process_group(device.backend, timeout=datetime.timedelta(seconds=job.opts.timeout))
@@ -187,7 +191,9 @@ def _run(argv: list[str], rank: int, log: Log) -> int | None:
     world = phases.run("inventory", lambda: _inventory(job, devices))
     me = world.ranks[rank]
     log.rank_line(f"{me.device_type} ({device.kind}) on {me.host}, local rank {me.local_rank}"
-                  + (f", compute stretched x{device.slowdown():.2f}" if device.slowdown() > 1.0 else ""))
+                  + (f", compute stretched x{device.slowdown():.2f}" if device.slowdown() > 1.0 else "")
+                  + (f", deterministic emulation of {emulated.spec.preset} x{emulated.scale:.4g} "
+                     f"({emulated.spec.links} links)" if emulated is not None else ""))
     plan = _plan(job, phases, world, devices, log)
     return _apply_and_run(job, phases, world, device, plan, log, adaptor)
 
@@ -238,7 +244,18 @@ def profile_digest(cluster: ClusterSpec, model: ModelSpec, profile: ProfileSpec)
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()[:12]
 
 
-def _device(job: _Job, declared: ClusterSpec | None) -> _Devices:
+def _deterministic_emulation(job: _Job) -> EmulationState | None:
+    """``--poseidon-emulate-model``: this rank's EmulationState (runtime/emulation.py), or None."""
+    if not job.opts.emulate_model:
+        return None
+    from poseidon_plugin.runtime import emulation
+
+    return emulation.deterministic_state(
+        emulate=job.opts.emulate, emulate_model=job.opts.emulate_model, rank=job.rank, world_size=job.world_size,
+        num_layers=job.flags.num_layers, global_batch=job.global_batch, micro_batch_size=job.flags.micro_batch_size)
+
+
+def _device(job: _Job, declared: ClusterSpec | None, emulated: EmulationState | None = None) -> _Devices:
     """This rank's device (emulated on CPU when a cluster is declared), with the CPU shim and emulation
     patches in place, and this rank's declared cluster device (None when detected)."""
     from poseidon_plugin.runtime import devices, emulation
@@ -253,8 +270,9 @@ def _device(job: _Job, declared: ClusterSpec | None) -> _Devices:
         if device.kind == "cpu":
             factors = emulation.slowdown_factors({t.name: t.peak_tflops for t in declared.device_types})
             memory = int(declared.device_type(entry.device_type).memory_gb * devices.GIB)
+            # the deterministic emulation holds compute to deadlines instead of stretching it
             device = devices.EmulatedDevice(job.local_rank, type_name=entry.device_type, memory_bytes=memory,
-                                            factor=factors[entry.device_type])
+                                            factor=1.0 if emulated is not None else factors[entry.device_type])
         elif job.opts.emulate:
             raise PoseidonError(f"{emulation.FLAG} emulates devices on CPU ranks, but this rank has a {device.kind} "
                                 f"device; declare the cluster with --poseidon-cluster FILE instead")
@@ -262,12 +280,14 @@ def _device(job: _Job, declared: ClusterSpec | None) -> _Devices:
         from poseidon_plugin.runtime import cpu_shim
 
         cpu_shim.install()
+    if emulated is not None and device.kind == "emulated":
+        emulation.install_deterministic(emulated)
     if device.slowdown() > 1.0:
         from poseidon_plugin.patches import emulation as emulation_patch
 
         emulation_patch.set_factor(device.slowdown())
         emulation_patch.TABLE.apply()
-    return _Devices(device=device, declared=declared, entry=entry)
+    return _Devices(device=device, declared=declared, entry=entry, emulated=emulated)
 
 
 def _inventory(job: _Job, devices: _Devices) -> World:
@@ -282,7 +302,8 @@ def _inventory(job: _Job, devices: _Devices) -> World:
         declared_memory=int(declared.device_type(entry.device_type).memory_gb * GIB) if entry is not None else None,
         node_tag=f"declared-node-{entry.node}" if entry is not None else None)
     world = inventory.gather_world(info, device.torch_device)
-    return inventory.world_from_declared(declared, world.ranks) if job.opts.cluster else world
+    declared_world = job.opts.cluster or job.opts.emulate_model  # the emulated cluster's nodes, as declared
+    return inventory.world_from_declared(declared, world.ranks) if declared_world else world
 
 
 def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) -> Plan:
@@ -301,9 +322,10 @@ def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) 
             return plan
 
         return phases.run("plan check", check)
-    if opts.cluster:
+    if opts.cluster or opts.emulate_model:
         cluster = declared
-        phases.notes["inventory"] = "links from --poseidon-cluster"
+        phases.notes["inventory"] = ("links from --poseidon-cluster" if opts.cluster
+                                     else "emulated links from --poseidon-emulate-model")
     else:
         probe = phases.run("probing", lambda: inventory.probe_links(world, job.rank, device))
         cluster = inventory.cluster_from_world(world, inventory.link_specs(probe["links"]), declared)
@@ -384,6 +406,13 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, device: Device, plan
         log.rank_line(f"{me.device_type} device is not used by the plan; leaving")
         return None
     stage = placement.stage_of(plan, new_rank)
+    from poseidon_plugin.runtime import emulation
+
+    if emulation.active() is not None:  # emulated links and DP sync need the plan's placement
+        from poseidon_plugin.runtime import planning
+
+        emulation.active().bind_plan(plan, new_rank, planning.model_spec(
+            job.flags, global_batch_size=job.global_batch, name=planning.job_name(job.script, job.flags)))
     log.rank_line(f"now global rank {new_rank}: pipeline stage {stage} on {plan.stages[stage].device_type}")
     log = Log(job.rank, leader=new_rank == 0)  # job-wide lines now come from the planned rank 0
     watch = Watch(plan=plan, global_rank=new_rank, stage=stage, device=device, iterations=opts.watch_iterations,

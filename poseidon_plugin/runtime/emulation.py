@@ -1,4 +1,4 @@
-"""Emulated heterogeneous clusters on CPU: ``--poseidon-emulate "A2-2:2,A2-4:2"``.
+"""Emulated heterogeneous clusters on CPU: ``--poseidon-emulate "A2-2:2,A2-4:2"`` [``--poseidon-emulate-model``].
 
 Torch-free. Lets the whole flow (detection, profiling, search, placement, uneven split) run for real on a
 CPU-only machine. Each ``TYPE:COUNT`` entry is one emulated node of COUNT devices of a device type from the
@@ -16,12 +16,17 @@ What an emulated rank does differently (the documented factor):
   measures exactly the slowed-down compute the training will see;
 - links are not emulated: the cost model gets what gloo measures on this machine (the transfers the
   training really pays).
+
+That is the *stretch* mode. With ``--poseidon-emulate-model PRESET[:SCALE[:LINKS]]`` the emulation is
+*deterministic* instead (second half of this module): compute and links take the analytic times of a real
+model on the emulated devices, independent of what the CPU measures.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from poseidon_plugin.errors import PoseidonError
 
@@ -84,3 +89,307 @@ def slowdown_factors(peak_tflops: Mapping[str, float]) -> dict[str, float]:
         return {}
     fastest = max(peak_tflops.values())
     return {name: fastest / peak for name, peak in peak_tflops.items()}
+
+
+# --- the deterministic emulation: ``--poseidon-emulate-model PRESET[:SCALE[:LINKS]]`` -------------
+#
+# With it an emulated rank no longer stretches its *measured* CPU compute. Instead every transformer layer,
+# the embedding and the output layer + loss take exactly the time the analytic profile gives a real model
+# (the preset) on the rank's device type, times SCALE: the tiny real compute runs first and the rank sleeps
+# until the deadline (``patches/emulation.py``). Inter-stage transfers take the time of the emulated link
+# class (same node / other node / other type) for the preset's message (``patches/emulated_links.py``), and
+# the DP gradient sync the time of the preset's gradients over the DP group's emulated link. Links are
+# scaled with compute (bandwidth / SCALE, latency x SCALE), so their weight relative to compute is the real
+# cluster's. The planner sees the same numbers: the cluster spec carries the scaled links, and the measured
+# profile's byte figures (parameters, activations, messages) are replaced by the preset's, so memory limits
+# bind where they would on the real devices (each device type keeps its preset memory).
+#
+# SCALE defaults to "auto": the scale at which the job's whole compute for one global batch (every layer,
+# the embedding and the head, forward and backward, at the job's --micro-batch-size, averaged over the
+# emulated ranks' types) divided by the number of ranks lasts AUTO_ITERATION_MS: an iteration with its
+# pipeline bubbles then lasts about 1-3 s, long next to the framework's per-call costs on a CPU and short
+# enough for a benchmark. The job's own flags still give the layer count, the batch and the tiny model that
+# really runs; the preset gives the hidden size, sequence length, vocabulary and dtype of the emulated one.
+
+MODEL_FLAG = "--poseidon-emulate-model"
+AUTO_ITERATION_MS = 1500.0
+DEFAULT_LINKS = "npu"
+# Link families only the emulation offers (beside devices.yaml's): "npu-wan" is the npu family with the
+# device types' clusters joined by a 10 Gbps / 500 us WAN (our assumption), so cross-type transfers are slow.
+EXTRA_LINKS = {
+    "npu-wan": {"intra_node": {"bandwidth_gbps": 1400, "latency_us": 10},
+                "inter_node": {"bandwidth_gbps": 200, "latency_us": 20},
+                "cross_type": {"bandwidth_gbps": 10, "latency_us": 500}},
+}
+_BYTE_FIELDS = ("layer_params", "activation_bytes", "send_bytes", "embedding_params", "embedding_activation_bytes",
+                "head_params", "head_activation_bytes")
+_TIME_FIELDS = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding_backward_ms", "head_forward_ms",
+                "head_backward_ms")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EmulatedModel:
+    """``PRESET[:SCALE[:LINKS]]``: the real model whose times and sizes the ranks emulate."""
+
+    preset: str
+    scale: float | None
+    """Emulated time / real time; None: automatic (:func:`auto_scale`)."""
+    links: str = DEFAULT_LINKS
+    """Link preset of ``devices.yaml`` (``npu``, ``gpu``, ``npu-wan``) for the three link classes."""
+
+
+def parse_emulate_model(text: str, known_models: Sequence[str], known_links: Sequence[str]) -> EmulatedModel:
+    """Parse ``llama3-8b``, ``llama3-8b:0.5``, ``llama3-8b:auto:gpu``; PoseidonError naming the bad part."""
+    example = f"e.g. {MODEL_FLAG} llama3-8b:auto:npu"
+    parts = [p.strip() for p in text.strip().split(":")]
+    if not parts[0] or len(parts) > 3:
+        raise PoseidonError(f"{MODEL_FLAG} {text!r} is not PRESET[:SCALE[:LINKS]]; {example}")
+    preset = parts[0]
+    if preset not in known_models:
+        raise PoseidonError(f"{MODEL_FLAG} {text!r}: unknown model preset {preset!r}; known: {', '.join(known_models)}")
+    scale: float | None = None
+    if len(parts) > 1 and parts[1] not in ("", "auto"):
+        try:
+            scale = float(parts[1])
+        except ValueError:
+            raise PoseidonError(f"{MODEL_FLAG} {text!r}: SCALE {parts[1]!r} is not a number or 'auto'; {example}") from None
+        if not 0.0 < scale < float("inf"):
+            raise PoseidonError(f"{MODEL_FLAG} {text!r}: SCALE must be a finite number > 0 (or 'auto')")
+    links = parts[2] if len(parts) > 2 and parts[2] else DEFAULT_LINKS
+    if links not in known_links:
+        raise PoseidonError(f"{MODEL_FLAG} {text!r}: unknown link preset {links!r}; known: {', '.join(known_links)}")
+    return EmulatedModel(preset=preset, scale=scale, links=links)
+
+
+def link_families() -> dict[str, dict]:
+    """Link families by name: devices.yaml's presets (npu, gpu) and :data:`EXTRA_LINKS`."""
+    from poseidon_plugin.specs.cluster import _device_presets
+
+    return {**_device_presets()[1], **EXTRA_LINKS}
+
+
+def emulated_cluster(nodes: Sequence[EmulatedNode], *, links: str, scale: float = 1.0) -> Any:
+    """The ClusterSpec of the emulated nodes (preset device types), its links scaled with compute."""
+    from poseidon_plugin.specs import parse_cluster
+
+    family = link_families()[links]
+    scaled = {kind: {"bandwidth_gbps": spec["bandwidth_gbps"] / scale, "latency_us": spec["latency_us"] * scale}
+              for kind, spec in family.items()}
+    return parse_cluster({
+        "name": "emulated",
+        "description": f"{FLAG} {','.join(f'{n.device_type}:{n.devices}' for n in nodes)} ({links} links x{scale:.6g})",
+        "device_types": sorted({n.device_type for n in nodes}),
+        "nodes": [{"device_type": n.device_type, "count": 1, "devices_per_node": n.devices} for n in nodes],
+        "links": scaled,
+    }, f"{FLAG} {','.join(f'{n.device_type}:{n.devices}' for n in nodes)}")
+
+
+def auto_scale(nodes: Sequence[EmulatedNode], model: Any, *, links: str, num_layers: int, global_batch: int,
+               micro_batch_size: int) -> float:
+    """The SCALE at which the job's compute per global batch, spread over every rank, lasts AUTO_ITERATION_MS."""
+    from poseidon_plugin.specs import analytic_entry, constants_for
+
+    cluster = emulated_cluster(nodes, links=links)
+    constants = constants_for(cluster, model)
+    mbs = max(1, micro_batch_size)
+    per_type = {}
+    for name in cluster.type_names:
+        e = analytic_entry(cluster, model, name, 1, mbs, constants)
+        per_type[name] = (num_layers * (e.forward_ms + e.backward_ms) + e.embedding_forward_ms
+                          + e.embedding_backward_ms + e.head_forward_ms + e.head_backward_ms)
+    ranks = types_by_rank(nodes)
+    mean_ms = sum(per_type[t] for t in ranks) / len(ranks)
+    ideal_ms = mean_ms * max(1, global_batch // mbs) / len(ranks)
+    return AUTO_ITERATION_MS / ideal_ms
+
+
+def link_kind(a: tuple[int, str], b: tuple[int, str]) -> int:
+    """LINK_* between two devices given as ``(node, device type)``."""
+    from poseidon_plugin.specs import LINK_CROSS_TYPE, LINK_INTER_NODE, LINK_INTRA_NODE
+
+    if a[1] != b[1]:
+        return LINK_CROSS_TYPE
+    return LINK_INTRA_NODE if a[0] == b[0] else LINK_INTER_NODE
+
+
+class EmulationState:
+    """One rank's deterministic emulation: its targets, the emulated sizes, and (once bound) its links.
+
+    Torch-free; the patches read it. Built by :func:`deterministic_state`.
+    """
+
+    def __init__(self, *, nodes: Sequence[EmulatedNode], model: Any, spec: EmulatedModel, scale: float,
+                 device_type: str) -> None:
+        from poseidon_plugin.specs import constants_for
+
+        self.nodes = tuple(nodes)
+        self.model = model
+        self.spec = spec
+        self.scale = float(scale)
+        self.device_type = device_type
+        self.real_cluster = emulated_cluster(nodes, links=spec.links)
+        self.cluster = emulated_cluster(nodes, links=spec.links, scale=self.scale)
+        self.constants = constants_for(self.real_cluster, model)
+        self._entries: dict[tuple[str, int, int], Any] = {}
+        self.rank_places: dict[int, tuple[int, str]] = {}
+        """Global rank (planned numbering) -> (node, device type), once :meth:`bind_plan` ran."""
+        self.my_rank: int | None = None
+        self.tp = 1
+        """The plan's TP degree (sizes the emulated messages), once bound."""
+        self.sync_ms = 0.0
+        """This rank's emulated DP gradient sync per iteration (0 until bound, or with DP = 1)."""
+
+    def entry(self, device_type: str, tp: int, mbs: int) -> Any:
+        """The preset's analytic ProfileEntry on the real (unscaled) devices and links."""
+        key = (device_type, tp, mbs)
+        e = self._entries.get(key)
+        if e is None:
+            from poseidon_plugin.specs import analytic_entry
+
+            e = self._entries[key] = analytic_entry(self.real_cluster, self.model, device_type, tp, mbs,
+                                                    self.constants)
+        return e
+
+    def targets_ms(self, part: str, tp: int, mbs: int) -> tuple[float, float]:
+        """(forward, backward) ms of ``part`` (``layer``, ``embedding``, ``head``) on this rank, scaled."""
+        e = self.entry(self.device_type, tp, mbs)
+        if part == "layer":
+            f, b = e.forward_ms, e.backward_ms
+        elif part == "embedding":
+            f, b = e.embedding_forward_ms, e.embedding_backward_ms
+        elif part == "head":
+            f, b = e.head_forward_ms, e.head_backward_ms
+        else:
+            raise ValueError(f"unknown emulated part {part!r}")
+        return f * self.scale, b * self.scale
+
+    def profile_bytes(self, tp: int, mbs: int, device_type: str | None = None) -> dict[str, int]:
+        """The preset's byte figures (parameters, activations, message) for a profile entry."""
+        e = self.entry(device_type or self.device_type, tp, mbs)
+        return {name: int(getattr(e, name)) for name in _BYTE_FIELDS}
+
+    def override_profile(self, doc: dict) -> dict:
+        """A measured profile entry (dict) with the preset's byte figures; times stay measured."""
+        out = dict(doc)
+        out.update(self.profile_bytes(int(doc["tp"]), int(doc["mbs"]), str(doc["device_type"])))
+        return out
+
+    def emulated_entry(self, device_type: str, tp: int, mbs: int) -> dict:
+        """A whole profile entry (dict) of the emulated device: scaled times, the preset's sizes."""
+        e = self.entry(device_type, tp, mbs)
+        doc = {"device_type": device_type, "tp": tp, "mbs": mbs}
+        doc.update({name: getattr(e, name) * self.scale for name in _TIME_FIELDS})
+        doc.update({name: int(getattr(e, name)) for name in _BYTE_FIELDS})
+        return doc
+
+    def cache_tag(self) -> str:
+        """What a cached profile entry depends on beyond the job (part of the profiler's cache key)."""
+        return f"deterministic:{self.spec.preset}:{self.scale:.9g}:{self.spec.links}"
+
+    def memory_bytes(self, device_type: str | None = None) -> int:
+        """The emulated device's memory (the preset device type's)."""
+        from poseidon_plugin.specs import GIB
+
+        return int(self.cluster.device_type(device_type or self.device_type).memory_gb * GIB)
+
+    # --- once the plan is known ----------------------------------------------------------------
+
+    def bind_plan(self, plan: Any, global_rank: int, job_model: Any) -> None:
+        """Learn where every planned rank sits (for link classes) and this rank's DP sync time.
+
+        ``job_model`` is the planner's ModelSpec of the job (its dtype and optimizer set the gradient
+        bytes, as in the cost model); the sync time is the cost model's for the preset's parameters.
+        """
+        from poseidon_plugin.costmodel import Candidate, CostModel
+        from poseidon_plugin.specs import ProfileEntry, ProfileSpec
+
+        self.rank_places = {}
+        for stage in plan.stages:
+            for rank, (node, _local) in zip(stage.ranks, stage.devices):
+                self.rank_places[rank] = (node, stage.device_type)
+        self.my_rank = global_rank
+        self.tp = plan.tp
+        stage_types = plan.stage_types
+        entries = tuple(ProfileEntry(**self.emulated_entry(t, plan.tp, plan.micro_batch_size))
+                        for t in sorted(set(stage_types)))
+        profile = ProfileSpec(model=job_model.name, seq_length=job_model.seq_length, dtype=job_model.dtype,
+                              entries=entries, source="analytic", software={})
+        cand = Candidate(tp=plan.tp, pp=plan.pp, dp=plan.dp, mbs=plan.micro_batch_size, stage_types=stage_types,
+                         layers=tuple(plan.layers), schedule=plan.schedule, virtual_stages=plan.virtual_stages,
+                         devices=tuple(tuple(s.devices) for s in plan.stages))
+        _f, _b, _s, allreduce = CostModel(self.cluster, job_model, profile).stage_times(cand)
+        stage = next(s.index for s in plan.stages if global_rank in s.ranks)
+        self.sync_ms = allreduce[stage]
+
+    def p2p_ms(self, peer: int, mbs: int, tp: int | None = None) -> float:
+        """Emulated one-way time of one activation (or gradient) message to/from global rank ``peer``."""
+        if self.my_rank is None or peer not in self.rank_places or self.my_rank not in self.rank_places:
+            return 0.0
+        kind = link_kind(self.rank_places[self.my_rank], self.rank_places[peer])
+        link = self.cluster.link(self.device_type, kind)
+        nbytes = self.entry(self.device_type, tp or self.tp, mbs).send_bytes
+        return nbytes / (link.bytes_per_ms * self.constants.link_efficiency) + link.latency_ms
+
+
+def deterministic_state(*, emulate: str, emulate_model: str, rank: int, world_size: int, num_layers: int,
+                        global_batch: int, micro_batch_size: int) -> EmulationState:
+    """Parse both options and build this rank's EmulationState (the scale resolved when automatic)."""
+    from poseidon_plugin.specs import device_presets, load_model, model_presets
+
+    nodes = parse_emulate(emulate, device_presets())
+    check_world(nodes, world_size)
+    spec = parse_emulate_model(emulate_model, model_presets(), tuple(link_families()))
+    model = load_model(spec.preset)
+    scale = spec.scale if spec.scale is not None else auto_scale(
+        nodes, model, links=spec.links, num_layers=num_layers, global_batch=global_batch,
+        micro_batch_size=micro_batch_size)
+    return EmulationState(nodes=nodes, model=model, spec=spec, scale=scale, device_type=types_by_rank(nodes)[rank])
+
+
+# --- the process's active deterministic emulation (what the bootstrap and the profiler ask) ------------
+
+_active: dict[str, EmulationState | None] = {"state": None}
+
+
+def install_deterministic(state: EmulationState) -> EmulationState:
+    """Make ``state`` this process's emulation: compute deadlines and link delays patched in (the links stay
+    free until :meth:`EmulationState.bind_plan`). Imports torch/Megatron (the patch tables)."""
+    from poseidon_plugin.patches import emulated_links, emulation as compute_patch
+
+    compute_patch.set_targets(state.targets_ms)
+    compute_patch.TABLE.apply()
+    emulated_links.set_state(state)
+    emulated_links.TABLE.apply()
+    _active["state"] = state
+    return state
+
+
+def uninstall_deterministic() -> None:
+    """Revert :func:`install_deterministic` (tests)."""
+    state = _active["state"]
+    _active["state"] = None
+    if state is None:
+        return
+    from poseidon_plugin.patches import emulated_links, emulation as compute_patch
+
+    emulated_links.TABLE.revert()
+    emulated_links.set_state(None)
+    compute_patch.TABLE.revert()
+    compute_patch.set_targets(None)
+
+
+def active() -> EmulationState | None:
+    """The installed deterministic emulation, or None."""
+    return _active["state"]
+
+
+def override_profile_entry(doc: dict) -> dict:
+    """For the profiler: a measured entry with the emulated model's byte figures (unchanged without one)."""
+    state = _active["state"]
+    return doc if state is None else state.override_profile(doc)
+
+
+def profile_cache_tag() -> str:
+    """For the profiler's cache key: the deterministic emulation in effect ('' without one)."""
+    state = _active["state"]
+    return "" if state is None else state.cache_tag()

@@ -86,6 +86,11 @@ def validate(opts: runtime_options.RuntimeOptions, script: str, script_args: lis
 
     job = read_job(script, script_args)
     precheck.check_launch(opts, job, world_size, script_args)
+    if opts.emulate_model:
+        from poseidon_plugin.runtime import emulation
+        from poseidon_plugin.specs import model_presets
+
+        emulation.parse_emulate_model(opts.emulate_model, model_presets(), tuple(emulation.link_families()))
     for schedule in opts.schedules:
         if schedule not in SCHEDULES:
             raise PoseidonError(f"--poseidon-schedules: unknown schedule {schedule!r}; choose from "

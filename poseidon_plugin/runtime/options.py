@@ -65,6 +65,10 @@ class RuntimeOptions:
     timeout with the best plan found."""
     emulate: str | None = None
     """Emulated heterogeneous cluster on CPU, e.g. ``A2-2:2,A2-4:2`` (see ``runtime/emulation.py``)."""
+    emulate_model: str | None = None
+    """With ``emulate``: deterministic emulation of a real model, ``PRESET[:SCALE[:LINKS]]`` (e.g. ``llama3-8b``,
+    ``llama3-8b:0.5:npu-wan``): layers, embedding, head and links take the preset's analytic times on the
+    emulated devices x SCALE (default ``auto``: iterations of about 1-3 s); see ``runtime/emulation.py``."""
     micro_batch_sizes: tuple[int, ...] = ()
     """Candidate micro-batch sizes to profile and search (comma list); empty means 1, 2, 4 up to the batch."""
     timeout: float = 600.0
@@ -112,6 +116,7 @@ _SPECS: tuple[_Spec, ...] = (
     _Spec(field="keep", kind="bool"),
     _Spec(field="search_mode", kind="str", choices=("exact", "default")),
     _Spec(field="emulate", kind="str", example="A2-2:2,A2-4:2"),
+    _Spec(field="emulate_model", kind="str", example="llama3-8b"),
     _Spec(field="micro_batch_sizes", kind="int_list", minimum=1),
     _Spec(field="timeout", kind="float", minimum=1.0),
     _Spec(field="profile_iters", kind="int", minimum=1),
@@ -314,5 +319,8 @@ def _check_conflicts(options: RuntimeOptions) -> None:
                     f"--poseidon-plan {options.plan} conflicts with {flag}: a saved plan already fixes "
                     f"the parallelism; drop {flag} or drop --poseidon-plan to search again"
                 )
+    if options.emulate_model and not options.emulate:
+        raise PoseidonError(f"--poseidon-emulate-model {options.emulate_model} needs --poseidon-emulate TYPE:COUNT,... "
+                            "(the emulated devices); add it or drop --poseidon-emulate-model")
     if options.save_plan and options.plan and os.path.abspath(options.save_plan) == os.path.abspath(options.plan):
         raise PoseidonError("--poseidon-save-plan names the same file as --poseidon-plan; give another path")

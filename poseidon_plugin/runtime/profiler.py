@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import poseidon_plugin
+from poseidon_plugin.runtime import emulation
 from poseidon_plugin.runtime.collectives import all_gather_json
 from poseidon_plugin.runtime.devices import Device
 from poseidon_plugin.runtime.inventory import World
@@ -110,7 +111,7 @@ def cache_key(job: JobFlags, request: ProfileRequest, device: Device) -> dict[st
         "device_type": request.device_type, "device": f"{device.kind}:{device.name()}",
         "slowdown": f"{device.slowdown():.6g}", "tp": str(request.tp), "mbs": str(request.mbs),
         "seq": str(job.seq_length), "dtype": job.dtype, "layer": json.dumps(layer, sort_keys=True),
-        **software_versions(),
+        "emulation": emulation.profile_cache_tag(), **software_versions(),
     }
 
 
@@ -264,7 +265,8 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
         return max(statistics.median(device.ms_between(s.marks[start], s.marks[stop]) for s in steps), 1e-6)
 
     first = steps[0]
-    return {
+    # deterministic emulation: the sizes are the emulated model's, the times stay measured
+    return emulation.override_profile_entry({
         "device_type": request.device_type, "tp": request.tp, "mbs": request.mbs,
         "forward_ms": span("layer_pre", "layer_post"),
         "backward_ms": span("layer_out_grad", "layer_in_grad"),
@@ -280,7 +282,7 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
         "head_params": head_params,
         "head_activation_bytes": first.saved["head"],
         "peak_memory_bytes": peak,
-    }
+    })
 
 
 # --- the collective flow --------------------------------------------------------------------------

@@ -50,3 +50,180 @@ def test_factors_are_peak_ratios():
 def test_paper_presets_are_emulatable():
     assert {"A2-2", "A2-3", "A2-4"} <= set(device_presets())
     parse_emulate("A2-2:1,A2-3:1,A2-4:1", device_presets())
+
+
+# --- deterministic emulation: --poseidon-emulate-model ------------------------------------------------------
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from poseidon_plugin.costmodel import Candidate, CostModel  # noqa: E402
+from poseidon_plugin.runtime import emulation  # noqa: E402
+from poseidon_plugin.specs import (LINK_CROSS_TYPE, LINK_INTER_NODE, LINK_INTRA_NODE, ModelSpec,  # noqa: E402
+                                   ProfileEntry, ProfileSpec, analytic_entry, constants_for, load_model,
+                                   model_presets)
+
+MODELS = model_presets()
+LINKS = tuple(emulation.link_families())
+
+
+@pytest.mark.parametrize(
+    "text, preset, scale, links",
+    [
+        ("llama3-8b", "llama3-8b", None, "npu"),
+        ("llama3-8b:0.5", "llama3-8b", 0.5, "npu"),
+        ("llama3-8b:auto:gpu", "llama3-8b", None, "gpu"),
+        (" llama2-13b::npu-wan ", "llama2-13b", None, "npu-wan"),
+    ],
+)
+def test_parse_emulate_model(text, preset, scale, links):
+    spec = emulation.parse_emulate_model(text, MODELS, LINKS)
+    assert (spec.preset, spec.scale, spec.links) == (preset, scale, links)
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("", r"--poseidon-emulate-model '' is not PRESET\[:SCALE\[:LINKS\]\]"),
+        ("gpt-5", r"unknown model preset 'gpt-5'; known: .*llama3-8b"),
+        ("llama3-8b:fast", r"SCALE 'fast' is not a number or 'auto'"),
+        ("llama3-8b:0", r"SCALE must be a finite number > 0"),
+        ("llama3-8b:inf", r"SCALE must be a finite number > 0"),
+        ("llama3-8b:1:infiniband", r"unknown link preset 'infiniband'; known: npu, gpu, npu-wan"),
+        ("llama3-8b:1:npu:x", r"is not PRESET\[:SCALE\[:LINKS\]\]"),
+    ],
+)
+def test_parse_emulate_model_errors(text, match):
+    with pytest.raises(PoseidonError, match=match):
+        emulation.parse_emulate_model(text, MODELS, LINKS)
+
+
+def _state(emulate="A2-2:2,A2-4:2", model="llama3-8b:0.25", rank=2, layers=8, gbs=8):
+    nodes = parse_emulate(emulate, device_presets())
+    return emulation.deterministic_state(emulate=emulate, emulate_model=model, rank=rank,
+                                         world_size=sum(n.devices for n in nodes), num_layers=layers,
+                                         global_batch=gbs, micro_batch_size=1)
+
+
+def test_links_scale_with_compute_and_memory_is_the_presets():
+    state = _state()
+    assert state.device_type == "A2-4" and state.scale == 0.25
+    real, scaled = state.real_cluster, state.cluster
+    for kind in ("intra_node", "inter_node", "cross_type"):
+        assert getattr(scaled, kind).bandwidth_gbps == pytest.approx(getattr(real, kind).bandwidth_gbps / 0.25)
+        assert getattr(scaled, kind).latency_us == pytest.approx(getattr(real, kind).latency_us * 0.25)
+    assert real.cross_type.bandwidth_gbps == 75  # the npu family of devices.yaml
+    assert state.memory_bytes() == 32 * 2**30 and state.memory_bytes("A2-2") == 64 * 2**30
+    assert [n.devices_per_node for n in scaled.nodes] == [2, 2]
+
+
+def test_targets_are_the_presets_analytic_times_times_scale():
+    state = _state()
+    model = load_model("llama3-8b")
+    for device_type, tp, mbs in (("A2-4", 1, 1), ("A2-4", 2, 2), ("A2-2", 1, 4)):
+        e = analytic_entry(state.real_cluster, model, device_type, tp, mbs, constants_for(state.real_cluster, model))
+        state.device_type = device_type
+        assert state.targets_ms("layer", tp, mbs) == pytest.approx((0.25 * e.forward_ms, 0.25 * e.backward_ms))
+        assert state.targets_ms("head", tp, mbs) == pytest.approx((0.25 * e.head_forward_ms, 0.25 * e.head_backward_ms))
+        assert state.targets_ms("embedding", tp, mbs) == pytest.approx(
+            (0.25 * e.embedding_forward_ms, 0.25 * e.embedding_backward_ms))
+    fast, slow = (_state(rank=r).targets_ms("layer", 1, 1)[0] for r in (0, 2))
+    assert slow / fast == pytest.approx(376 / 280)  # compute-bound at TP 1: the peak ratio
+    with pytest.raises(ValueError, match="unknown emulated part"):
+        state.targets_ms("optimizer", 1, 1)
+
+
+def test_profile_bytes_are_the_emulated_models():
+    state = _state()
+    model = load_model("llama3-8b")
+    e = analytic_entry(state.real_cluster, model, "A2-4", 2, 1, constants_for(state.real_cluster, model))
+    measured = {"device_type": "A2-4", "tp": 2, "mbs": 1, "forward_ms": 12.5, "backward_ms": 25.0,
+                "layer_params": 10, "activation_bytes": 20, "send_bytes": 30, "head_forward_ms": 3.0}
+    out = state.override_profile(measured)
+    assert out["forward_ms"] == 12.5 and out["backward_ms"] == 25.0 and out["head_forward_ms"] == 3.0
+    assert out["layer_params"] == e.layer_params and out["send_bytes"] == e.send_bytes == 4096 * 4096 * 2 // 2  # SP
+    assert out["activation_bytes"] == e.activation_bytes and out["head_params"] == e.head_params
+    assert emulation.override_profile_entry(measured) == measured  # nothing installed in this process
+    assert emulation.profile_cache_tag() == ""
+
+
+def test_cache_tag_names_everything_the_times_depend_on():
+    tags = {_state(model=m).cache_tag() for m in ("llama3-8b:0.25", "llama3-8b:0.5", "llama2-13b:0.25",
+                                                   "llama3-8b:0.25:gpu")}
+    assert len(tags) == 4
+
+
+def test_auto_scale_makes_the_ideal_iteration_the_documented_target():
+    state = _state(model="llama3-8b", layers=8, gbs=8)
+    model = load_model("llama3-8b")
+    per_type = {}
+    for t in ("A2-2", "A2-4"):
+        e = analytic_entry(state.real_cluster, model, t, 1, 1, constants_for(state.real_cluster, model))
+        per_type[t] = 8 * (e.forward_ms + e.backward_ms) + e.embedding_forward_ms + e.embedding_backward_ms \
+            + e.head_forward_ms + e.head_backward_ms
+    ideal = (2 * per_type["A2-2"] + 2 * per_type["A2-4"]) / 4 * 8 / 4
+    assert state.scale * ideal == pytest.approx(emulation.AUTO_ITERATION_MS)
+    assert _state(model="llama3-8b", layers=8, gbs=16).scale == pytest.approx(state.scale / 2)
+
+
+def _job_model(gbs=8):
+    return ModelSpec(name="job", num_layers=8, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
+                     num_query_groups=4, vocab_size=512, seq_length=32, global_batch_size=gbs, dtype="fp32")
+
+
+def _plan(state, *, stage_types, layers, tp=1, dp=1):
+    job = _job_model()
+    entries = tuple(ProfileEntry(**state.emulated_entry(t, tp, 1)) for t in sorted(set(stage_types)))
+    profile = ProfileSpec(model="job", seq_length=32, dtype="fp32", entries=entries, source="measured")
+    cm = CostModel(state.cluster, job, profile)
+    cand = Candidate(tp=tp, pp=len(stage_types), dp=dp, mbs=1, stage_types=tuple(stage_types), layers=tuple(layers))
+    return cm, cand, cm.make_plan(cand, comm_model="megatron")
+
+
+def test_bind_plan_gives_the_cost_models_dp_sync_and_link_times():
+    state = _state(emulate="A2-2:2,A2-2:2,A2-4:4", rank=4)
+    cm, cand, plan = _plan(state, stage_types=("A2-2", "A2-4"), layers=(5, 3), dp=2)
+    assert [s.devices for s in plan.stages] == [((0, 0), (0, 1)), ((2, 0), (2, 1))]
+    state.bind_plan(plan, 2, _job_model())
+    _f, _b, _s, allreduce = cm.stage_times(cand)
+    assert state.sync_ms == pytest.approx(allreduce[1]) and state.sync_ms > 0
+    link = state.cluster.link("A2-4", LINK_CROSS_TYPE)
+    expected = 4096 * 4096 * 2 / (link.bytes_per_ms * state.constants.link_efficiency) + link.latency_ms
+    assert state.p2p_ms(0, 1) == pytest.approx(expected)
+    assert state.p2p_ms(0, 1) == pytest.approx(plan.stages[0].send_ms)  # what the planner charged
+    assert state.p2p_ms(3, 1) < state.p2p_ms(0, 1)  # same node: intra-node link
+    assert state.p2p_ms(99, 1) == 0.0  # not a rank of the plan
+
+
+def test_link_kinds():
+    assert emulation.link_kind((0, "A2-2"), (0, "A2-2")) == LINK_INTRA_NODE
+    assert emulation.link_kind((0, "A2-2"), (1, "A2-2")) == LINK_INTER_NODE
+    assert emulation.link_kind((0, "A2-2"), (1, "A2-4")) == LINK_CROSS_TYPE
+
+
+def test_deterministic_state_checks_the_world():
+    with pytest.raises(PoseidonError, match="declares 4 devices but the job has 3 ranks"):
+        emulation.deterministic_state(emulate="A2-2:2,A2-4:2", emulate_model="llama3-8b", rank=0, world_size=3,
+                                      num_layers=8, global_batch=8, micro_batch_size=1)
+
+
+def test_emulation_module_stays_torch_free():
+    code = ("import sys; from poseidon_plugin.runtime import emulation; "
+            "emulation.deterministic_state(emulate='A2-2:1', emulate_model='llama3-8b', rank=0, world_size=1, "
+            "num_layers=2, global_batch=2, micro_batch_size=1); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+
+# --- the option (runtime/options.py wiring) ---------------------------------------------------------------
+
+
+def test_emulate_model_option_needs_emulate_and_round_trips():
+    from poseidon_plugin.runtime import options
+
+    with pytest.raises(PoseidonError, match=r"--poseidon-emulate-model llama3-8b needs --poseidon-emulate"):
+        options.parse(["--poseidon-emulate-model", "llama3-8b"], {})
+    opts, rest = options.parse(["--poseidon-emulate", "A2-2:1", "--poseidon-emulate-model=llama3-8b:0.5", "x.py"], {})
+    assert opts.emulate_model == "llama3-8b:0.5" and rest == ["x.py"]
+    assert options.resolve({}, options.to_env(opts)).emulate_model == "llama3-8b:0.5"

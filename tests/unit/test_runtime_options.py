@@ -49,12 +49,13 @@ def test_defaults():
     opts = resolve({}, {})
     assert (opts.disable, opts.dry_run, opts.plan, opts.save_plan, opts.cluster, opts.keep) == (
         False, False, None, None, None, False)
-    assert (opts.profile_cache, opts.schedules, opts.micro_batch_sizes, opts.emulate) == ("", (), (), None)
+    assert (opts.profile_cache, opts.schedules, opts.micro_batch_sizes, opts.emulate, opts.emulate_model) == (
+        "", (), (), None, None)
     assert (opts.search_mode, opts.flag_style) == ("exact", "auto")
     assert (opts.timeout, opts.profile_iters, opts.profile_warmup, opts.watch_iterations) == (600.0, 5, 2, 3)
     assert set(RuntimeOptions.__dataclass_fields__) == {
         "disable", "dry_run", "plan", "save_plan", "cluster", "profile_cache", "schedules", "keep", "search_mode",
-        "emulate", "micro_batch_sizes", "timeout", "profile_iters", "profile_warmup", "watch_iterations",
+        "emulate", "emulate_model", "micro_batch_sizes", "timeout", "profile_iters", "profile_warmup", "watch_iterations",
         "flag_style"}, "a new option needs its default checked here"
 
 

@@ -1,0 +1,230 @@
+"""Helpers of ``scripts/bench_e2e.py``: the emulated clusters, the plans to compare, one launch and its parse.
+
+Torch-free here (the launches are subprocesses); the planning side uses the cost model, the search and
+the profile written by Poseidon's own run on the same cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from poseidon_plugin.costmodel import Candidate, CostModel
+from poseidon_plugin.errors import InputError
+from poseidon_plugin.plan import Plan
+from poseidon_plugin.runtime import emulation
+from poseidon_plugin.runtime.job_flags import read_job
+from poseidon_plugin.runtime.planning import job_name, model_spec
+from poseidon_plugin.search import SearchOptions
+from poseidon_plugin.search.baselines import best_uniform
+from poseidon_plugin.specs import device_presets, load_profile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = "scripts/pretrain_gpt.py"
+COMM_MODEL = "megatron"  # what poseidon-run plans with (runtime/planning.py)
+WARMUP_ITERS = 2
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterCase:
+    """One emulated cluster and the job trained on it."""
+
+    name: str
+    emulate: str                     # --poseidon-emulate
+    model: str                       # --poseidon-emulate-model
+    layers: int
+    global_batch: int
+    why: str                         # what this case exercises
+    micro_batch_sizes: str = "1,2"
+
+    @property
+    def ranks(self) -> int:
+        return sum(int(part.rpartition(":")[2]) for part in self.emulate.split(","))
+
+    def job(self) -> list[str]:
+        return ["--num-layers", str(self.layers), "--hidden-size", "64", "--num-attention-heads", "4",
+                "--seq-length", "32", "--vocab-size", "512", "--micro-batch-size", "1",
+                "--global-batch-size", str(self.global_batch), "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+    def type_speed_ratio(self) -> float:
+        from poseidon_plugin.specs.cluster import _device_presets
+
+        peaks = [_device_presets()[0][p.rpartition(":")[0]]["peak_tflops"] for p in self.emulate.split(",")]
+        return max(peaks) / min(peaks)
+
+
+CLUSTERS = (
+    ClusterCase(name="a2x2+a2-4x2", emulate="A2-2:2,A2-4:2", model="llama3-8b", layers=8, global_batch=8,
+                why="4 ranks, 2 types 1.34x apart"),
+    ClusterCase(name="a2x4+a2-4x4", emulate="A2-2:4,A2-4:4", model="llama3-8b", layers=16, global_batch=16,
+                why="8 ranks, 2 types 1.34x apart"),
+    ClusterCase(name="4090x4+a100x4 mem", emulate="RTX-4090:4,A100-80G:4", model="llama2-13b:auto:gpu", layers=16,
+                global_batch=16, why="memory binds: 24 GiB RTX-4090 next to 80 GiB A100"),
+    ClusterCase(name="a2-2x4+a2-3x4 wan", emulate="A2-2:4,A2-3:4", model="llama3-8b:auto:npu-wan", layers=16,
+                global_batch=16, why="slow cross-type link (10 Gbps WAN)"),
+    ClusterCase(name="3 types x12", emulate="A2-2:4,A2-3:4,A2-4:4", model="llama3-8b", layers=24, global_batch=24,
+                why="3 device types, 12 ranks"),
+    ClusterCase(name="a2x8+3090x8", emulate="A2-2:8,RTX-3090:8", model="llama3-8b:auto:gpu", layers=16,
+                global_batch=16, why="16 ranks, types 5.3x apart"),
+)
+QUICK = ("a2x2+a2-4x2",)
+
+
+# --- plans ------------------------------------------------------------------------------------------------
+
+
+def cost_model(case: ClusterCase, profile_path: str) -> CostModel:
+    """The cost model poseidon-run planned with: the emulated cluster, the job, the profile it measured."""
+    flags = read_job(SCRIPT, case.job())
+    state = emulation.deterministic_state(emulate=case.emulate, emulate_model=case.model, rank=0,
+                                          world_size=case.ranks, num_layers=case.layers,
+                                          global_batch=case.global_batch, micro_batch_size=1)
+    model = model_spec(flags, global_batch_size=case.global_batch, name=job_name(SCRIPT, flags))
+    return CostModel(state.cluster, model, load_profile(profile_path))
+
+
+def candidate_of(summary: Any) -> Candidate:
+    """A Candidate from a Plan or a PlanSummary (default placement)."""
+    mbs = getattr(summary, "micro_batch_size")
+    return Candidate(tp=summary.tp, pp=summary.pp, dp=summary.dp, mbs=mbs, stage_types=tuple(summary.stage_types),
+                     layers=tuple(summary.layers), schedule=summary.schedule,
+                     virtual_stages=summary.virtual_stages)
+
+
+def uniform_plan(cm: CostModel) -> Plan | None:
+    """(b): the best uniform split, devices in launch order, by the same search restricted to uniform splits."""
+    found = best_uniform(cm, SearchOptions(mode="exact", comm_model=COMM_MODEL))
+    if found is None:
+        return None
+    _ms, cand = found
+    return cm.make_plan(cand, comm_model=COMM_MODEL)
+
+
+def random_plans(cm: CostModel, count: int, seed: int, avoid: set) -> list[Plan]:
+    """(d): ``count`` random feasible 1F1B plans (random TP, PP, DP, mbs, stage types and layer split)."""
+    rng = random.Random(seed)
+    types = list(cm.device_types)
+    L = cm.model.num_layers
+    plans: list[Plan] = []
+    for _ in range(20000):
+        if len(plans) == count:
+            break
+        tp = rng.choice([t for t in cm.tp_degrees(types[0]) if all(t in cm.tp_degrees(x) for x in types)])
+        mbs = rng.choice(cm.micro_batch_sizes())
+        dp = rng.choice([1, 2, 4])
+        free = {t: cm.max_stages(t, tp, dp) for t in types}
+        stage_types = []
+        if sum(free.values()) == 0:
+            continue
+        pp = rng.randint(1, min(L, sum(free.values())))
+        for _s in range(pp):
+            options = [t for t in types if free[t] > 0]
+            if not options:
+                break
+            t = rng.choice(options)
+            free[t] -= 1
+            stage_types.append(t)
+        if len(stage_types) != pp or cm.micro_batches(dp, mbs) is None:
+            continue
+        cuts = sorted(rng.sample(range(1, L), pp - 1))
+        layers = tuple(b - a for a, b in zip([0, *cuts], [*cuts, L]))
+        cand = Candidate(tp=tp, pp=pp, dp=dp, mbs=mbs, stage_types=tuple(stage_types), layers=layers)
+        key = (cand.tp, cand.pp, cand.dp, cand.mbs, cand.stage_types, cand.layers, cand.schedule)
+        if key in avoid:
+            continue
+        try:
+            if not cm.fits(cand):
+                continue
+            plan = cm.make_plan(cand, comm_model=COMM_MODEL)
+        except InputError:
+            continue
+        avoid.add(key)
+        plans.append(plan)
+    return plans
+
+
+def plan_key(plan: Any) -> tuple:
+    return (plan.tp, plan.pp, plan.dp, plan.micro_batch_size, tuple(plan.stage_types), tuple(plan.layers),
+            plan.schedule)
+
+
+# --- one launch ----------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class RunResult:
+    """What one poseidon-run launch printed."""
+
+    code: int
+    wall_s: float
+    schedule_ms: list[float] = field(default_factory=list)   # watch: one schedule call per iteration
+    iteration_s: list[float] = field(default_factory=list)   # the script: whole iteration incl. optimizer
+    layers_as_planned: bool = False
+    load: float = float("nan")
+    """Machine load average (1 min) at the end of the run: other jobs on the shared cores."""
+    tail: str = ""
+
+    @property
+    def steady_ms(self) -> list[float]:
+        return self.schedule_ms[WARMUP_ITERS:]
+
+    @property
+    def measured_ms(self) -> float:
+        return statistics.median(self.steady_ms) if self.steady_ms else float("nan")
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median of the measured iterations after warm-up."""
+        s = self.steady_ms
+        return (max(s) - min(s)) / statistics.median(s) if len(s) >= 2 else float("nan")
+
+    @property
+    def optimizer_ms(self) -> float:
+        """Median of (script iteration - schedule call): optimizer step, zeroing, logging."""
+        pairs = list(zip(self.iteration_s, self.schedule_ms))[WARMUP_ITERS:]
+        return statistics.median(1e3 * s - m for s, m in pairs) if pairs else float("nan")
+
+
+def launch(case: ClusterCase, *, iters: int, cache_dir: str, plan_file: str | None, save_plan: str | None,
+           timeout_s: float = 600.0) -> RunResult:
+    """One ``python -m poseidon_plugin.runtime.launcher`` run of the case (sequential; bounded)."""
+    import time
+
+    args = [sys.executable, "-m", "poseidon_plugin.runtime.launcher", "--nproc-per-node", str(case.ranks), SCRIPT,
+            *case.job(), "--train-iters", str(iters), "--poseidon-emulate", case.emulate,
+            "--poseidon-emulate-model", case.model, "--poseidon-watch-iterations", str(iters),
+            "--poseidon-profile-cache", cache_dir]
+    if plan_file:
+        args += ["--poseidon-plan", plan_file]
+    else:
+        args += ["--poseidon-micro-batch-sizes", case.micro_batch_sizes]
+    if save_plan:
+        args += ["--poseidon-save-plan", save_plan]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    for key in [k for k in env if k.startswith("POSEIDON_")]:
+        del env[key]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout_s)
+        code, out = proc.returncode, proc.stdout
+    except subprocess.TimeoutExpired as exc:
+        code, out = 124, (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+    result = RunResult(code=code, wall_s=time.perf_counter() - start, tail="\n".join(out.splitlines()[-15:]),
+                       load=os.getloadavg()[0])
+    result.schedule_ms = [float(m) for m in re.findall(r"^poseidon: iteration \d+: measured ([\d.]+) ms", out, re.M)]
+    result.iteration_s = [float(m) for m in re.findall(r"^iteration \d+/\d+ \| lm loss \S+ \| ([\d.]+) s", out, re.M)]
+    built = re.findall(r"built layers \S+ as planned", out)
+    result.layers_as_planned = code == 0 and len(built) > 0 and "does not apply the rewritten" not in out
+    return result
+
+
+def known_types() -> tuple[str, ...]:
+    return device_presets()

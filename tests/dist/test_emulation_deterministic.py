@@ -1,0 +1,219 @@
+"""Deterministic emulation (``--poseidon-emulate-model``): compute deadlines, delayed p2p requests, end to end.
+
+Timing bounds here are one-sided or generous on purpose (a loaded 2-core CI machine): a deadline is never
+met early, and never missed by more than a wide margin. Precision figures belong in scripts/bench_e2e.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from poseidon_plugin.patches import emulated_links  # noqa: E402
+from poseidon_plugin.patches import emulation as compute_patch  # noqa: E402
+
+LATE_MARGIN_S = 0.5  # generous: a loaded machine may wake a sleeper late, never early
+
+
+class _Config:
+    tensor_model_parallel_size = 2
+
+
+class _Layer(torch.nn.Module):
+    """A stand-in for TransformerLayer: keyword ``hidden_states`` [s, b, h], returns (output, context)."""
+
+    def __init__(self, post_process: bool = True) -> None:
+        super().__init__()
+        self.config = _Config()
+        self.post_process = post_process
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, hidden_states=None):
+        return self.linear(hidden_states), None
+
+
+@pytest.fixture
+def deadlines():
+    calls = []
+
+    def targets(part, tp, mbs):
+        calls.append((part, tp, mbs))
+        return 40.0, 80.0
+
+    compute_patch.set_targets(targets)
+    yield calls
+    compute_patch.set_targets(None)
+
+
+def _wrapped(part="layer", post_process=True):
+    layer = _Layer(post_process)
+    forward = compute_patch._stretched(("hidden_states",), part=part)(_Layer.forward)
+    return layer, forward
+
+
+def test_layer_keeps_its_forward_and_backward_deadlines(deadlines):
+    layer, forward = _wrapped()
+    x = torch.randn(4, 3, 8, requires_grad=True)
+    start = time.perf_counter()
+    out, _ = forward(layer, hidden_states=x)
+    forward_s = time.perf_counter() - start
+    start = time.perf_counter()
+    out.sum().backward()
+    backward_s = time.perf_counter() - start
+    assert deadlines == [("layer", 2, 3)]  # TP from the module's config, mbs from the input's batch dimension
+    assert 0.040 <= forward_s < 0.040 + LATE_MARGIN_S
+    assert 0.080 <= backward_s < 0.080 + LATE_MARGIN_S
+    assert x.grad is not None and x.grad.shape == x.shape
+    assert compute_patch.mode() == "deadline"
+
+
+def test_head_of_a_stage_without_output_layer_is_not_held(deadlines):
+    layer, forward = _wrapped(part="head", post_process=False)
+    forward(layer, hidden_states=torch.randn(4, 1, 8, requires_grad=True))
+    assert deadlines == []
+
+
+def test_stretch_mode_still_selectable():
+    compute_patch.set_targets(None)
+    compute_patch.set_factor(1.5)
+    try:
+        assert compute_patch.mode() == "stretch"
+    finally:
+        compute_patch.set_factor(1.0)
+    assert compute_patch.mode() == "off"
+
+
+class _Work:
+    def __init__(self):
+        self.waited = 0
+
+    def wait(self):
+        self.waited += 1
+        return True
+
+    def is_completed(self):
+        return True
+
+
+class _State:
+    my_rank = 1
+
+    def p2p_ms(self, peer, mbs):
+        return {0: 100.0, 2: 200.0}[peer] * mbs
+
+
+def test_p2p_requests_last_their_links_time_and_complete_together():
+    made = []
+
+    def original(**kwargs):
+        works = {name: _Work() for name in ("send_next", "recv_prev")}
+        made.append(works)
+        return works
+
+    emulated_links.set_state(_State())
+    try:
+        reqs = emulated_links._delayed_p2p(original)(
+            tensor_send_prev=None, tensor_recv_prev=torch.empty(4, 1, 8), tensor_send_next=torch.empty(4, 1, 8),
+            tensor_recv_next=None, group=None, prev_pipeline_rank=0, next_pipeline_rank=2)
+    finally:
+        emulated_links.set_state(None)
+    assert reqs["recv_prev"].seconds == pytest.approx(0.1) and reqs["send_next"].seconds == pytest.approx(0.2)
+    start = time.perf_counter()
+    for req in reqs.values():
+        req.wait()
+    elapsed = time.perf_counter() - start
+    # one completion stamp for both: the call lasts the slower link (0.2 s), not the sum (0.3 s)
+    assert reqs["recv_prev"].done_at == reqs["send_next"].done_at
+    assert 0.2 <= elapsed < 0.2 + LATE_MARGIN_S
+    assert [w.waited for w in made[0].values()] == [1, 1]
+
+
+def test_p2p_falls_through_until_bound():
+    works = [_Work()]
+    out = emulated_links._delayed_p2p(lambda **kw: works)(
+        tensor_send_prev=None, tensor_recv_prev=None, tensor_send_next=torch.empty(4, 1, 8), tensor_recv_next=None,
+        group=None, prev_pipeline_rank=0, next_pipeline_rank=2)
+    assert out is works
+
+
+def test_emulated_links_table_applies_to_installed_megatron():
+    import megatron.core.distributed as mcore_distributed
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    original = mcore_distributed.finalize_model_grads
+    emulated_links.TABLE.apply()
+    try:
+        assert emulated_links.TABLE.verify() == []
+        assert p2p_communication._batched_p2p_ops.__poseidon_patch__ == "emulated_links"
+        assert p2p_communication._p2p_ops.__poseidon_patch__ == "emulated_links"
+        assert mcore_distributed.finalize_model_grads is not original  # the package's by-name copy, swept
+    finally:
+        emulated_links.TABLE.revert()
+    assert mcore_distributed.finalize_model_grads is original
+# --- end to end through poseidon-run (needs the bootstrap / options wiring of --poseidon-emulate-model) -------
+
+import re  # noqa: E402
+
+from poseidon_plugin.costmodel import Candidate, CostModel  # noqa: E402
+from poseidon_plugin.runtime import emulation  # noqa: E402
+from poseidon_plugin.runtime.job_flags import read_job  # noqa: E402
+from poseidon_plugin.runtime.planning import job_name, model_spec  # noqa: E402
+from poseidon_plugin.specs import ProfileEntry, ProfileSpec  # noqa: E402
+from tests.dist.test_launcher import JOB, SCRIPT, poseidon_run  # noqa: E402
+
+EMULATE = "A2-2:1,A2-4:1"
+MODEL = "llama3-8b"
+ITERS = 4
+E2E_JOB = [str(ITERS) if i and JOB[i - 1] == "--train-iters" else a for i, a in enumerate(JOB)]
+
+
+def _plan_file(path, stage_types, layers) -> tuple[str, float]:
+    flags = read_job(SCRIPT, E2E_JOB)
+    gbs = 4
+    state = emulation.deterministic_state(emulate=EMULATE, emulate_model=MODEL, rank=0, world_size=2,
+                                          num_layers=flags.num_layers, global_batch=gbs,
+                                          micro_batch_size=flags.micro_batch_size)
+    job = model_spec(flags, global_batch_size=gbs, name=job_name(SCRIPT, flags))
+    entries = tuple(ProfileEntry(**state.emulated_entry(t, 1, 1)) for t in ("A2-2", "A2-4"))
+    profile = ProfileSpec(model=job.name, seq_length=job.seq_length, dtype=job.dtype, entries=entries)
+    cm = CostModel(state.cluster, job, profile)
+    cand = Candidate(tp=1, pp=2, dp=1, mbs=1, stage_types=stage_types, layers=layers)
+    plan = cm.make_plan(cand, comm_model="megatron")
+    plan.save(path)
+    return str(path), plan.predicted_iteration_ms
+
+
+@pytest.mark.parametrize("stage_types, layers", [(("A2-2", "A2-4"), (5, 3)), (("A2-4", "A2-2"), (3, 5))])
+def test_saved_plan_runs_as_planned_near_its_prediction(tmp_path, stage_types, layers):
+    plan, predicted = _plan_file(tmp_path / "plan.json", stage_types, layers)
+    code, out = poseidon_run(["--nproc-per-node", "2", SCRIPT, *E2E_JOB, "--poseidon-emulate", EMULATE,
+                              "--poseidon-emulate-model", MODEL, "--poseidon-plan", plan,
+                              "--poseidon-watch-iterations", str(ITERS)], tmp_path)
+    assert code == 0, out[-3000:]
+    assert "deterministic emulation of llama3-8b" in out
+    assert len(re.findall(r"built layers \S+ as planned", out)) == 2, out[-3000:]
+    median = re.search(r"watch: median of iterations 2-4: measured ([\d.]+) ms vs predicted ([\d.]+) ms", out)
+    assert median, out[-3000:]
+    measured = float(median.group(1))
+    assert float(median.group(2)) == pytest.approx(predicted, rel=1e-3)
+    assert abs(measured - predicted) <= 0.20 * predicted, out[-3000:]
+
+
+def test_bad_emulate_model_is_one_line_before_any_process(capsys, monkeypatch):
+    import os
+
+    from poseidon_plugin.runtime import launcher
+    from tests.dist.test_launcher import REPO
+
+    monkeypatch.chdir(REPO)
+    for key in [k for k in os.environ if k.startswith("POSEIDON_")]:
+        monkeypatch.delenv(key)
+    code = launcher.main(["--nproc-per-node", "2", SCRIPT, *JOB, "--poseidon-emulate", EMULATE,
+                          "--poseidon-emulate-model", "gpt-5:1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert re.search(r"--poseidon-emulate-model 'gpt-5:1': unknown model preset 'gpt-5'", err[0]), err[0]
