@@ -25,6 +25,7 @@ import functools
 import time
 from typing import Any
 
+from .emulation import sleep_until
 from .table import Patch, PatchTable
 
 _state: dict[str, Any] = {"emulation": None}
@@ -33,14 +34,6 @@ _state: dict[str, Any] = {"emulation": None}
 def set_state(state: Any) -> None:
     """The rank's ``EmulationState`` (``p2p_ms(peer, mbs)``, ``sync_ms``), or None to switch delays off."""
     _state["emulation"] = state
-
-
-def _sleep_until(deadline: float) -> None:
-    while True:
-        left = deadline - time.perf_counter()
-        if left <= 0:
-            return
-        time.sleep(left)
 
 
 class _Call:
@@ -71,7 +64,7 @@ class _DelayedWork:
                 for other in self.call.works:
                     if other.done_at is None and other._really_completed():
                         other.done_at = now
-        _sleep_until(self.done_at + self.seconds)
+        sleep_until(self.done_at + self.seconds)
         return True
 
     def _really_completed(self) -> bool:
@@ -133,7 +126,7 @@ def _held_sync(original):
         if sync_ms <= 0.0:
             return original(*args, **kwargs)
         out = original(*args, **kwargs)
-        _sleep_until(time.perf_counter() + sync_ms / 1e3)
+        sleep_until(time.perf_counter() + sync_ms / 1e3)
         return out
 
     return finalize

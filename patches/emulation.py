@@ -104,7 +104,7 @@ class _BackwardDeadline(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         start = ctx.clock.backward_start
         if start is not None:
-            _sleep_until(start + ctx.seconds)
+            sleep_until(start + ctx.seconds)
         return grad, None, None
 
 
@@ -113,7 +113,7 @@ def _sleep(seconds: float) -> None:
         time.sleep(seconds)
 
 
-def _sleep_until(deadline: float) -> None:
+def sleep_until(deadline: float) -> None:
     """Sleep to ``deadline`` (perf_counter seconds); a second short sleep absorbs an early wake-up."""
     while True:
         left = deadline - time.perf_counter()
@@ -154,7 +154,7 @@ def _deadline_forward(original, module, args: tuple, kwargs: dict, part: str, in
         clock = _Clock()
         args, kwargs = _replace(args, kwargs, where, _BackwardDeadline.apply(tensor, clock, backward_ms / 1e3))
     output = original(module, *args, **kwargs)
-    _sleep_until(start + forward_ms / 1e3)
+    sleep_until(start + forward_ms / 1e3)
     return output if clock is None else _mark_output(output, clock)
 
 
