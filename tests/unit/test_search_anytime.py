@@ -172,3 +172,33 @@ def test_per_type_bounds_equal_the_rank_by_rank_forms(seed):
                     _fluid_cut_by_ranks(tb, g.slots, m, pp, v, nl, free * f)
                 n += 1
     assert n > 0
+
+
+def _seed_exists(cm, schedules) -> bool:
+    """Whether a greedy seed of one of the most promising shape groups fits (no clock, no search)."""
+    from poseidon_plugin.search.engine import SEED_SHAPES
+    ref = SearchRun(cm, SearchOptions(mode="exact", schedules=schedules, warmup_samples=0))
+    for sg in sorted(ref.space.shape_groups(), key=ref.estimate)[:SEED_SHAPES]:
+        ref.seed(sg)
+    return bool(ref.board.best)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", ["exact", "default"])
+def test_clock_never_stops_a_search_before_its_seed_plan(seed, mode, pure_python):
+    """The clock runs out at its first read (the setup ate the limit): the search still returns the
+    greedy seed plan wherever one fits, and reads the clock no more after the deadline."""
+    cm, schedules = random_problem(seed)
+    best = optimum(cm, schedules).plan.predicted_iteration_ms
+    clock = TickClock()
+    r = SearchRun(cm, SearchOptions(mode=mode, schedules=schedules, warmup_samples=0, pure_python=pure_python,
+                                    time_limit_s=0.5), clock=clock)
+    r.search()
+    assert clock.reads <= 3
+    if not _seed_exists(cm, schedules):
+        return
+    res = r.result()
+    assert not res.stats.complete
+    assert best <= res.plan.predicted_iteration_ms
+    if mode == "exact":
+        assert res.stats.lower_bound_ms <= best
