@@ -156,13 +156,17 @@ class SearchRun:
         """With ``--gap F``: the best plan is proven within ``1 + F`` of every open piece."""
         return self.gap > 0 and self.board.best_ms_all() * self.shrink <= self.lower_bound()
 
-    def bound(self, sg: ShapeGroup, counts=None, memory: bool = True) -> float:
-        """:func:`.bounds.pipeline_bound` of a shape group (``counts``: of one structure)."""
+    def bound(self, sg: ShapeGroup, counts=None, memory: bool = True, positional: bool | None = None) -> float:
+        """:func:`.bounds.pipeline_bound` of a shape group (``counts``: of one structure); ``positional``
+        (default: ``memory``) adds the per-position memory caps (:func:`.bounds.positional_bound`)."""
         g = sg.group
         if counts is None:
             counts = [min(n, sg.pp) for n in g.slots]
+        live = None
+        if memory if positional is None else positional:
+            live = CostModel.peak_live(sg.schedule, sg.pp, g.micro_batches, sg.virtual_stages)
         return pipeline_bound(self.space.table(g), counts, g.micro_batches, sg.pp, sg.virtual_stages,
-                              self.space.num_layers, memory=memory)
+                              self.space.num_layers, memory=memory, live=live)
 
     # --- phases -----------------------------------------------------------------------------
 
@@ -290,7 +294,9 @@ class SearchRun:
         vectors = self.space.count_vectors(sg)
         tb = self.space.table(g)
         vectors.sort(key=lambda vec: -sum(n / (tb.forward_ms[t] + tb.backward_ms[t]) for t, n in enumerate(vec)))
-        bounds = [self.bound(sg, vec) for vec in vectors]
+        # the per-position memory bound costs ~pp x types per step: computed below, only for the
+        # structures the cheap bound does not cut
+        bounds = [self.bound(sg, vec, positional=False) for vec in vectors]
         # the open structures of this group, as a suffix minimum: after structure i, i+1.. are open
         suffix = [INF] * (len(vectors) + 1)
         for i in range(len(vectors) - 1, -1, -1):
@@ -301,7 +307,7 @@ class SearchRun:
                 return
             self.structures += 1
             tau = self.board.threshold(key) * self.shrink
-            if bounds[i] >= tau:
+            if bounds[i] >= tau or self.bound(sg, vec) >= tau:
                 self.pruned_structures += 1
                 self.close(tau)
                 continue

@@ -105,17 +105,29 @@ def test_exact_gap(seed, pure_python):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_pipeline_bound_below_every_shape_groups_optimum(seed):
-    """The shape-free bound the engine keeps for open pieces, against the best plan of every key."""
+    """The shape-free bounds the engine keeps for open pieces (with and without the per-position
+    memory caps), against the best plan of every key and of its structure."""
+    from poseidon_plugin.search.bounds import positional_bound
     cm, schedules = random_problem(seed)
     ref = optimum(cm, schedules)
     r = SearchRun(cm, SearchOptions(mode="exact", schedules=schedules))
     bests = {(a.tp, a.pp, a.dp, a.micro_batch_size, a.schedule, a.virtual_stages): a.predicted_iteration_ms
+             for a in (ref.plan, *ref.alternatives)}
+    plans = {(a.tp, a.pp, a.dp, a.micro_batch_size, a.schedule, a.virtual_stages): a
              for a in (ref.plan, *ref.alternatives)}
     checked = 0
     for sg in r.space.shape_groups():
         if sg.key in bests:
             for memory in (False, True):
                 assert r.bound(sg, memory=memory) <= bests[sg.key]
+            g = sg.group
+            live = r.cm.peak_live(sg.schedule, sg.pp, g.micro_batches, sg.virtual_stages)
+            assert positional_bound(r.space.table(g), [min(n, sg.pp) for n in g.slots], g.micro_batches,
+                                    sg.pp, sg.virtual_stages, r.space.num_layers, live) <= bests[sg.key]
+            # the structure of the key's best plan: its exact ranks per type
+            names = list(sg.group.names)
+            counts = [list(plans[sg.key].stage_types).count(n) for n in names]
+            assert r.bound(sg, counts) <= bests[sg.key]
             checked += 1
     assert checked == len(bests)
 
