@@ -26,6 +26,7 @@ from .counters import PRUNED_MEMORY, PRUNED_PATH
 from .tables import TypeTable
 
 INF = math.inf
+DUAL_STEPS = 30          # subgradient steps of the positional bound's assignment dual (any count is valid)
 
 # relative slack on the path bounds (sums in a different order than the kernel's): they prune only
 # when the bound exceeds tau by more than float noise; the DAG bound is compared exactly (monotone)
@@ -194,15 +195,31 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
         return INF
     m = micro_batches
 
-    def capacity(t_ms: float) -> int:
+    def capacity(t_ms: float) -> float:
         ks = [int(w * t_ms / m * slack) for w, _n, _c, _s in types]
         by_type = sum(sum(min(c, k) for c in top) for k, (_w, _n, _c, top) in zip(ks, types))
         if by_type < num_layers:
             return by_type
-        by_position = 0
-        for r in range(pp):
-            by_position += max(min(c[r], k) for k, (_w, _n, c, _s) in zip(ks, types))
-        return min(by_type, by_position)
+        h = [[min(c[r], k) for k, (_w, _n, c, _s) in zip(ks, types)] for r in range(pp)]
+        best = by_type
+        lam = [0.0] * len(types)
+        for it in range(DUAL_STEPS):
+            # weak duality: for any lam >= 0, sum_r max_t (h - lam_t) + sum_t lam_t n_t bounds every
+            # assignment using at most n_t positions of type t (lam = 0: the positions' own best)
+            used = [0] * len(types)
+            total = 0.0
+            for row in h:
+                j = max(range(len(row)), key=lambda i: row[i] - lam[i])
+                used[j] += 1
+                total += row[j] - lam[j]
+            total += sum(lam[i] * types[i][1] for i in range(len(types)))
+            if total < best:
+                best = total
+            if best < num_layers or all(used[i] <= types[i][1] for i in range(len(types))):
+                break
+            step = 1.0 / (1 + it)
+            lam = [max(0.0, lam[i] + step * (used[i] - types[i][1])) for i in range(len(types))]
+        return best + 1e-6          # float noise of the dual sum: only ever raises the capacity
 
     if capacity(start) >= num_layers:
         return start

@@ -214,3 +214,46 @@ def test_clock_never_stops_a_search_before_its_seed_plan(seed, mode, pure_python
     assert best <= res.plan.predicted_iteration_ms
     if mode == "exact":
         assert res.stats.lower_bound_ms <= best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_positional_bound_never_exceeds_the_relaxation_it_bounds(seed):
+    """positional_bound against brute force on random types and positions: the smallest T at which
+    some assignment of types to positions (at most n_t of type t) holds every layer within each
+    position's memory cap and floor(w_t T / M) layers -- the relaxation its dual terms bound."""
+    import itertools
+    import random
+    from types import SimpleNamespace
+
+    from poseidon_plugin.search.bounds import positional_bound
+    rng = random.Random(seed)
+    nt, pp, v, m = rng.randint(1, 3), rng.randint(1, 5), rng.choice([1, 2]), rng.choice([4, 8])
+    counts = [rng.randint(0, pp) for _ in range(nt)]
+    if sum(counts) < pp:
+        counts[0] += pp - sum(counts)
+    table = SimpleNamespace(layer_state_bytes=[rng.uniform(1, 3) for _ in range(nt)],
+                            layer_activation_bytes=[rng.uniform(0.5, 2) for _ in range(nt)],
+                            usable_bytes=[rng.uniform(10, 40) for _ in range(nt)],
+                            forward_ms=[rng.uniform(1, 3) for _ in range(nt)],
+                            backward_ms=[rng.uniform(2, 6) for _ in range(nt)])
+    live = sorted((rng.randint(1, pp + 1) for _ in range(pp)), reverse=True)
+    layers = rng.randint(pp * v, 4 * pp * v)
+    got = positional_bound(table, counts, m, pp, v, layers, live)
+    caps = [[min(layers, int(table.usable_bytes[t] / (table.layer_state_bytes[t]
+                                                      + live[r] * table.layer_activation_bytes[t] / v)))
+             for r in range(pp)] for t in range(nt)]
+    best = float("inf")
+    for assign in itertools.product(range(nt), repeat=pp):
+        if any(assign.count(t) > counts[t] for t in range(nt)):
+            continue
+        if sum(caps[t][r] for r, t in enumerate(assign)) < layers:
+            continue
+        # the smallest T: layer by layer to the rank whose work grows least (exact for a bottleneck)
+        held = [0] * pp
+        for _ in range(layers):
+            r = min((r for r in range(pp) if held[r] < caps[assign[r]][r]),
+                    key=lambda r: (held[r] + 1) * m * (table.forward_ms[assign[r]] + table.backward_ms[assign[r]]))
+            held[r] += 1
+        best = min(best, max(held[r] * m * (table.forward_ms[t] + table.backward_ms[t])
+                             for r, t in enumerate(assign)))
+    assert got <= best * (1 + 1e-9)
