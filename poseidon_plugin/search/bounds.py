@@ -209,9 +209,12 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
             used = [0] * len(types)
             total = 0.0
             for row in h:
-                j = max(range(len(row)), key=lambda i: row[i] - lam[i])
+                j, val = 0, row[0] - lam[0]
+                for i in range(1, len(row)):
+                    if row[i] - lam[i] > val:
+                        j, val = i, row[i] - lam[i]
                 used[j] += 1
-                total += row[j] - lam[j]
+                total += val
             total += sum(lam[i] * types[i][1] for i in range(len(types)))
             if total < best:
                 best = total
@@ -234,7 +237,7 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
             hi = mid
         else:
             lo = mid
-        if hi - lo <= 1e-9 * hi:
+        if hi - lo <= 1e-5 * hi:     # lo stays a bound whatever the precision: a few steps suffice
             break
     return lo
 

@@ -263,7 +263,7 @@ class SearchRun:
         layers free) proves the group cannot beat its threshold. The splitter of a group that
         survives is kept: the seed phase checks the group before its own turn comes."""
         tau = self.board.threshold(sg.key) * self.shrink
-        if self.fluid_cut(sg, tau) or self.bound(sg, positional=False) >= tau or self.bound(sg) >= tau:
+        if self.fluid_cut(sg, tau) or self.bound(sg, positional=False) >= tau:
             self.close(tau)
             return None
         if self.out_of_time():          # building the shape's bound paths costs time at scale
@@ -282,7 +282,7 @@ class SearchRun:
     def run_shape_group(self, sg: ShapeGroup) -> None:
         key = sg.key
         g = sg.group
-        self.partial = self.bound(sg)          # the group is open until its structures are closed
+        self.partial = self.bound(sg, positional=False)        # the group is open until its structures are closed
         splitter = self.root_splitter(sg)
         self._splitters.pop(key, None)         # this is the group's turn: no later use
         if splitter is None:
