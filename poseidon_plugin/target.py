@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import InputError, NoFeasiblePlanError
 from .simulator.schedules import SCHEDULES
@@ -37,6 +38,8 @@ DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4)
 # Megatron-LM's validate_args: interleaved without overlap_p2p_comm needs pp > 2.
 MIN_PP_INTERLEAVED_WITHOUT_OVERLAP = 3
 NO_OVERLAP_FLAG = "--no-overlap-p2p-communication"
+MIN_VARIANT_S = 1e-3
+"""Time limit of a search variant that starts past the shared deadline (it returns its seed plan)."""
 _STYLE_NAMES = {"megatron": "Megatron-LM / megatron-core (layout flag)",
                 "mindspeed-layout": "MindSpeed-LLM (layout flag backport)",
                 "mindspeed": "MindSpeed-LLM (--num-layer-list)",
@@ -183,22 +186,27 @@ class SearchVariant:
     """Smallest pipeline size (Megatron-LM needs 3 for interleaved without overlap)."""
 
 
-def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "SearchOptions | None" = None
-                ) -> "SearchResult":
+def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "SearchOptions | None" = None,
+                *, clock: "Callable[[], float] | None" = None) -> "SearchResult":
     """The fastest plan for ``target``: one search per :meth:`TargetRuntime.variants`, the best kept.
 
     ``options`` carries everything the target does not decide (TP / PP / mbs limits, top-k, time limit,
     progress...); its mode, schedules, virtual stages and comm model are the target's. The time limit is
-    shared among the variants. Raises the first variant's NoFeasiblePlanError when none finds a plan.
+    shared among the variants: each gets an equal share of what is left when it starts, so a variant
+    that finishes early hands its rest on (``clock``, default ``time.monotonic``: what the limit is
+    measured on). Raises the first variant's NoFeasiblePlanError when none finds a plan.
     """
     from .search import SearchOptions, search
+    from .search.options import TimeLimitError
 
     base = dataclasses.replace(options or SearchOptions(), mode=target.search_mode,
                                virtual_stages=target.virtual_stages)
     variants = target.variants()
-    limit = None if base.time_limit_s is None else base.time_limit_s / len(variants)
+    clock = clock or time.monotonic
+    deadline = None if base.time_limit_s is None else clock() + base.time_limit_s
     best = None
     first_error: NoFeasiblePlanError | None = None
+    out_of_time = False           # a variant stopped before any plan: its bound still counts
     wall_s = 0.0
     bounds: list[float] = []      # each variant's proven lower bound: the whole space's is their minimum
     complete = True
@@ -206,6 +214,10 @@ def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "Search
         min_pp = max(variant.min_pp, base.min_pipeline_stages or 1)
         if base.max_pipeline_stages is not None and min_pp > base.max_pipeline_stages:
             continue
+        limit = None
+        if deadline is not None:
+            # past the deadline a variant still gets a token limit: it then returns its seed plan
+            limit = max(MIN_VARIANT_S, (deadline - clock()) / (len(variants) - index))
         progress = base.progress
         if progress is not None and len(variants) > 1:
             progress = _scaled_progress(progress, index, len(variants))
@@ -213,9 +225,13 @@ def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "Search
                                    min_pipeline_stages=None if min_pp == 1 else min_pp, time_limit_s=limit,
                                    progress=progress)
         try:
-            result = search(cost_model, opts)
+            result = search(cost_model, opts, clock=clock)
         except NoFeasiblePlanError as exc:
             first_error = first_error or exc
+            continue
+        except TimeLimitError as exc:
+            out_of_time, complete = True, False
+            bounds.append(exc.lower_bound_ms)
             continue
         wall_s += result.stats.wall_s
         complete = complete and bool(result.stats.complete)
@@ -223,6 +239,8 @@ def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "Search
         if best is None or result.plan.predicted_iteration_ms < best[1].plan.predicted_iteration_ms:
             best = (variant, result)
     if best is None:
+        if out_of_time:
+            raise TimeLimitError(base.time_limit_s)
         if first_error is not None:
             raise first_error
         raise NoFeasiblePlanError(f"no plan: interleaved without p2p overlap needs at least "

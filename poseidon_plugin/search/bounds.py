@@ -26,6 +26,7 @@ from .counters import PRUNED_MEMORY, PRUNED_PATH
 from .tables import TypeTable
 
 INF = math.inf
+DUAL_STEPS = 30          # subgradient steps of the positional bound's assignment dual (any count is valid)
 
 # relative slack on the path bounds (sums in a different order than the kernel's): they prune only
 # when the bound exceeds tau by more than float noise; the DAG bound is compared exactly (monotone)
@@ -76,7 +77,7 @@ def fluid_cut(table: TypeTable, slots, micro_batches: int, pp: int, v: int, num_
 
 
 def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int,
-                   num_layers: int, *, memory: bool = False) -> float:
+                   num_layers: int, *, memory: bool = False, live=None) -> float:
     """A lower bound on the iteration time of every plan of a shape group (``counts``: the most ranks
     of each type) or of a structure (``counts``: exact ranks per type); inf when ``pp`` ranks do not
     exist or cannot hold the model. Shape-free: the engine keeps it for every piece of the space it
@@ -160,7 +161,85 @@ def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int
             lo = mid
         if hi - lo <= 1e-9 * hi:
             break
-    return max(t_free, lo) * (1.0 - 1e-9)
+    best = max(t_free, lo)
+    if live is not None:
+        best = max(best, positional_bound(table, counts, micro_batches, pp, v, num_layers, live, best))
+    return best * (1.0 - 1e-9)
+
+
+def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int, num_layers: int,
+                     live, start: float = 0.0) -> float:
+    """The work bound with each pipeline position's own memory cap (``live[r]``: the schedule's peak
+    live micro-batches at position ``r``, as the cost model's memory formula takes them); a lower
+    bound on every plan's time, or ``start`` when it is not larger (docs/SEARCH.md "Anytime answers").
+
+    A rank of type ``t`` at position ``r`` holding ``l`` layers needs at least ``l (s_t + live_r a_t /
+    V)`` bytes (its largest chunk holds ``>= l / V`` layers; embedding and head extras are left out),
+    so ``l <= cap_t(r)``; and its ``M`` forwards and backwards lie on one path, so ``M (f_t + b_t) l
+    <= T`` and, ``l`` being an integer, ``l <= k_t(T) = floor(w_t T / M)``. The ranks must hold every
+    layer, and any assignment of types to positions holds at most ``min(sum_r max_t min(cap_t(r),
+    k_t(T)), sum_t (the n_t largest min(cap_t(r), k_t(T))))``; the bound is the smallest ``T`` where
+    that reaches the layers (bisection: capacity is monotone in ``T``)."""
+    slack = 1.0 + 1e-9
+    types = []
+    for t in range(len(counts)):
+        n = min(counts[t], pp)
+        if n <= 0:
+            continue
+        s_t, a_t, use = table.layer_state_bytes[t], table.layer_activation_bytes[t] / v, table.usable_bytes[t]
+        caps = [min(num_layers, int(use / (s_t + live[r] * a_t) * slack)) if s_t + live[r] * a_t > 0
+                else num_layers for r in range(pp)]
+        types.append((1.0 / (table.forward_ms[t] + table.backward_ms[t]), n, caps,
+                      sorted(caps, reverse=True)[:n]))
+    if not types:
+        return INF
+    m = micro_batches
+
+    def capacity(t_ms: float) -> float:
+        ks = [int(w * t_ms / m * slack) for w, _n, _c, _s in types]
+        by_type = sum(sum(min(c, k) for c in top) for k, (_w, _n, _c, top) in zip(ks, types))
+        if by_type < num_layers:
+            return by_type
+        h = [[min(c[r], k) for k, (_w, _n, c, _s) in zip(ks, types)] for r in range(pp)]
+        best = by_type
+        lam = [0.0] * len(types)
+        for it in range(DUAL_STEPS):
+            # weak duality: for any lam >= 0, sum_r max_t (h - lam_t) + sum_t lam_t n_t bounds every
+            # assignment using at most n_t positions of type t (lam = 0: the positions' own best)
+            used = [0] * len(types)
+            total = 0.0
+            for row in h:
+                j, val = 0, row[0] - lam[0]
+                for i in range(1, len(row)):
+                    if row[i] - lam[i] > val:
+                        j, val = i, row[i] - lam[i]
+                used[j] += 1
+                total += val
+            total += sum(lam[i] * types[i][1] for i in range(len(types)))
+            if total < best:
+                best = total
+            if best < num_layers or all(used[i] <= types[i][1] for i in range(len(types))):
+                break
+            step = 1.0 / (1 + it)
+            lam = [max(0.0, lam[i] + step * (used[i] - types[i][1])) for i in range(len(types))]
+        return best + 1e-6          # float noise of the dual sum: only ever raises the capacity
+
+    if capacity(start) >= num_layers:
+        return start
+    lo, hi = start, max(start, 1e-3) * 2.0
+    while capacity(hi) < num_layers:
+        lo, hi = hi, 2.0 * hi
+        if hi > 1e18:
+            return INF
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if capacity(mid) >= num_layers:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-5 * hi:     # lo stays a bound whatever the precision: a few steps suffice
+            break
+    return lo
 
 
 class PathPrices:

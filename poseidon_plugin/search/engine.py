@@ -22,13 +22,13 @@ from typing import Any, Callable
 
 from ..backend import compiled
 from ..costmodel import Candidate, CostModel
-from ..errors import NoFeasiblePlanError, PoseidonError
+from ..errors import NoFeasiblePlanError
 from .bounds import fluid_cut, pipeline_bound
 from .counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES, PRUNED_BOUND,
                        PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH, PRUNED_RIDGE, SIM_CALLS)
 from .evaluate import greedy_split, plan_fits, simulate_plan, spread
 from .leaderboard import Leaderboard
-from .options import SearchOptions, SearchResult, SearchStats
+from .options import SearchOptions, SearchResult, SearchStats, TimeLimitError
 from .shapes import ShapeCache, ShapeData
 from .space import SearchSpace, ShapeGroup
 from .splits import SplitSearch as PySplitSearch
@@ -36,7 +36,8 @@ from .splits import SplitSearch as PySplitSearch
 INF = math.inf
 WARMUP_SHAPES = 16
 SEED_SHAPES = 64
-LAZY_BOUNDS = 256            # memory-aware group bounds computed per lower_bound() call, at most
+LAZY_BOUNDS = 32             # memory-aware group bounds computed per lower_bound() call, at most
+                             # (~10 ms each at frontier scale: the per-position form)
 
 
 def use_pure_python(options: SearchOptions) -> bool:
@@ -61,6 +62,8 @@ class SearchRun:
         search after this many nodes (deterministic, for tests); the result is then incomplete."""
         self.cm, self.options = cm, options
         self.clock = clock or time.monotonic
+        # the limit counts from here: the space and its cost tables are part of the search's time
+        self.deadline = INF if options.time_limit_s is None else self.clock() + options.time_limit_s
         self.node_budget = node_budget
         self.pure = use_pure_python(options)
         self.space = SearchSpace(cm, options)
@@ -73,9 +76,8 @@ class SearchRun:
         self.structures = 0
         self.sim_calls = 0
         self.t0 = time.perf_counter()
-        self.deadline = INF if options.time_limit_s is None else self.clock() + options.time_limit_s
         # the compiled loop reads the real clock itself: an injected one stops only the engine
-        self.split_deadline = self.deadline if clock is None else INF
+        self.split_deadline = self.deadline if self.clock is time.monotonic else INF
         # anytime lower bound (docs/SEARCH.md): every plan of a closed piece of the space (searched or
         # cut at a threshold) takes at least `floor`; the open pieces are bounded when asked
         self.floor = INF
@@ -155,13 +157,17 @@ class SearchRun:
         """With ``--gap F``: the best plan is proven within ``1 + F`` of every open piece."""
         return self.gap > 0 and self.board.best_ms_all() * self.shrink <= self.lower_bound()
 
-    def bound(self, sg: ShapeGroup, counts=None, memory: bool = True) -> float:
-        """:func:`.bounds.pipeline_bound` of a shape group (``counts``: of one structure)."""
+    def bound(self, sg: ShapeGroup, counts=None, memory: bool = True, positional: bool | None = None) -> float:
+        """:func:`.bounds.pipeline_bound` of a shape group (``counts``: of one structure); ``positional``
+        (default: ``memory``) adds the per-position memory caps (:func:`.bounds.positional_bound`)."""
         g = sg.group
         if counts is None:
             counts = [min(n, sg.pp) for n in g.slots]
+        live = None
+        if memory if positional is None else positional:
+            live = CostModel.peak_live(sg.schedule, sg.pp, g.micro_batches, sg.virtual_stages)
         return pipeline_bound(self.space.table(g), counts, g.micro_batches, sg.pp, sg.virtual_stages,
-                              self.space.num_layers, memory=memory)
+                              self.space.num_layers, memory=memory, live=live)
 
     # --- phases -----------------------------------------------------------------------------
 
@@ -257,7 +263,7 @@ class SearchRun:
         layers free) proves the group cannot beat its threshold. The splitter of a group that
         survives is kept: the seed phase checks the group before its own turn comes."""
         tau = self.board.threshold(sg.key) * self.shrink
-        if self.fluid_cut(sg, tau) or self.bound(sg) >= tau:
+        if self.fluid_cut(sg, tau) or self.bound(sg, positional=False) >= tau:
             self.close(tau)
             return None
         if self.out_of_time():          # building the shape's bound paths costs time at scale
@@ -276,7 +282,7 @@ class SearchRun:
     def run_shape_group(self, sg: ShapeGroup) -> None:
         key = sg.key
         g = sg.group
-        self.partial = self.bound(sg)          # the group is open until its structures are closed
+        self.partial = self.bound(sg, positional=False)        # the group is open until its structures are closed
         splitter = self.root_splitter(sg)
         self._splitters.pop(key, None)         # this is the group's turn: no later use
         if splitter is None:
@@ -289,7 +295,9 @@ class SearchRun:
         vectors = self.space.count_vectors(sg)
         tb = self.space.table(g)
         vectors.sort(key=lambda vec: -sum(n / (tb.forward_ms[t] + tb.backward_ms[t]) for t, n in enumerate(vec)))
-        bounds = [self.bound(sg, vec) for vec in vectors]
+        # the per-position memory bound costs ~pp x types per step: computed below, only for the
+        # structures the cheap bound does not cut
+        bounds = [self.bound(sg, vec, positional=False) for vec in vectors]
         # the open structures of this group, as a suffix minimum: after structure i, i+1.. are open
         suffix = [INF] * (len(vectors) + 1)
         for i in range(len(vectors) - 1, -1, -1):
@@ -300,7 +308,7 @@ class SearchRun:
                 return
             self.structures += 1
             tau = self.board.threshold(key) * self.shrink
-            if bounds[i] >= tau:
+            if bounds[i] >= tau or self.bound(sg, vec) >= tau:
                 self.pruned_structures += 1
                 self.close(tau)
                 continue
@@ -336,11 +344,27 @@ class SearchRun:
         alive = []
         for sg in head:
             if self.out_of_time():
-                break
+                if self.board.best:
+                    break
+                # no plan yet: a greedy seed (one DAG build) is cheap next to returning nothing, so
+                # the clock never stops the search before a plan is known where a seed fits
+                if self.bound(sg, memory=False) < INF:
+                    self.seed(sg)
+                continue
             # a seed builds the group's DAG: only for groups the cheap bounds cannot cut already
             if self.root_splitter(sg) is not None:
                 self.seed(sg)
                 alive.append(sg)
+            elif not self.complete and not self.board.best and self.bound(sg, memory=False) < INF:
+                self.seed(sg)          # the clock ran out inside the root check
+        if not self.complete and not self.board.best:
+            # out of time with no plan: seed the other groups until one fits (a seed that does not fit
+            # is refused before its DAG is built, ~0.3 ms)
+            for sg in sgs[SEED_SHAPES:]:
+                if self.board.best:
+                    break
+                if self.bound(sg, memory=False) < INF:
+                    self.seed(sg)
         # the warm-up (paper §4.2.3) draws from the most promising groups still alive: every shape it
         # touches needs its DAG built, and random plans of hopeless shapes seed nothing useful
         self.warmup_done = self.warmup((alive or sgs)[:WARMUP_SHAPES])
@@ -392,8 +416,7 @@ class SearchRun:
     def result(self) -> SearchResult:
         """The best plan and its runners-up; an error naming the cause when there is none."""
         if not self.board.best and not self.complete:
-            raise PoseidonError(f"--time-limit {self.options.time_limit_s:g} s ran out before any plan "
-                                "was found; raise it")
+            raise TimeLimitError(self.options.time_limit_s, self.lower_bound())
         if not self.board.best:
             from .diagnose import explain_infeasible
             raise NoFeasiblePlanError(explain_infeasible(self.cm, self.space))
@@ -409,13 +432,15 @@ def gap_text(best: float, lb: float) -> str:
     return f"best {best:,.0f} ms, proven >= {lb:,.0f} ms, gap {100 * max(0.0, best / lb - 1):.1f} %"
 
 
-def search(cost_model: CostModel, options: SearchOptions | None = None) -> SearchResult:
-    """Find the plan with the shortest simulated iteration time (see the module docstring)."""
+def search(cost_model: CostModel, options: SearchOptions | None = None, *,
+           clock: Callable[[], float] | None = None) -> SearchResult:
+    """Find the plan with the shortest simulated iteration time (see the module docstring).
+    ``clock``: what ``time_limit_s`` is measured on (:class:`SearchRun`; tests inject one)."""
     options = options or SearchOptions()
     if options.mode == "exhaustive":
         from .exhaustive import exhaustive_search
         return exhaustive_search(cost_model, options)
-    run = SearchRun(cost_model, options)
+    run = SearchRun(cost_model, options, clock=clock)
     run.search()
     return run.result()
 

@@ -15,9 +15,9 @@ import time
 from typing import Iterator
 
 from ..costmodel import Candidate, CostModel
-from ..errors import InputError, NoFeasiblePlanError, PoseidonError
+from ..errors import InputError, NoFeasiblePlanError
 from .leaderboard import Leaderboard, plan_key
-from .options import SearchOptions, SearchResult, SearchStats
+from .options import SearchOptions, SearchResult, SearchStats, TimeLimitError
 from .space import micro_batch_sizes, tp_degrees
 
 PRUNED_NONE = {"shape_bound": 0, "structure_bound": 0, "stage_bound": 0, "path_bound": 0, "memory": 0,
@@ -141,8 +141,7 @@ def exhaustive_search(cm: CostModel, options: SearchOptions) -> SearchResult:
             options.progress((i + 1) / len(all_shapes), f"{i + 1}/{len(all_shapes)} shapes")
     if not board.best:
         if not complete:
-            raise PoseidonError(f"--time-limit {options.time_limit_s:g} s ran out before any plan "
-                                "was found; raise it")
+            raise TimeLimitError(options.time_limit_s)
         from .diagnose import explain_infeasible
         from .space import SearchSpace
         raise NoFeasiblePlanError(explain_infeasible(cm, SearchSpace(cm, options)))

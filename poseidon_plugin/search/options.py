@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from ..errors import InputError
+from ..errors import InputError, PoseidonError
 from ..simulator.graph import COMM_MODELS
 from ..simulator.schedules import SCHEDULES
 
@@ -147,6 +147,15 @@ def validate_options(o: SearchOptions) -> None:
                          f"(megatron when the plan runs on Megatron-LM)")
     if o.pure_python is not None and not isinstance(o.pure_python, bool):
         raise InputError(f"pure_python = {o.pure_python!r} is invalid: must be true, false or None")
+
+
+class TimeLimitError(PoseidonError):
+    """``--time-limit`` ran out before any plan was found; ``lower_bound_ms``: the proven bound on every
+    plan of the space at that point (0: none), so a caller combining searches keeps its bound valid."""
+
+    def __init__(self, limit_s: float, lower_bound_ms: float = 0.0):
+        super().__init__(f"--time-limit {limit_s:g} s ran out before any plan was found; raise it")
+        self.lower_bound_ms = lower_bound_ms
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

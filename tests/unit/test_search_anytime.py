@@ -105,17 +105,29 @@ def test_exact_gap(seed, pure_python):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_pipeline_bound_below_every_shape_groups_optimum(seed):
-    """The shape-free bound the engine keeps for open pieces, against the best plan of every key."""
+    """The shape-free bounds the engine keeps for open pieces (with and without the per-position
+    memory caps), against the best plan of every key and of its structure."""
+    from poseidon_plugin.search.bounds import positional_bound
     cm, schedules = random_problem(seed)
     ref = optimum(cm, schedules)
     r = SearchRun(cm, SearchOptions(mode="exact", schedules=schedules))
     bests = {(a.tp, a.pp, a.dp, a.micro_batch_size, a.schedule, a.virtual_stages): a.predicted_iteration_ms
+             for a in (ref.plan, *ref.alternatives)}
+    plans = {(a.tp, a.pp, a.dp, a.micro_batch_size, a.schedule, a.virtual_stages): a
              for a in (ref.plan, *ref.alternatives)}
     checked = 0
     for sg in r.space.shape_groups():
         if sg.key in bests:
             for memory in (False, True):
                 assert r.bound(sg, memory=memory) <= bests[sg.key]
+            g = sg.group
+            live = r.cm.peak_live(sg.schedule, sg.pp, g.micro_batches, sg.virtual_stages)
+            assert positional_bound(r.space.table(g), [min(n, sg.pp) for n in g.slots], g.micro_batches,
+                                    sg.pp, sg.virtual_stages, r.space.num_layers, live) <= bests[sg.key]
+            # the structure of the key's best plan: its exact ranks per type
+            names = list(sg.group.names)
+            counts = [list(plans[sg.key].stage_types).count(n) for n in names]
+            assert r.bound(sg, counts) <= bests[sg.key]
             checked += 1
     assert checked == len(bests)
 
@@ -172,3 +184,76 @@ def test_per_type_bounds_equal_the_rank_by_rank_forms(seed):
                     _fluid_cut_by_ranks(tb, g.slots, m, pp, v, nl, free * f)
                 n += 1
     assert n > 0
+
+
+def _seed_exists(cm, schedules) -> bool:
+    """Whether a greedy seed of one of the most promising shape groups fits (no clock, no search)."""
+    from poseidon_plugin.search.engine import SEED_SHAPES
+    ref = SearchRun(cm, SearchOptions(mode="exact", schedules=schedules, warmup_samples=0))
+    for sg in sorted(ref.space.shape_groups(), key=ref.estimate)[:SEED_SHAPES]:
+        ref.seed(sg)
+    return bool(ref.board.best)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", ["exact", "default"])
+def test_clock_never_stops_a_search_before_its_seed_plan(seed, mode, pure_python):
+    """The clock runs out at its first read (the setup ate the limit): the search still returns the
+    greedy seed plan wherever one fits, and reads the clock no more after the deadline."""
+    cm, schedules = random_problem(seed)
+    best = optimum(cm, schedules).plan.predicted_iteration_ms
+    clock = TickClock()
+    r = SearchRun(cm, SearchOptions(mode=mode, schedules=schedules, warmup_samples=0, pure_python=pure_python,
+                                    time_limit_s=0.5), clock=clock)
+    r.search()
+    assert clock.reads <= 3
+    if not _seed_exists(cm, schedules):
+        return
+    res = r.result()
+    assert not res.stats.complete
+    assert best <= res.plan.predicted_iteration_ms
+    if mode == "exact":
+        assert res.stats.lower_bound_ms <= best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_positional_bound_never_exceeds_the_relaxation_it_bounds(seed):
+    """positional_bound against brute force on random types and positions: the smallest T at which
+    some assignment of types to positions (at most n_t of type t) holds every layer within each
+    position's memory cap and floor(w_t T / M) layers -- the relaxation its dual terms bound."""
+    import itertools
+    import random
+    from types import SimpleNamespace
+
+    from poseidon_plugin.search.bounds import positional_bound
+    rng = random.Random(seed)
+    nt, pp, v, m = rng.randint(1, 3), rng.randint(1, 5), rng.choice([1, 2]), rng.choice([4, 8])
+    counts = [rng.randint(0, pp) for _ in range(nt)]
+    if sum(counts) < pp:
+        counts[0] += pp - sum(counts)
+    table = SimpleNamespace(layer_state_bytes=[rng.uniform(1, 3) for _ in range(nt)],
+                            layer_activation_bytes=[rng.uniform(0.5, 2) for _ in range(nt)],
+                            usable_bytes=[rng.uniform(10, 40) for _ in range(nt)],
+                            forward_ms=[rng.uniform(1, 3) for _ in range(nt)],
+                            backward_ms=[rng.uniform(2, 6) for _ in range(nt)])
+    live = sorted((rng.randint(1, pp + 1) for _ in range(pp)), reverse=True)
+    layers = rng.randint(pp * v, 4 * pp * v)
+    got = positional_bound(table, counts, m, pp, v, layers, live)
+    caps = [[min(layers, int(table.usable_bytes[t] / (table.layer_state_bytes[t]
+                                                      + live[r] * table.layer_activation_bytes[t] / v)))
+             for r in range(pp)] for t in range(nt)]
+    best = float("inf")
+    for assign in itertools.product(range(nt), repeat=pp):
+        if any(assign.count(t) > counts[t] for t in range(nt)):
+            continue
+        if sum(caps[t][r] for r, t in enumerate(assign)) < layers:
+            continue
+        # the smallest T: layer by layer to the rank whose work grows least (exact for a bottleneck)
+        held = [0] * pp
+        for _ in range(layers):
+            r = min((r for r in range(pp) if held[r] < caps[assign[r]][r]),
+                    key=lambda r: (held[r] + 1) * m * (table.forward_ms[assign[r]] + table.backward_ms[assign[r]]))
+            held[r] += 1
+        best = min(best, max(held[r] * m * (table.forward_ms[t] + table.backward_ms[t])
+                             for r, t in enumerate(assign)))
+    assert got <= best * (1 + 1e-9)

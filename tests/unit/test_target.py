@@ -90,6 +90,57 @@ def test_best_variant_wins_and_each_plan_is_priced_as_it_runs():
     assert cm.iteration_ms(cand, "megatron") == pytest.approx(off.predicted_iteration_ms)
 
 
+
+class _TickClock:
+    """Advances one unit per read (``jump``: by that much at every read after the first)."""
+
+    def __init__(self, jump: float = 1.0):
+        self.now, self.jump, self.reads = 0.0, jump, 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        if self.reads > 1:
+            self.now += self.jump
+        return self.now
+
+
+def _recording_search(monkeypatch):
+    import poseidon_plugin.search as search_pkg
+    limits, real = [], search_pkg.search
+
+    def recording(cm, opts, **kw):
+        limits.append(opts.time_limit_s)
+        return real(cm, opts, **kw)
+    monkeypatch.setattr(search_pkg, "search", recording)
+    return limits
+
+
+def test_time_limit_left_by_one_variant_goes_to_the_next(monkeypatch):
+    """The limit is shared by what is left: the first variant gets half, the second the rest."""
+    cm = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"), micro_batch_sizes=(1,))
+    limits = _recording_search(monkeypatch)
+    clock = _TickClock()
+    res = search_plan(cm, TargetRuntime(micro_batch_sizes=(1,)), SearchOptions(time_limit_s=1e6), clock=clock)
+    assert len(limits) == 2
+    assert limits[0] == pytest.approx((1e6 - 1) / 2)
+    # the first search completed after a few reads: the second gets all the rest, not a half
+    assert limits[0] < limits[1] < 1e6
+    assert res.plan.search_stats["complete"] is True
+
+
+def test_variants_past_the_deadline_still_return_a_plan(monkeypatch):
+    """The setup ate the whole limit (every read of the clock is past the deadline): each variant gets
+    the token limit and returns its greedy seed plan instead of failing."""
+    cm = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"), micro_batch_sizes=(1,))
+    limits = _recording_search(monkeypatch)
+    res = search_plan(cm, TargetRuntime(micro_batch_sizes=(1,)), SearchOptions(time_limit_s=5.0),
+                      clock=_TickClock(jump=100.0))
+    from poseidon_plugin.target import MIN_VARIANT_S
+    assert limits == [MIN_VARIANT_S, MIN_VARIANT_S]
+    stats = res.plan.search_stats
+    assert stats["complete"] is False and stats["variants"] == 2
+    assert res.plan.predicted_iteration_ms >= stats["lower_bound_ms"] > 0
+
 def test_no_overlap_plan_renders_megatron_flag_and_launcher_rewrites_it():
     cm = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"), micro_batch_sizes=(1,))
     plan = search_plan(cm, TargetRuntime(micro_batch_sizes=(1,), p2p_overlap="off", schedules=("interleaved-1f1b",)),
@@ -170,3 +221,26 @@ def test_target_and_argv_modules_import_no_torch():
 
     code = "import sys; import poseidon_plugin.target, poseidon_plugin.argv; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_variant_out_of_time_without_a_plan_leaves_the_others_plan(monkeypatch):
+    """One variant's time ran out before any plan: the other's plan is returned, flagged incomplete,
+    and the lower bound covers the unfinished variant too."""
+    import poseidon_plugin.search as search_pkg
+    from poseidon_plugin.search.options import TimeLimitError
+    cm = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"), micro_batch_sizes=(1,))
+    real, calls = search_pkg.search, []
+
+    def second_runs_out(cm_, opts, **kw):
+        calls.append(opts.comm_model)
+        if len(calls) == 2:
+            raise TimeLimitError(opts.time_limit_s, lower_bound_ms=1.0)
+        return real(cm_, opts, **kw)
+    monkeypatch.setattr(search_pkg, "search", second_runs_out)
+    res = search_plan(cm, TargetRuntime(micro_batch_sizes=(1,)), SearchOptions(time_limit_s=300.0))
+    stats = res.plan.search_stats
+    assert len(calls) == 2 and stats["complete"] is False and stats["lower_bound_ms"] == 1.0
+    monkeypatch.setattr(search_pkg, "search", lambda cm_, opts, **kw: (_ for _ in ()).throw(
+        TimeLimitError(opts.time_limit_s)))
+    with pytest.raises(TimeLimitError, match="--time-limit 300 s ran out"):
+        search_plan(cm, TargetRuntime(micro_batch_sizes=(1,)), SearchOptions(time_limit_s=300.0))
