@@ -90,6 +90,11 @@ class TargetRuntime:
     """``exact``: the proven optimum of the cost model; ``default``: the faster search that also uses the
     paper's ridge rule (docs/SEARCH.md); ``exhaustive``: every plan (small problems, for checking)."""
 
+    dp_multiple: int = 1
+    """The plan's DP must be a multiple of this: the job's context- and expert-parallel sizes
+    (``lcm(CP, EP)``), so that every plan is a whole number of Megatron's CP and EP groups. The cost model
+    prices the CP / EP ranks of a replica as data-parallel ranks (an approximation: docs/MINDSPEED.md)."""
+
     def __post_init__(self) -> None:
         if self.flag_style not in FLAG_STYLES:
             raise InputError(f"flag style {self.flag_style!r} is invalid: choose one of {', '.join(FLAG_STYLES)}")
@@ -98,6 +103,8 @@ class TargetRuntime:
                              f"{', '.join(COMM_MODELS)} (or megatron-overlap: megatron with p2p overlap on)")
         if self.p2p_overlap not in P2P_OVERLAP:
             raise InputError(f"p2p overlap {self.p2p_overlap!r} is invalid: choose one of {', '.join(P2P_OVERLAP)}")
+        if isinstance(self.dp_multiple, bool) or not isinstance(self.dp_multiple, int) or self.dp_multiple < 1:
+            raise InputError(f"dp_multiple = {self.dp_multiple!r} is invalid: must be an integer >= 1")
         if self.search_mode not in SEARCH_MODES:
             raise InputError(f"search mode {self.search_mode!r} is invalid: choose one of {', '.join(SEARCH_MODES)}")
         if not self.schedules:
@@ -133,11 +140,12 @@ class TargetRuntime:
         return cls(**values)
 
     @classmethod
-    def for_job(cls, options: Any, job: Any, flag_style: str) -> "TargetRuntime":
-        """The target of a ``poseidon-run`` launch: its ``RuntimeOptions``, the job's ``JobFlags`` and the
-        resolved flag style (``runtime/apply.py``)."""
+    def for_job(cls, options: Any, job: Any, flag_style: str, dp_multiple: int = 1) -> "TargetRuntime":
+        """The target of a ``poseidon-run`` launch: its ``RuntimeOptions``, the job's ``JobFlags``, the
+        resolved flag style (``runtime/apply.py``) and the job's ``lcm(CP, EP)``."""
         values: dict[str, Any] = {"flag_style": flag_style, "search_mode": options.search_mode,
-                                  "p2p_overlap": "auto" if job.overlap_p2p_comm else "off"}
+                                  "p2p_overlap": "auto" if job.overlap_p2p_comm else "off",
+                                  "dp_multiple": dp_multiple}
         if options.schedules:
             values["schedules"] = tuple(options.schedules)
         if options.micro_batch_sizes:
@@ -200,7 +208,7 @@ def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "Search
     from .search.options import TimeLimitError
 
     base = dataclasses.replace(options or SearchOptions(), mode=target.search_mode,
-                               virtual_stages=target.virtual_stages)
+                               virtual_stages=target.virtual_stages, dp_multiple=target.dp_multiple)
     variants = target.variants()
     clock = clock or time.monotonic
     deadline = None if base.time_limit_s is None else clock() + base.time_limit_s

@@ -163,7 +163,7 @@ def _run(argv: list[str], rank: int, log: Log) -> int | None:
     """All phases, then the script; the script's exit code (None for success)."""
     import torch.distributed as dist
 
-    from poseidon_plugin.runtime import apply, job_flags
+    from poseidon_plugin.runtime import apply, job_flags, mindspeed
 
     started = time.perf_counter()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -174,7 +174,7 @@ def _run(argv: list[str], rank: int, log: Log) -> int | None:
                is_module=os.environ.get(runtime_options.ENV_SCRIPT_IS_MODULE) == "1", rank=rank,
                local_rank=int(os.environ.get("LOCAL_RANK", "0")), world_size=world_size, flags=flags,
                global_batch=job_flags.effective_global_batch(flags, world_size), style=style,
-               target=TargetRuntime.for_job(opts, flags, style))
+               target=TargetRuntime.for_job(opts, flags, style, mindspeed.dp_multiple(argv[1:])))
     adaptor = _mindspeed_adaptor(job, log)  # before _device(): it imports megatron (CPU shim, emulation)
     emulated = _deterministic_emulation(job)
     devices = _device(job, emulated.cluster if emulated is not None else _declared_cluster(job), emulated)

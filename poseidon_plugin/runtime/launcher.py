@@ -100,7 +100,9 @@ def validate(opts: runtime_options.RuntimeOptions, script: str, script_args: lis
                                 f"{', '.join(MEGATRON_SCHEDULES)}")
     style = resolve_style(opts.flag_style)
     if not opts.plan:  # the plan's target runtime: its schedules must run in the flag style
-        TargetRuntime.for_job(opts, job, style)
+        from poseidon_plugin.runtime import mindspeed
+
+        TargetRuntime.for_job(opts, job, style, mindspeed.dp_multiple(script_args))
     if style in MINDSPEED_STYLES:  # MindSpeed-LLM's refused flags and CP/EP values fail before any process
         from poseidon_plugin.runtime import mindspeed
         from poseidon_plugin.runtime.job_flags import flag_values

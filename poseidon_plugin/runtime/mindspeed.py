@@ -321,6 +321,19 @@ def data_parallel_size(world: int, tp: int, pp: int, cp: int = 1, ep: int = 1, e
     return world // (tp * pp * cp)
 
 
+def dp_multiple(script_args: Sequence[str]) -> int:
+    """What the plan's DP must be a multiple of for the job's CP / EP (``TargetRuntime.dp_multiple``).
+
+    The plan's ``tp x dp x pp`` ranks must be a multiple of ``tp x pp x cp`` and of ``etp x ep x pp``: with
+    the expert TP equal to TP (the default) that is ``dp`` a multiple of ``lcm(cp, ep)``; with its own expert
+    TP the conservative ``lcm(cp, ep x etp)``.
+    """
+    from poseidon_plugin.argv import flag_values
+
+    cp, ep, etp = user_cp_ep(flag_values(script_args))
+    return math.lcm(cp, ep if etp is None else ep * etp)
+
+
 def user_cp_ep(user: Mapping[str, str]) -> tuple[int, int, int | None]:
     """``(cp, ep, etp)`` from the user's flags (Megatron's names; defaults 1, 1, None = TP)."""
     def read(flag: str, default: int | None) -> int | None:

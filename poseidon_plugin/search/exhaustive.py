@@ -82,6 +82,8 @@ def shapes(cm: CostModel, options: SearchOptions) -> Iterator[tuple]:
         names = tuple(t for t in cm.device_types if tp in cm.tp_degrees(t))
         for mbs in micro_batch_sizes(cm, options):
             for dp in range(1, gbs // mbs + 1):
+                if dp % options.dp_multiple:
+                    continue
                 m = cm.micro_batches(dp, mbs)
                 if m is None:
                     continue

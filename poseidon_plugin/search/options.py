@@ -44,6 +44,11 @@ class SearchOptions:
     tp_degrees: tuple[int, ...] | None = None
     """TP degrees to try; ``None``: every power of two that fits a node and divides heads/KV groups."""
 
+    dp_multiple: int = 1
+    """DP degrees must be multiples of this: with context parallelism CP (and expert parallelism EP) the
+    plan's DP replicas hold Megatron's CP / EP groups, so Megatron's data-parallel size is DP / CP and EP
+    must divide DP (``runtime/mindspeed.model_parallel_world``). 1: any DP."""
+
     max_pipeline_stages: int | None = None
     """Upper limit on PP; ``None``: up to the number of layers."""
 
@@ -145,6 +150,8 @@ def validate_options(o: SearchOptions) -> None:
     if not isinstance(o.comm_model, str) or o.comm_model not in COMM_MODELS:
         raise InputError(f"--comm-model {o.comm_model!r} is invalid: must be one of {', '.join(COMM_MODELS)} "
                          f"(megatron when the plan runs on Megatron-LM)")
+    if isinstance(o.dp_multiple, bool) or not isinstance(o.dp_multiple, int) or o.dp_multiple < 1:
+        raise InputError(f"dp_multiple = {o.dp_multiple!r} is invalid: must be an integer >= 1")
     if o.pure_python is not None and not isinstance(o.pure_python, bool):
         raise InputError(f"pure_python = {o.pure_python!r} is invalid: must be true, false or None")
 

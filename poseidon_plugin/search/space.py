@@ -107,6 +107,8 @@ class SearchSpace:
                 if self.gbs % mbs:
                     continue
                 for dp in range(1, self.gbs // mbs + 1):
+                    if dp % self.options.dp_multiple:
+                        continue        # not a whole number of CP / EP groups (SearchOptions.dp_multiple)
                     m = self.cm.micro_batches(dp, mbs)
                     if m is None:
                         continue

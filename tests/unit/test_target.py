@@ -244,3 +244,32 @@ def test_a_variant_out_of_time_without_a_plan_leaves_the_others_plan(monkeypatch
         TimeLimitError(opts.time_limit_s)))
     with pytest.raises(TimeLimitError, match="--time-limit 300 s ran out"):
         search_plan(cm, TargetRuntime(micro_batch_sizes=(1,)), SearchOptions(time_limit_s=300.0))
+
+
+@pytest.mark.parametrize("args, multiple", [([], 1), (["--context-parallel-size", "2"], 2),
+                                            (["--context-parallel-size", "2", "--expert-model-parallel-size", "3"], 6),
+                                            (["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"],
+                                             4)])
+def test_context_and_expert_parallelism_set_the_dp_multiple(args, multiple):
+    """A plan must be a whole number of the job's CP / EP groups: its DP is a multiple of lcm(CP, EP)."""
+    from poseidon_plugin.runtime.mindspeed import dp_multiple
+
+    assert dp_multiple(args) == multiple
+
+
+def test_planned_dp_is_a_multiple_of_the_target_s_dp_multiple():
+    from poseidon_plugin.search.exhaustive import exhaustive_search
+
+    cm = CostModel(load_cluster("paper-setting-2"), load_model("llama2-13b"), micro_batch_sizes=(1,))
+    target = TargetRuntime(micro_batch_sizes=(1,), schedules=("1f1b",))
+    free = search_plan(cm, target).plan
+    constrained = search_plan(cm, dataclasses.replace(target, dp_multiple=8)).plan
+    assert free.dp == 4 and constrained.dp == 8  # the constraint binds, and costs time
+    assert constrained.predicted_iteration_ms > free.predicted_iteration_ms
+    assert all(alt.dp % 8 == 0 for alt in constrained.alternatives)
+    small = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"), micro_batch_sizes=(1,))
+    opts = SearchOptions(schedules=("1f1b",), micro_batch_sizes=(1,), dp_multiple=8, max_pipeline_stages=2)
+    exact = search_plan(small, TargetRuntime(micro_batch_sizes=(1,), schedules=("1f1b",), dp_multiple=8), opts).plan
+    oracle = exhaustive_search(small, dataclasses.replace(opts, mode="exhaustive", comm_model="megatron")).plan
+    assert oracle.dp % 8 == 0
+    assert oracle.predicted_iteration_ms == pytest.approx(exact.predicted_iteration_ms, rel=1e-12)
