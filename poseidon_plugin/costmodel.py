@@ -42,6 +42,7 @@ from typing import Any, Mapping, Sequence
 from .errors import InputError
 from .fingerprint import priced_for
 from .plan import Plan, PlanStage, PlanSummary
+from .simulator.graph import extra_params
 from .simulator.schedules import SCHEDULES, peak_live_microbatches
 from .specs import (GIB, LINK_CROSS_TYPE, LINK_INTER_NODE, LINK_INTRA_NODE, ClusterSpec,
                     CostConstants, Device, ModelSpec, ProfileSpec, analytic_profile, constants_for,
@@ -204,6 +205,11 @@ class CostModel:
         self._slots: dict[tuple[str, int, int, int], tuple] = {}
         self._links: dict[tuple, int] = {}
         self._simulators: dict[tuple, Any] = {}
+        # the megatron comm models' CPU cost of one p2p call: one scalar for the whole pipeline, so the
+        # slowest profiled type's (0 in analytic profiles)
+        self.comm_extras: dict[str, float] = {
+            "p2p_call_ms": max((e.p2p_call_ms for e in profile.entries if e.device_type in self.device_types),
+                               default=0.0)}
 
     def _check_profile(self, profile: ProfileSpec) -> None:
         m = self.model
@@ -498,6 +504,8 @@ class CostModel:
                "data_parallel": cand.dp, "stages": stages}
         if comm_model != "dag":
             doc["comm_model"] = comm_model
+            doc.update({name: self.comm_extras[name] for name, _d, _doc in extra_params(comm_model)
+                        if self.comm_extras.get(name)})
         return doc
 
     def memory_per_stage(self, cand: Candidate) -> list[float]:
@@ -529,8 +537,8 @@ class CostModel:
         return not self.memory_violations(cand)
 
     def iteration_ms(self, cand: Candidate, comm_model: str = "dag") -> float:
-        """Simulated iteration time of ``cand`` under the simulator's ``comm_model`` (extras at their
-        defaults, as the search uses them)."""
+        """Simulated iteration time of ``cand`` under the simulator's ``comm_model`` (its extras from the
+        profile, :attr:`comm_extras`, as the search uses them)."""
         sim = self.simulator(cand.schedule, cand.pp, self._m(cand), cand.virtual_stages, comm_model)
         return sim.iteration_time(*self.stage_times(cand))
 
@@ -544,6 +552,9 @@ class CostModel:
             from .simulator import Simulator
             sim = self._simulators[key] = Simulator(schedule, pp, micro_batches, virtual_stages,
                                                     comm_model)
+            for name, _default, _doc in extra_params(comm_model):
+                if name in self.comm_extras:
+                    sim.set_extra(name, self.comm_extras[name])
         return sim
 
     def tokens_per_s(self, iteration_ms: float) -> float:
