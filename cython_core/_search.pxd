@@ -24,6 +24,10 @@ cdef class SplitSearch:
     cdef double* head_state_bytes
     cdef double* head_activation_bytes
     cdef double* usable_bytes
+    cdef double* step_forward_ms
+    cdef double* step_backward_ms
+    cdef double* optimizer_ms
+    cdef double* optimizer_fixed_ms
     cdef double* allreduce_ms
     cdef double* embedding_allreduce_ms
     cdef double* head_allreduce_ms

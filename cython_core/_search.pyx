@@ -41,7 +41,7 @@ TABLE_COLUMNS = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding
                  "layer_activation_bytes", "embedding_state_bytes", "embedding_activation_bytes",
                  "head_state_bytes", "head_activation_bytes", "usable_bytes", "allreduce_ms",
                  "embedding_allreduce_ms", "head_allreduce_ms", "send_same_ms", "send_wrap_ms",
-                 "has_allreduce")
+                 "has_allreduce", "step_forward_ms", "step_backward_ms", "optimizer_ms", "optimizer_fixed_ms")
 
 
 cdef double PATH_SLACK = 1e-9
@@ -82,6 +82,7 @@ cdef class SplitSearch:
         self.forward_ms = self.backward_ms = self.embedding_forward_ms = self.embedding_backward_ms = self.head_forward_ms = self.head_backward_ms = NULL
         self.send_cross_ms = self.layer_state_bytes = self.layer_activation_bytes = self.embedding_state_bytes = self.embedding_activation_bytes = self.head_state_bytes = self.head_activation_bytes = NULL
         self.usable_bytes = self.allreduce_ms = self.embedding_allreduce_ms = self.head_allreduce_ms = self.send_same_ms = self.send_wrap_ms = NULL
+        self.step_forward_ms = self.step_backward_ms = self.optimizer_ms = self.optimizer_fixed_ms = NULL
         self.has_allreduce = self.type_class = self.live = self.cap_rank = NULL
         self.coef_f = self.coef_b = self.coef_s = self.coef_ar = NULL
         self.term_ptr = self.term_idx = self.term_coef = self.owner = NULL
@@ -118,6 +119,10 @@ cdef class SplitSearch:
         self.embedding_backward_ms = _dcopy(table.embedding_backward_ms)
         self.head_forward_ms = _dcopy(table.head_forward_ms)
         self.head_backward_ms = _dcopy(table.head_backward_ms)
+        self.step_forward_ms = _dcopy(table.step_forward_ms)
+        self.step_backward_ms = _dcopy(table.step_backward_ms)
+        self.optimizer_ms = _dcopy(table.optimizer_ms)
+        self.optimizer_fixed_ms = _dcopy(table.optimizer_fixed_ms)
         self.send_cross_ms = _dcopy(table.send_cross_ms)
         self.layer_state_bytes = _dcopy(table.layer_state_bytes)
         self.layer_activation_bytes = _dcopy(table.layer_activation_bytes)
@@ -201,6 +206,7 @@ cdef class SplitSearch:
                 self.cap_rank[t * self.pp + r] = self._rank_cap(t, r)
 
     def __dealloc__(self):
+        free(self.step_forward_ms); free(self.step_backward_ms); free(self.optimizer_ms); free(self.optimizer_fixed_ms)
         free(self.params); free(self.forward_ms); free(self.backward_ms); free(self.embedding_forward_ms); free(self.embedding_backward_ms); free(self.head_forward_ms)
         free(self.head_backward_ms); free(self.send_cross_ms); free(self.layer_state_bytes); free(self.layer_activation_bytes); free(self.embedding_state_bytes); free(self.embedding_activation_bytes)
         free(self.head_state_bytes); free(self.head_activation_bytes); free(self.usable_bytes); free(self.allreduce_ms); free(self.embedding_allreduce_ms); free(self.head_allreduce_ms)
@@ -292,13 +298,18 @@ cdef class SplitSearch:
 
     cdef void _fill(self, int* lb) noexcept nogil:
         cdef int pp = self.pp, v = self.v, nv = self.nv, r, t, i, c, vs, n, hasar
-        cdef double total_ar, fw, bw, arr, efw, ebw, ear, hfw, hbw, har, f, b
+        cdef double total_ar, fw, bw, arr, efw, ebw, ear, hfw, hbw, har, f, b, sfw, sbw, opt
         cdef double* p = self.params
         self._unknown_mins()
         for r in range(pp):
             t = self.types[r]
             total_ar = 0.0
+            sfw = sbw = opt = 0.0     # undecided: framework terms left out (still a lower bound)
             if t >= 0:
+                total_ar = self.optimizer_fixed_ms[t]
+                sfw = self.step_forward_ms[t]
+                sbw = self.step_backward_ms[t]
+                opt = self.optimizer_ms[t]
                 i = t * self.stride + self.slot[r]
                 hasar = self.has_allreduce[i]
                 fw = self.forward_ms[t]
@@ -324,8 +335,9 @@ cdef class SplitSearch:
             for c in range(v):
                 vs = c * pp + r
                 n = self.layers[vs] if self.layers[vs] else lb[vs]
-                f = n * fw
-                b = n * bw
+                f = n * fw + sfw
+                b = n * bw + sbw
+                total_ar += n * opt
                 if hasar:
                     total_ar += n * arr
                 if c == 0 and r == 0:

@@ -2,8 +2,9 @@
 
 Two rows: ``TransformerLayer.__init__`` records the global layer number of every layer this process
 builds (``layer.layer_number`` is 1-based and global in megatron-core), and ``get_forward_backward_func``
-returns the schedule wrapped so that every training call (``forward_only=False``) reports its duration
-to a callback. The by-name copy in ``megatron.core.pipeline_parallel`` is swept, and scripts that import it
+returns the schedule wrapped so that every training call (``forward_only=False``) reports its start and
+stop marks to a callback (``runtime/watch.py`` times an iteration from one call's start to the next's, the
+span the prediction covers: schedule, gradient sync, optimizer step). The by-name copy in ``megatron.core.pipeline_parallel`` is swept, and scripts that import it
 later read the patched attribute. The wrappers never change arguments or results.
 """
 

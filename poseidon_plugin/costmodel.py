@@ -18,6 +18,10 @@ Model (docs/SPECS.md has the formulas and constants):
 * DP gradient sync per layer over the slowest link of the stage's DP group, as a ring: all-reduce
   ``2(dp-1)/dp x grad bytes / bw + 2(dp-1) x latency``; with the distributed optimizer a reduce-scatter
   of gradients plus an all-gather of parameters;
+* framework (measured profiles): every (chunk, micro-batch) step pays the profile's ``step_forward_ms`` /
+  ``step_backward_ms``; the optimizer step (``optimizer_ms`` per layer, / DP with the distributed optimizer,
+  + ``optimizer_fixed_ms``) follows each stage's gradient sync, so the iteration is what a user sees between
+  two logged iterations;
 * memory = parameters x (weight + grad + optimizer bytes, the optimizer part / DP with the distributed
   optimizer) + activations x the simulator's peak live (chunk, micro-batch) count for the rank.
 
@@ -38,6 +42,7 @@ from typing import Any, Mapping, Sequence
 from .errors import InputError
 from .fingerprint import priced_for
 from .plan import Plan, PlanStage, PlanSummary
+from .simulator.graph import extra_params
 from .simulator.schedules import SCHEDULES, peak_live_microbatches
 from .specs import (GIB, LINK_CROSS_TYPE, LINK_INTER_NODE, LINK_INTRA_NODE, ClusterSpec,
                     CostConstants, Device, ModelSpec, ProfileSpec, analytic_profile, constants_for,
@@ -102,6 +107,10 @@ class GroupCosts:
     embedding_activation_bytes: float
     head_activation_bytes: float
     usable_bytes: float               # device memory minus reserves
+    step_forward_ms: float = 0.0      # framework cost per forward micro-batch step of any chunk
+    step_backward_ms: float = 0.0     # ... per backward step
+    optimizer_ms: float = 0.0         # optimizer step, one layer's share (/ dp with the distributed optimizer)
+    optimizer_fixed_ms: float = 0.0   # the rest of a stage's optimizer step
 
     def stage_memory(self, layers: int, live: int, first: bool = False, last: bool = False) -> float:
         """Peak bytes of a (non-interleaved) stage with ``layers`` layers and ``live`` micro-batches."""
@@ -196,6 +205,11 @@ class CostModel:
         self._slots: dict[tuple[str, int, int, int], tuple] = {}
         self._links: dict[tuple, int] = {}
         self._simulators: dict[tuple, Any] = {}
+        # the megatron comm models' CPU cost of one p2p call: one scalar for the whole pipeline, so the
+        # slowest profiled type's (0 in analytic profiles)
+        self.comm_extras: dict[str, float] = {
+            "p2p_call_ms": max((e.p2p_call_ms for e in profile.entries if e.device_type in self.device_types),
+                               default=0.0)}
 
     def _check_profile(self, profile: ProfileSpec) -> None:
         m = self.model
@@ -274,7 +288,9 @@ class CostModel:
             layer_activation_bytes=float(e.activation_bytes),
             embedding_activation_bytes=float(e.embedding_activation_bytes),
             head_activation_bytes=float(e.head_activation_bytes),
-            usable_bytes=usable)
+            usable_bytes=usable, step_forward_ms=e.step_forward_ms, step_backward_ms=e.step_backward_ms,
+            # the distributed optimizer steps 1/dp of the parameters on each device
+            optimizer_ms=e.optimizer_ms / (dp if dist else 1), optimizer_fixed_ms=e.optimizer_fixed_ms)
 
     def max_layers(self, device_type: str, tp: int, mbs: int, dp: int, live: int,
                    first: bool = False, last: bool = False) -> int:
@@ -468,7 +484,8 @@ class CostModel:
                            gc.allreduce_ms[kind] if has_ar else 0.0, gc.embedding_forward_ms,
                            gc.embedding_backward_ms, gc.embedding_allreduce_ms[kind] if has_ar else 0.0,
                            gc.head_forward_ms, gc.head_backward_ms,
-                           gc.head_allreduce_ms[kind] if has_ar else 0.0, has_ar)
+                           gc.head_allreduce_ms[kind] if has_ar else 0.0, has_ar, gc.step_forward_ms,
+                           gc.step_backward_ms, gc.optimizer_ms, gc.optimizer_fixed_ms)
             link = place.send_link[r]
             params[send_index(pp, v, r)] = (gc.send_ms[link] if link >= 0 and link_carries_data(r, pp, v)
                                             else 0.0)
@@ -487,6 +504,8 @@ class CostModel:
                "data_parallel": cand.dp, "stages": stages}
         if comm_model != "dag":
             doc["comm_model"] = comm_model
+            doc.update({name: self.comm_extras[name] for name, _d, _doc in extra_params(comm_model)
+                        if self.comm_extras.get(name)})
         return doc
 
     def memory_per_stage(self, cand: Candidate) -> list[float]:
@@ -518,8 +537,8 @@ class CostModel:
         return not self.memory_violations(cand)
 
     def iteration_ms(self, cand: Candidate, comm_model: str = "dag") -> float:
-        """Simulated iteration time of ``cand`` under the simulator's ``comm_model`` (extras at their
-        defaults, as the search uses them)."""
+        """Simulated iteration time of ``cand`` under the simulator's ``comm_model`` (its extras from the
+        profile, :attr:`comm_extras`, as the search uses them)."""
         sim = self.simulator(cand.schedule, cand.pp, self._m(cand), cand.virtual_stages, comm_model)
         return sim.iteration_time(*self.stage_times(cand))
 
@@ -533,6 +552,9 @@ class CostModel:
             from .simulator import Simulator
             sim = self._simulators[key] = Simulator(schedule, pp, micro_batches, virtual_stages,
                                                     comm_model)
+            for name, _default, _doc in extra_params(comm_model):
+                if name in self.comm_extras:
+                    sim.set_extra(name, self.comm_extras[name])
         return sim
 
     def tokens_per_s(self, iteration_ms: float) -> float:

@@ -20,7 +20,14 @@ columns, ``_search.pyx`` attributes, the arguments below):
 ``embedding_*_bytes``,            the same for the embedding / the output layer
 ``head_*_bytes``
 ``usable_bytes``                  device memory minus reserves
+``step_forward_ms`` ...           framework cost of one forward (``step_backward_ms``: backward)
+                                  micro-batch step of any chunk, outside the model (schedule, loss)
+``optimizer_ms``                  optimizer step, one layer's share, per iteration (after the sync)
+``optimizer_fixed_ms``            the rest of a stage's optimizer step, per iteration
 ================================  ================================================================
+
+The framework terms are constants per (group, chunk) or per (group, stage): a lower bound that leaves them
+out (an undecided stage, ``fallback``) stays a lower bound, because the simulator is monotone in every time.
 
 The parameter vector is the simulator's (:class:`~poseidon_plugin.simulator.graph.ParamLayout`):
 index 0 unused, then forward ms of ``(rank, chunk)`` at ``1 + rank V + chunk``, backward ms after all
@@ -65,21 +72,25 @@ def put_rank_times(params, pp: int, v: int, rank: int, layers, fallback,
                    forward_ms: float, backward_ms: float, allreduce_ms: float,
                    embedding_forward_ms: float, embedding_backward_ms: float,
                    embedding_allreduce_ms: float, head_forward_ms: float, head_backward_ms: float,
-                   head_allreduce_ms: float, has_allreduce) -> None:
+                   head_allreduce_ms: float, has_allreduce, step_forward_ms: float = 0.0,
+                   step_backward_ms: float = 0.0, optimizer_ms: float = 0.0,
+                   optimizer_fixed_ms: float = 0.0) -> None:
     """Write rank ``rank``'s forward and backward ms of every chunk and its all-reduce ms into
     ``params``. Chunk ``c`` holds ``layers[c * pp + rank]`` layers (where that is 0 and ``fallback`` is
     given: ``fallback[c * pp + rank]``, the search's lower bound of an undecided stage); the embedding
     extras go to virtual stage 0, the head extras to the last one; the all-reduce terms count only
-    when ``has_allreduce``."""
+    when ``has_allreduce``. Every chunk pays ``step_*_ms`` per micro-batch; the rank's optimizer step
+    (``optimizer_ms`` per layer + ``optimizer_fixed_ms``) follows its gradient sync, with or without DP."""
     nv = pp * v
-    total_ar = 0.0
+    total_ar = optimizer_fixed_ms
     for c in range(v):
         vs = c * pp + rank
         n = layers[vs]
         if not n and fallback is not None:
             n = fallback[vs]
-        f = n * forward_ms
-        b = n * backward_ms
+        f = n * forward_ms + step_forward_ms
+        b = n * backward_ms + step_backward_ms
+        total_ar += n * optimizer_ms
         if has_allreduce:
             total_ar += n * allreduce_ms
         if c == 0 and rank == 0:

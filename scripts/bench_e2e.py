@@ -26,6 +26,7 @@ predicted vs measured, and Poseidon's measured speed-up over (b). Targets are pr
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -90,7 +91,8 @@ def run_case(case: ClusterCase, *, quick: bool, iters: int, workdir: str, log) -
     if first.code != 0 or not os.path.exists(saved):
         return {"cluster": case.name, "error": f"poseidon-run exited {first.code}", "tail": first.tail}
     plan_a = Plan.load(saved)
-    profile = os.path.join(cache, f"{plan_a.model}-profile.json")
+    # the launcher names the job's profile <job>-<digest>-profile.json (one per devices / software)
+    (profile,) = glob.glob(os.path.join(glob.escape(cache), f"{plan_a.model}-*-profile.json"))
     cm = cost_model(case, profile)
     plans: list[tuple[str, Plan]] = [("(a) poseidon", plan_a)]
     seen = {plan_key(plan_a)}

@@ -18,6 +18,7 @@ launch of the same job finds every entry and skips measuring (logged).
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -98,6 +99,10 @@ def software_versions() -> dict[str, str]:
     }
 
 
+ENTRY_GENERATION = "framework-1"
+"""What a cached entry measures; entries of an older generation (no framework fields) are measured again."""
+
+
 def cache_key(job: JobFlags, request: ProfileRequest, device: Device) -> dict[str, str]:
     """Everything a cached entry depends on, as strings (stored in the profile's ``software`` field)."""
     layer = {
@@ -111,7 +116,7 @@ def cache_key(job: JobFlags, request: ProfileRequest, device: Device) -> dict[st
         "device_type": request.device_type, "device": f"{device.kind}:{device.name()}",
         "slowdown": f"{device.slowdown():.6g}", "tp": str(request.tp), "mbs": str(request.mbs),
         "seq": str(job.seq_length), "dtype": job.dtype, "layer": json.dumps(layer, sort_keys=True),
-        "emulation": emulation.profile_cache_tag(), **software_versions(),
+        "emulation": emulation.profile_cache_tag(), "entry": ENTRY_GENERATION, **software_versions(),
     }
 
 
@@ -265,8 +270,15 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
         return max(statistics.median(device.ms_between(s.marks[start], s.marks[stop]) for s in steps), 1e-6)
 
     first = steps[0]
+    model_forward = span("start", "forward_end")
+    model_backward = span("backward_start", "backward_end")
+    with parallel_state_for(groups):
+        framework = _framework_ms(model, groups, job, device, request, model_forward, model_backward,
+                                  iters=iters)
+    framework.update(_optimizer_ms(model, layer, device, iters=iters))
     # deterministic emulation: the sizes are the emulated model's, the times stay measured
     return emulation.override_profile_entry({
+        **framework,
         "device_type": request.device_type, "tp": request.tp, "mbs": request.mbs,
         "forward_ms": span("layer_pre", "layer_post"),
         "backward_ms": span("layer_out_grad", "layer_in_grad"),
@@ -283,6 +295,167 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
         "head_activation_bytes": first.saved["head"],
         "peak_memory_bytes": peak,
     })
+
+
+FRAMEWORK_MICRO_BATCHES = 4
+"""Micro-batches per schedule call when timing the framework's per-step cost."""
+
+
+@contextlib.contextmanager
+def _timed_steps(device: Device, calls: dict[str, list]) -> Iterator[None]:
+    """Time megatron-core's own ``forward_step`` / ``backward_step`` while the schedule runs.
+
+    The schedule calls them as module globals, so rebinding the module attributes for the duration
+    reaches every call; restored on exit, also on errors.
+    """
+    from megatron.core.pipeline_parallel import schedules
+
+    originals = {"forward": schedules.forward_step, "backward": schedules.backward_step}
+
+    def timed(kind: str):
+        original = originals[kind]
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = device.mark()
+            out = original(*args, **kwargs)
+            calls[kind].append((start, device.mark()))
+            return out
+
+        return wrapper
+
+    schedules.forward_step, schedules.backward_step = timed("forward"), timed("backward")
+    try:
+        yield
+    finally:
+        schedules.forward_step, schedules.backward_step = originals["forward"], originals["backward"]
+
+
+def _framework_ms(model: torch.nn.Module, groups: Any, job: JobFlags, device: Device, request: ProfileRequest,
+                  model_forward_ms: float, model_backward_ms: float, *, iters: int) -> dict[str, float]:
+    """The per-micro-batch cost of the framework around the model: megatron-core's schedule
+    (``forward_backward_no_pipelining``) runs :data:`FRAMEWORK_MICRO_BATCHES` micro-batches of the profiled
+    model, fed like ``pretrain_gpt.py`` (fresh random tokens, per-token loss averaged by a loss function); a
+    step's cost is megatron's ``forward_step`` (``backward_step``) minus the model's own forward (backward)
+    measured by the hooks, plus half the schedule's time outside both (bookkeeping)."""
+    import inspect
+
+    from megatron.core.pipeline_parallel import schedules
+
+    vocab, shape = job.vocab_size, (request.mbs, job.seq_length)
+    positions = torch.arange(job.seq_length, device=device.torch_device).unsqueeze(0).expand(shape)
+
+    def loss_func(per_token: torch.Tensor):
+        loss = per_token.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    def forward_step_func(data_iterator: Any, chunk: torch.nn.Module):
+        tokens = torch.randint(0, vocab, shape).to(device.torch_device)
+        labels = torch.randint(0, vocab, shape).to(device.torch_device)
+        return chunk(tokens, positions, None, labels=labels), loss_func
+
+    kwargs: dict[str, Any] = {"forward_step_func": forward_step_func, "data_iterator": None, "model": model,
+                              "num_microbatches": FRAMEWORK_MICRO_BATCHES, "seq_length": job.seq_length,
+                              "micro_batch_size": request.mbs, "forward_only": False}
+    if "pg_collection" in inspect.signature(schedules.forward_backward_no_pipelining).parameters:
+        # the profiled model is alone in its pipeline, data-parallel and embedding groups
+        collection = copy.copy(groups)
+        for name in ("embd", "pos_embd", "dp_cp", "dp"):
+            setattr(collection, name, groups.pp)
+        kwargs["pg_collection"] = collection
+    runs = []
+    for index in range(1 + iters):   # the first call pays one-time allocations
+        calls: dict[str, list] = {"forward": [], "backward": []}
+        with _timed_steps(device, calls):
+            start = device.mark()
+            schedules.forward_backward_no_pipelining(**kwargs)
+            stop = device.mark()
+        model.zero_grad(set_to_none=True)
+        if index:
+            runs.append((start, stop, calls))
+    device.synchronize()
+    forward, backward, outside = [], [], []
+    for start, stop, calls in runs:
+        f = [device.ms_between(a, b) for a, b in calls["forward"]]
+        b = [device.ms_between(a, b) for a, b in calls["backward"]]
+        forward += f
+        backward += b
+        outside.append((device.ms_between(start, stop) - sum(f) - sum(b)) / FRAMEWORK_MICRO_BATCHES)
+    between = max(statistics.median(outside), 0.0) / 2
+    return {"step_forward_ms": max(statistics.median(forward) - model_forward_ms, 0.0) + between,
+            "step_backward_ms": max(statistics.median(backward) - model_backward_ms, 0.0) + between}
+
+
+def _optimizer_ms(model: torch.nn.Module, layer: torch.nn.Module, device: Device, *, iters: int) -> dict[str, float]:
+    """The optimizer step per iteration: megatron-core's Adam class (the one its optimizer wraps here) stepped
+    over the profiled model's parameters, and over all but the layer's; the difference is one layer's share,
+    the rest is the fixed part of a stage (per-call cost, embedding, output layer)."""
+    from megatron.core import optimizer as megatron_optimizer
+
+    adam = getattr(megatron_optimizer, "Adam", torch.optim.AdamW)
+    in_layer = {id(p) for p in layer.parameters()}
+    every = [p for p in model.parameters() if p.requires_grad]
+    rest = [p for p in every if id(p) not in in_layer]
+
+    def step_ms(params: list) -> float:
+        if not params:
+            return 0.0
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        opt = adam(params, lr=1e-6, weight_decay=0.01)
+        times = []
+        for index in range(1 + iters):
+            start = device.mark()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            stop = device.mark()
+            if index:
+                times.append((start, stop))
+        device.synchronize()
+        return statistics.median(device.ms_between(a, b) for a, b in times)
+
+    with torch.no_grad():
+        total = step_ms(every)
+        fixed = step_ms(rest)
+    model.zero_grad(set_to_none=True)
+    return {"optimizer_ms": max(total - fixed, 0.0), "optimizer_fixed_ms": fixed}
+
+
+P2P_CALLS = 20
+"""Timed p2p calls per rank pair."""
+
+
+def p2p_call_ms(world: World, rank: int, device: Device, job: JobFlags) -> float:
+    """Collective: the CPU cost of one pipeline p2p call on this rank, as megatron-core makes it (allocate the
+    receive buffer of a stage activation, post the send and the receive with ``batch_isend_irecv``), up to the
+    moment both are posted; median over :data:`P2P_CALLS` calls with a partner rank (0 with one rank)."""
+    from poseidon_plugin.runtime.megatron_model import torch_dtype
+
+    size = len(world.ranks)
+    if size < 2:
+        return 0.0
+    rounds = [[(r, r + 1) for r in range(0, size - 1, 2)]]
+    if size % 2:
+        rounds.append([(0, size - 1)])   # the odd rank out pairs with rank 0 afterwards
+    shape = (job.seq_length, 1, job.hidden_size)
+    dtype = torch_dtype(job)
+    payload = torch.zeros(shape, dtype=dtype, device=device.torch_device)
+    times: list[float] = []
+    for pairs in rounds:
+        peer = next((b if a == rank else a for a, b in pairs if rank in (a, b)), None)
+        if peer is None:
+            continue
+        for _ in range(1 + P2P_CALLS):   # the first call sets up the pair
+            start = device.mark()
+            buffer = torch.empty(shape, dtype=dtype, device=device.torch_device, requires_grad=True)
+            ops = [dist.P2POp(dist.isend, payload, peer), dist.P2POp(dist.irecv, buffer, peer)]
+            if rank > peer:   # matching order on both sides
+                ops.reverse()
+            works = dist.batch_isend_irecv(ops)
+            posted = device.mark()
+            for work in works:
+                work.wait()
+            times.append(device.ms_between(start, posted))
+    return statistics.median(times[1:]) if len(times) > 1 else 0.0
 
 
 # --- the collective flow --------------------------------------------------------------------------
@@ -338,10 +511,12 @@ def profile_world(*, world: World, rank: int, device: Device, job: JobFlags, mod
     missing = [req for req in requests if req.key not in cached]
     measured: list[dict] = []
     if missing:
+        call_ms = p2p_call_ms(world, rank, device, job)
         groups = _profiling_groups(world, missing, rank)
         for req in missing:
             if req.device_type == me.device_type and req.tp in groups:
-                measured.append(measure(job, device, groups[req.tp], req, warmup=warmup, iters=iters))
+                doc = measure(job, device, groups[req.tp], req, warmup=warmup, iters=iters)
+                measured.append({**doc, "p2p_call_ms": call_ms})
     merged = dict(cached)
     if missing:
         by_key: dict[tuple, list[dict]] = {}

@@ -2,9 +2,13 @@
 
 Installed just before the training script starts (``patches/watch.py`` does the hooking). On the first
 training step every rank compares the global layer numbers it built with the plan's (and stops the job
-with a clear error if the script did not honour the rewritten flags); the first ``--poseidon-watch-iterations``
-steps are timed, and rank 0 logs each against the simulator's prediction, then the median (the first step,
-which pays one-time allocations, is left out when there are at least two), with a warning past 10 %.
+with a clear error if the script did not honour the rewritten flags). Iterations are timed over the span the
+prediction covers (:data:`SPAN`): from the start of one training step (the schedule call) to the start of the
+next, i.e. the schedule with its gradient sync, then the optimizer step, zeroing and logging -- what a user
+sees between two logged iterations. Iteration ``n`` is therefore known when step ``n + 1`` starts: the first
+``--poseidon-watch-iterations`` of them are logged by rank 0 against the prediction, then the median (the
+first iteration, which pays one-time allocations, is left out when there are at least two), with a warning
+past 10 %. A run that stops earlier is summarised with what was measured.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from poseidon_plugin.runtime.devices import Device
 from poseidon_plugin.runtime.placement import planned_layers
 
 WARN_FRACTION = 0.10
+SPAN = "step start to next step start: schedule, gradient sync, optimizer step"
+"""What a watched iteration covers, as its log lines say."""
 
 
 class Watch:
@@ -36,6 +42,7 @@ class Watch:
         self.log_rank0 = log_rank0
         self.measured_ms: list[float] = []
         self.priced_elsewhere = priced_elsewhere(plan, device.kind)
+        self._last_start: object | None = None
 
     def install(self) -> None:
         """Apply the watch patches and route their reports here."""
@@ -48,22 +55,25 @@ class Watch:
         watch_patch.TABLE.revert()
 
     def on_iteration(self, index: int, start: object, stop: object) -> None:
-        """Called after each training schedule call."""
+        """Called after each training schedule call (``start``/``stop``: its marks): iteration ``index - 1``
+        ends where step ``index`` starts."""
         if index == 1:
             self.check_layers()
-        if index > self.iterations:
+        previous, self._last_start = self._last_start, start
+        done = index - 1
+        if previous is None or done < 1 or done > self.iterations:
             return
         self.device.synchronize()
-        measured = self.device.ms_between(start, stop)
+        measured = self.device.ms_between(previous, start)
         self.measured_ms.append(measured)
         predicted = self.plan.predicted_iteration_ms
         if self.priced_elsewhere:
-            self.log_rank0(f"iteration {index}: measured {measured:.1f} ms (no prediction for this run: "
+            self.log_rank0(f"iteration {done}: measured {measured:.1f} ms (no prediction for this run: "
                            f"{self.priced_elsewhere})")
         else:
-            self.log_rank0(f"iteration {index}: measured {measured:.1f} ms, predicted {predicted:.1f} ms "
-                           f"({_signed(measured, predicted)})")
-        if index == self.iterations:
+            self.log_rank0(f"iteration {done}: measured {measured:.1f} ms, predicted {predicted:.1f} ms "
+                           f"({_signed(measured, predicted)}; {SPAN})")
+        if done == self.iterations:
             self.summarize()
 
     def check_layers(self) -> None:
@@ -85,14 +95,15 @@ class Watch:
         steady = self.measured_ms[1:] if len(self.measured_ms) >= 2 else self.measured_ms
         measured = statistics.median(steady)
         predicted = self.plan.predicted_iteration_ms
-        which = f"iterations 2-{len(self.measured_ms)}" if len(self.measured_ms) >= 2 else "iteration 1"
+        n = len(self.measured_ms)
+        which = f"iterations 2-{n}" if n > 2 else "iteration 2" if n == 2 else "iteration 1"
         if self.priced_elsewhere:
-            self.log_rank0(f"watch: median of {which}: measured {measured:.1f} ms; not compared with the plan's "
+            self.log_rank0(f"watch: median of {which}: measured {measured:.1f} ms ({SPAN}); not compared with the plan's "
                            f"{predicted:,.1f} ms: {self.priced_elsewhere}; re-plan here (drop --poseidon-plan) "
                            f"for a prediction of this run")
             return
         self.log_rank0(f"watch: median of {which}: measured {measured:.1f} ms vs predicted {predicted:.1f} ms "
-                       f"({_signed(measured, predicted)})")
+                       f"({_signed(measured, predicted)}); span: {SPAN}")
         if predicted > 0 and abs(measured - predicted) > WARN_FRACTION * predicted:
             self.log_rank0(f"WARNING: measured iteration time is {_signed(measured, predicted)} off the prediction "
                            f"(more than {WARN_FRACTION:.0%}); the profile may not reflect the training "

@@ -29,7 +29,7 @@ def _candidate(sg: ShapeGroup, types, layers) -> Candidate:
 
 
 def _space(cm: CostModel, options: SearchOptions) -> tuple[SearchSpace, ShapeCache]:
-    return SearchSpace(cm, options), ShapeCache(use_pure_python(options), options.comm_model)
+    return SearchSpace(cm, options), ShapeCache(use_pure_python(options), options.comm_model, cm.comm_extras)
 
 
 def _block_orders(counts, names, tb):

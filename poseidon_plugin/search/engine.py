@@ -67,7 +67,7 @@ class SearchRun:
         self.node_budget = node_budget
         self.pure = use_pure_python(options)
         self.space = SearchSpace(cm, options)
-        self.shapes = ShapeCache(self.pure, options.comm_model)
+        self.shapes = ShapeCache(self.pure, options.comm_model, cm.comm_extras)
         self.board = Leaderboard(options.top_k,
                                  exact_alternatives=options.mode == "exhaustive" or options.exact_alternatives)
         self.ctr = [0] * N_COUNTERS

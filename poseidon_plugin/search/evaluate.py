@@ -29,7 +29,8 @@ def fill_plan(params, table: TypeTable, shape: ShapeData, types: Sequence[int],
                        table.allreduce_ms[i], table.embedding_forward_ms[t],
                        table.embedding_backward_ms[t], table.embedding_allreduce_ms[i],
                        table.head_forward_ms[t], table.head_backward_ms[t], table.head_allreduce_ms[i],
-                       table.has_allreduce[i])
+                       table.has_allreduce[i], table.step_forward_ms[t], table.step_backward_ms[t],
+                       table.optimizer_ms[t], table.optimizer_fixed_ms[t])
         n_r = (r + 1) % pp
         if not link_carries_data(r, pp, v):
             s = 0.0

@@ -81,7 +81,8 @@ class SearchOptions:
     comm_model: str = "dag"
     """Simulator communication model the plans are timed with: ``dag`` (the paper's fixed edge delays),
     ``megatron`` (Megatron's blocking rendezvous p2p, docs/FIDELITY.md) or ``megatron-overlap``. Every
-    model's extra parameters take their defaults. The bounds stay valid for all (docs/SEARCH.md)."""
+    model's extra parameters take the cost model's values (``CostModel.comm_extras``: the profile's
+    ``p2p_call_ms``) or their defaults. The bounds stay valid for all (docs/SEARCH.md)."""
 
     pure_python: bool | None = None
     """Force (``True``) or forbid (``False``) the pure-Python search loop; ``None``: the environment

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from typing import Mapping
 
 from ..simulator.core import cached_graph, make_kernel
 from ..simulator.graph import ParamLayout, extra_params
@@ -319,20 +320,22 @@ class ShapeData:
                  "live", "paths", "pure_python", "comm_model", "_template")
 
     def __init__(self, schedule: str, pp: int, micro_batches: int, virtual_stages: int,
-                 pure_python: bool, comm_model: str = "dag"):
+                 pure_python: bool, comm_model: str = "dag", extras: Mapping[str, float] | None = None):
         self.schedule, self.pp = schedule, pp
         self.micro_batches, self.virtual_stages = micro_batches, virtual_stages
         self.nv = pp * virtual_stages
         self.pure_python = pure_python
         self._kernel = None
         self.comm_model = comm_model
+        values = extras
         extras = extra_params(comm_model)
         layout = ParamLayout(pp=pp, virtual_stages=virtual_stages,
                              extra_names=tuple(name for name, _d, _doc in extras))
         self.n_params = layout.size
         self._template = array("d", [0.0]) * self.n_params
         for name, default, _doc in extras:
-            self._template[layout.extra(name)] = default
+            # the cost model's values (CostModel.comm_extras: measured p2p_call_ms) where it has them
+            self._template[layout.extra(name)] = (values or {}).get(name, default)
         self.live = array("i", peak_live_microbatches(schedule, pp, micro_batches, virtual_stages))
         self.paths = bound_paths(schedule, pp, micro_batches, virtual_stages)
 
@@ -363,9 +366,10 @@ class ShapeData:
 class ShapeCache:
     """ShapeData per shape, built on first use (a search touches a few hundred shapes)."""
 
-    def __init__(self, pure_python: bool, comm_model: str = "dag"):
+    def __init__(self, pure_python: bool, comm_model: str = "dag", extras: Mapping[str, float] | None = None):
         self.pure_python = pure_python
         self.comm_model = comm_model
+        self.extras = dict(extras or {})
         self._shapes: dict[tuple, ShapeData] = {}
 
     def get(self, schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> ShapeData:
@@ -374,7 +378,7 @@ class ShapeCache:
         data = self._shapes.get(key)
         if data is None:
             data = self._shapes[key] = ShapeData(schedule, pp, micro_batches, virtual_stages,
-                                                 self.pure_python, self.comm_model)
+                                                 self.pure_python, self.comm_model, self.extras)
         return data
 
     def __len__(self) -> int:

@@ -22,7 +22,8 @@ from ..specs import LINK_CROSS_TYPE
 TYPE_COLUMNS = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding_backward_ms",
                 "head_forward_ms", "head_backward_ms", "send_cross_ms", "layer_state_bytes",
                 "layer_activation_bytes", "embedding_state_bytes", "embedding_activation_bytes",
-                "head_state_bytes", "head_activation_bytes", "usable_bytes")
+                "head_state_bytes", "head_activation_bytes", "usable_bytes", "step_forward_ms",
+                "step_backward_ms", "optimizer_ms", "optimizer_fixed_ms")
 # per-slot columns ([t * max_slots + j]): the GroupCosts all-reduce fields at the slot's DP link,
 # whether it has one, and the sends to the next slot of its type and back to slot 0
 SLOT_COLUMNS = ("allreduce_ms", "embedding_allreduce_ms", "head_allreduce_ms", "has_allreduce",
@@ -59,6 +60,10 @@ class TypeTable:
     head_state_bytes: array
     head_activation_bytes: array
     usable_bytes: array        # 'd' per type: usable bytes per device
+    step_forward_ms: array     # 'd' per type: framework cost of one forward micro-batch step of a chunk
+    step_backward_ms: array    # 'd' ... of one backward step
+    optimizer_ms: array        # 'd' per type: optimizer step, one layer's share, per iteration
+    optimizer_fixed_ms: array  # 'd' per type: the rest of a stage's optimizer step
 
     @property
     def key(self) -> tuple[int, int, int]:

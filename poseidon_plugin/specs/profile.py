@@ -14,7 +14,11 @@ File format (``format: poseidon-profile``, ``version: 1``)::
                   "embedding_forward_ms": 0.2, "embedding_backward_ms": 0.1, "embedding_params": ...,
                   "embedding_activation_bytes": 0,
                   "head_forward_ms": 3.0, "head_backward_ms": 6.0, "head_params": ...,
-                  "head_activation_bytes": ...}, ...]}
+                  "head_activation_bytes": ...,
+                  "step_forward_ms": 0.4, "step_backward_ms": 0.3, "p2p_call_ms": 0.1,
+                  "optimizer_ms": 0.2, "optimizer_fixed_ms": 1.5}, ...]}
+
+The framework fields (``FRAMEWORK_FIELDS``) are optional: files written before them load with 0.
 """
 
 from __future__ import annotations
@@ -55,6 +59,14 @@ class ProfileEntry:
     head_backward_ms: float = 0.0
     head_params: int = 0
     head_activation_bytes: int = 0
+    # The framework around the layers (0 in analytic profiles and in files older than these fields):
+    step_forward_ms: float = 0.0        # per forward micro-batch step of a stage, outside the model's forward:
+                                        # schedule bookkeeping, forward_step, data, loss function
+    step_backward_ms: float = 0.0       # per backward step, outside the model's backward (backward_step, schedule)
+    p2p_call_ms: float = 0.0            # CPU cost of one pipeline p2p call (the megatron comm model's p2p_call_ms)
+    optimizer_ms: float = 0.0           # optimizer step, share of one layer's parameters, per iteration
+    optimizer_fixed_ms: float = 0.0     # optimizer step of a stage besides its layers' share (per-call cost,
+                                        # embedding and output layer), per iteration
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -63,7 +75,10 @@ class ProfileEntry:
 
 
 _ENTRY_FLOATS = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding_backward_ms",
-                 "head_forward_ms", "head_backward_ms")
+                 "head_forward_ms", "head_backward_ms", "step_forward_ms", "step_backward_ms", "p2p_call_ms",
+                 "optimizer_ms", "optimizer_fixed_ms")
+FRAMEWORK_FIELDS = ("step_forward_ms", "step_backward_ms", "p2p_call_ms", "optimizer_ms", "optimizer_fixed_ms")
+"""Per-micro-batch and per-iteration costs around the layers; optional (0) in files."""
 _ENTRY_INTS = ("layer_params", "activation_bytes", "send_bytes", "embedding_params",
                "embedding_activation_bytes", "head_params", "head_activation_bytes")
 _ENTRY_REQUIRED = ("device_type", "tp", "mbs", "forward_ms", "backward_ms", "layer_params",

@@ -69,6 +69,9 @@ def test_profile_entries_and_cache(gloo_pool, tmp_path):
             assert entry[name] > 0, name
         assert entry["activation_bytes"] > entry["send_bytes"]   # a layer keeps more than its output
         assert entry["head_activation_bytes"] > 0
+        # the framework around the layer: schedule steps, one p2p call (2 ranks pair up), the optimizer
+        for name in ("step_forward_ms", "step_backward_ms", "p2p_call_ms", "optimizer_fixed_ms"):
+            assert entry[name] > 0, name
     for tp in (1, 2):  # what a layer keeps for backward grows with the micro-batch
         assert by_key[(tp, 2)]["activation_bytes"] > by_key[(tp, 1)]["activation_bytes"]
     files = sorted(os.listdir(cache))
@@ -83,3 +86,24 @@ def test_profile_entries_and_cache(gloo_pool, tmp_path):
         fh.write("{not json")
     third = pool.run(_profile, cache, timeout_s=240)[0]  # a corrupt file is re-measured, not trusted
     assert (third["reused"], third["measured"]) == (3, 1)
+
+
+def test_cache_entry_without_framework_fields_is_measured_again(gloo_pool, tmp_path):
+    """An entry written before the framework fields (older cache generation) is not reused."""
+    import json
+
+    pool = gloo_pool(2)
+    cache = str(tmp_path / "cache")
+    pool.run(_profile, cache, timeout_s=240)
+    for path in glob.glob(os.path.join(cache, "*.json")):
+        with open(path) as fh:
+            doc = json.load(fh)
+        for entry in doc["entries"]:
+            for name in ("step_forward_ms", "step_backward_ms", "p2p_call_ms", "optimizer_ms", "optimizer_fixed_ms"):
+                entry.pop(name)
+        del doc["software"]["entry"]                  # what an older Poseidon wrote: no generation
+        with open(path, "w") as fh:
+            json.dump(doc, fh)
+    again = pool.run(_profile, cache, timeout_s=240)[0]
+    assert (again["reused"], again["measured"]) == (0, 4)
+    assert all(e["step_forward_ms"] > 0 for e in again["entries"])

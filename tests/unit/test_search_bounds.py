@@ -37,7 +37,10 @@ def random_table(rng, nt, dp, slots) -> TypeTable:
         send_wrap_ms=col(0, .5, nt * s), send_cross_ms=col(.2, 1.5), layer_state_bytes=col(1, 1),
         layer_activation_bytes=col(.05, .4), embedding_state_bytes=col(0, 1),
         embedding_activation_bytes=col(0, .3), head_state_bytes=col(0, 1),
-        head_activation_bytes=col(0, .5), usable_bytes=col(4, 14))
+        head_activation_bytes=col(0, .5), usable_bytes=col(4, 14),
+        # framework terms per (chunk, micro-batch) step and per stage: the bounds leave them out
+        step_forward_ms=col(0, .3), step_backward_ms=col(0, .3), optimizer_ms=col(0, .2),
+        optimizer_fixed_ms=col(0, 1))
 
 
 def random_structure(seed: int, pure: bool):

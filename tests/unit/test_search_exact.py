@@ -149,3 +149,45 @@ def test_exact_equals_exhaustive_megatron_comm(comm_model, seed, pure_python):
 def test_comm_model_option_is_validated():
     with pytest.raises(InputError, match="--comm-model 'nccl'.*dag, megatron"):
         SearchOptions(comm_model="nccl")
+
+
+def with_framework_costs(cm: CostModel, seed: int) -> CostModel:
+    """The problem's cost model with a measured-like profile: per type, a framework cost per micro-batch
+    step, a p2p call's CPU cost and an optimizer step (per layer and fixed), up to a layer's time."""
+    import dataclasses
+
+    rng = random.Random(seed)
+    scale = {t: rng.uniform(0.0, 0.6) for t in cm.profile.device_types()}
+    entries = tuple(dataclasses.replace(
+        e, step_forward_ms=scale[e.device_type] * e.forward_ms, step_backward_ms=rng.uniform(0, 0.4) * e.forward_ms,
+        optimizer_ms=rng.uniform(0, 0.3) * e.forward_ms, optimizer_fixed_ms=rng.uniform(0, 3) * e.forward_ms,
+        p2p_call_ms=rng.uniform(0, 0.2) * e.forward_ms)
+        for e in cm.profile.entries)
+    profile = dataclasses.replace(cm.profile, entries=entries, source="measured")
+    return CostModel(cm.cluster, cm.model, profile)
+
+
+@pytest.mark.parametrize("comm_model,seed", [("dag", s) for s in range(12)]
+                         + [("megatron", s) for s in range(12, 18)] + [("megatron-overlap", s) for s in range(18, 22)])
+def test_exact_equals_exhaustive_with_framework_costs(comm_model, seed, pure_python):
+    """Per-step framework costs and the optimizer step (constants per group) leave the bounds valid: --exact
+    still finds the exhaustive optimum, whose time is the cost model's prediction including them."""
+    cm, schedules = random_problem(500 + seed)
+    cm = with_framework_costs(cm, seed)
+    opts = dict(schedules=schedules, top_k=2, warmup_samples=seed % 3 * 10, pure_python=pure_python,
+                comm_model=comm_model)
+    assert cm.comm_extras["p2p_call_ms"] > 0
+    got, _ref = exact_and_exhaustive(cm, opts)
+    cand = candidate(got.plan)
+    assert cm.iteration_ms(cand, comm_model) == got.plan.predicted_iteration_ms
+    doc = cm.stage_input(cand, comm_model)   # the simulator's input carries the measured p2p call cost
+    assert doc.get("p2p_call_ms", 0.0) == (cm.comm_extras["p2p_call_ms"] if comm_model != "dag" else 0.0)
+    # the extras are in the stage times: every chunk pays a step, every rank its optimizer step
+    fwd, bwd, _send, ar = cm.stage_times(cand)
+    for r in range(cand.pp):
+        gc = cm.group(cand.stage_types[r], cand.tp, cand.mbs, cand.dp)
+        for c, n in enumerate(cand.chunk_layers(r)):
+            assert fwd[r * cand.virtual_stages + c] >= n * gc.forward_ms + gc.step_forward_ms
+        optimizer = gc.optimizer_fixed_ms + sum(cand.chunk_layers(r)) * gc.optimizer_ms
+        assert optimizer > 0
+        assert ar[r] == pytest.approx(optimizer) if cand.dp == 1 else ar[r] > optimizer

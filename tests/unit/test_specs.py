@@ -368,3 +368,31 @@ def test_profile_entry_defaults_are_zero_extras():
     e = ProfileEntry(device_type="X", tp=1, mbs=1, forward_ms=1.0, backward_ms=2.0, layer_params=10,
                      activation_bytes=5, send_bytes=4)
     assert e.head_forward_ms == 0.0 and e.embedding_params == 0 and e.key == ("X", 1, 1)
+
+
+def test_profile_framework_fields_round_trip_and_old_files_load(tmp_path):
+    import dataclasses
+
+    from poseidon_plugin.specs.profile import FRAMEWORK_FIELDS
+
+    p = _profile()
+    values = dict(step_forward_ms=0.4, step_backward_ms=0.3, p2p_call_ms=0.125, optimizer_ms=0.2,
+                  optimizer_fixed_ms=1.5)
+    assert set(values) == set(FRAMEWORK_FIELDS)
+    measured = dataclasses.replace(p, entries=tuple(dataclasses.replace(e, **values) for e in p.entries))
+    write_profile(tmp_path / "new.json", measured)
+    again = load_profile(tmp_path / "new.json")
+    assert again.entries == measured.entries
+    assert {k: getattr(again.entries[0], k) for k in values} == values
+    # a file written before the framework fields: they read as 0
+    doc = measured.to_dict()
+    for entry in doc["entries"]:
+        for name in FRAMEWORK_FIELDS:
+            del entry[name]
+    (tmp_path / "old.json").write_text(json.dumps(doc))
+    old = load_profile(tmp_path / "old.json")
+    assert all(getattr(e, name) == 0.0 for e in old.entries for name in FRAMEWORK_FIELDS)
+    doc["entries"][0]["step_forward_ms"] = -1.0
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(InputError, match=r"entries\[0\]\.step_forward_ms = -1.0 is invalid"):
+        load_profile(tmp_path / "bad.json")
