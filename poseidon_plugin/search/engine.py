@@ -132,15 +132,15 @@ class SearchRun:
         heap = self.open_groups
         # the open groups, cheapest bound first; the memory-aware bound is computed lazily, for the
         # few groups that reach the top (a cheap bound is valid too, so the effort is capped)
-        for _ in range(LAZY_BOUNDS):
-            if not heap or heap[0][0] >= lb:
-                break
+        lazy = LAZY_BOUNDS
+        while heap and heap[0][0] < lb:
             b, strong, i = heap[0]
             if self.group_done[i]:
-                heapq.heappop(heap)
-            elif strong:
+                heapq.heappop(heap)        # closed: its floor is counted (a done group costs nothing)
+            elif strong or lazy == 0:
                 break
             else:
+                lazy -= 1
                 heapq.heapreplace(heap, (max(b, self.bound(self.sgs[i], memory=True)), True, i))
         if heap:
             lb = min(lb, heap[0][0])
@@ -298,17 +298,18 @@ class SearchRun:
         # the per-position memory bound costs ~pp x types per step: computed below, only for the
         # structures the cheap bound does not cut
         bounds = [self.bound(sg, vec, positional=False) for vec in vectors]
-        # the open structures of this group, as a suffix minimum: after structure i, i+1.. are open
-        suffix = [INF] * (len(vectors) + 1)
-        for i in range(len(vectors) - 1, -1, -1):
-            suffix[i] = min(bounds[i], suffix[i + 1])
+        strong = [False] * len(vectors)     # bounds[i] is the memory-aware form
         for i, vec in enumerate(vectors):
             if self.out_of_time():
-                self.partial = suffix[i]
+                self.partial = self.open_structures_bound(sg, vectors, bounds, strong, i)
                 return
             self.structures += 1
             tau = self.board.threshold(key) * self.shrink
-            if bounds[i] >= tau or self.bound(sg, vec) >= tau:
+            if bounds[i] < tau:
+                # the memory-aware form is valid too, and the larger: it also bounds the structure
+                # while open
+                bounds[i], strong[i] = max(bounds[i], self.bound(sg, vec)), True
+            if bounds[i] >= tau:
                 self.pruned_structures += 1
                 self.close(tau)
                 continue
@@ -321,11 +322,25 @@ class SearchRun:
             if res.aborted:
                 self.complete = False
                 # this structure is open: its plans take at least its own bound (and a plan it found)
-                self.partial = min(bounds[i], suffix[i + 1])
+                self.partial = self.open_structures_bound(sg, vectors, bounds, strong, i)
                 return
             # closed: every plan below tau was searched, and the loop lowered tau to best x shrink
             self.close(min(tau, res.time_ms * self.shrink))
         self.partial = INF
+
+    def open_structures_bound(self, sg: ShapeGroup, vectors, bounds: list[float], strong: list[bool],
+                              start: int) -> float:
+        """Bound of the structures ``start..`` of a group the clock left open: the memory-aware bound of
+        the cheapest ones (at most ``LAZY_BOUNDS`` computed, cheapest first; the rest keep the cheap one)."""
+        heap = [(bounds[i], i) for i in range(start, len(vectors))]
+        heapq.heapify(heap)
+        for _ in range(LAZY_BOUNDS):
+            if not heap or strong[heap[0][1]]:
+                break
+            b, i = heap[0]
+            strong[i] = True
+            heapq.heapreplace(heap, (max(b, self.bound(sg, vectors[i])), i))
+        return heap[0][0] if heap else INF
 
     def search(self) -> None:
         sgs = list(self.space.shape_groups())
