@@ -29,6 +29,7 @@ from .counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES, 
 from .evaluate import greedy_split, plan_fits, simulate_plan, spread
 from .leaderboard import Leaderboard
 from .options import SearchOptions, SearchResult, SearchStats, TimeLimitError
+from .seeds import assignment_seeds
 from .shapes import ShapeCache, ShapeData
 from .space import SearchSpace, ShapeGroup
 from .splits import SplitSearch as PySplitSearch
@@ -223,8 +224,11 @@ class SearchRun:
         bubble = (m + (sg.pp - 1) / sg.virtual_stages) / m
         return m * self.space.num_layers / rate * bubble
 
-    def seed(self, sg: ShapeGroup) -> None:
-        """A greedy plan per contiguous type order of the fastest-first counts (an early incumbent)."""
+    def seed(self, sg: ShapeGroup, build: bool = True) -> None:
+        """A greedy plan per contiguous type order of the fastest-first counts, and the memory-aware
+        assignment seeds (:mod:`.seeds`): early incumbents. ``build=False``: the assignment seeds only
+        when the shape's DAG is built already (a frontier-scale DAG costs ~1.7 s under the megatron
+        comm models; the group's own turn builds it anyway)."""
         g = sg.group
         tb, shape = self.space.table(g), self.shape(sg)
         order = sorted(range(len(g.names)), key=lambda t: (tb.forward_ms[t] + tb.backward_ms[t]))
@@ -240,6 +244,18 @@ class SearchRun:
             types = [t for t in seq_types for _ in range(counts[t])]
             rank_layers = greedy_split(tb, shape, types, self.space.num_layers)
             if rank_layers is None:
+                continue
+            layers = spread(rank_layers, sg.pp, sg.virtual_stages)
+            if not plan_fits(tb, shape, types, layers):
+                continue
+            ms = simulate_plan(params, tb, shape, types, layers)
+            self.sim_calls += 1
+            self.offer(sg, ms, types, layers)
+        # memory-aware orders: the types where their memory holds the most layers (search/seeds.py)
+        if not (build or shape.has_kernel):
+            return
+        for types, rank_layers in assignment_seeds(tb, shape, g.slots, self.space.num_layers):
+            if any(types.count(t) > g.slots[t] for t in set(types)):
                 continue
             layers = spread(rank_layers, sg.pp, sg.virtual_stages)
             if not plan_fits(tb, shape, types, layers):
@@ -368,7 +384,7 @@ class SearchRun:
                 continue
             # a seed builds the group's DAG: only for groups the cheap bounds cannot cut already
             if self.root_splitter(sg) is not None:
-                self.seed(sg)
+                self.seed(sg, build=False)
                 alive.append(sg)
             elif not self.complete and not self.board.best and self.bound(sg, memory=False) < INF:
                 self.seed(sg)          # the clock ran out inside the root check
