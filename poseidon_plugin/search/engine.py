@@ -306,7 +306,9 @@ class SearchRun:
                 self.pruned_shapes += 1
                 self.partial = INF
             return
-        if sg.key not in self.board.best:
+        # a seed may build the shape's DAG (~1.7 s at frontier scale): not past the deadline, unless
+        # there is no plan at all yet
+        if sg.key not in self.board.best and (not self.out_of_time() or not self.board.best):
             self.seed(sg)
         vectors = self.space.count_vectors(sg)
         tb = self.space.table(g)
