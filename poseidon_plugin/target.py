@@ -202,18 +202,23 @@ def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "Search
     progress...); its mode, schedules, virtual stages and comm model are the target's. The time limit is
     shared among the variants: each gets an equal share of what is left when it starts, so a variant
     that finishes early hands its rest on (``clock``, default ``time.monotonic``: what the limit is
-    measured on). Raises the first variant's NoFeasiblePlanError when none finds a plan.
+    measured on). The narrower variants (fewer schedules: interleaved without overlap) search first: they
+    are cheap or empty where the broad one is not (frontier-1024: memory leaves interleaved without overlap
+    no plan), so the broad variant gets the time they leave instead of half the limit. Raises the first
+    variant's NoFeasiblePlanError (in the target's order) when none finds a plan.
     """
     from .search import SearchOptions, search
     from .search.options import TimeLimitError
 
     base = dataclasses.replace(options or SearchOptions(), mode=target.search_mode,
                                virtual_stages=target.virtual_stages, dp_multiple=target.dp_multiple)
-    variants = target.variants()
+    # narrowest first (stable: equal widths keep the target's order); each later one inherits the rest
+    rank = {v: i for i, v in enumerate(target.variants())}      # the target's order breaks ties
+    variants = tuple(sorted(rank, key=lambda v: (len(v.schedules), rank[v])))
     clock = clock or time.monotonic
     deadline = None if base.time_limit_s is None else clock() + base.time_limit_s
     best = None
-    first_error: NoFeasiblePlanError | None = None
+    errors: dict[int, NoFeasiblePlanError] = {}
     out_of_time = False           # a variant stopped before any plan: its bound still counts
     wall_s = 0.0
     bounds: list[float] = []      # each variant's proven lower bound: the whole space's is their minimum
@@ -235,7 +240,7 @@ def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "Search
         try:
             result = search(cost_model, opts, clock=clock)
         except NoFeasiblePlanError as exc:
-            first_error = first_error or exc
+            errors[rank[variant]] = exc
             continue
         except TimeLimitError as exc:
             out_of_time, complete = True, False
@@ -244,13 +249,14 @@ def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "Search
         wall_s += result.stats.wall_s
         complete = complete and bool(result.stats.complete)
         bounds.append(float(result.stats.lower_bound_ms))
-        if best is None or result.plan.predicted_iteration_ms < best[1].plan.predicted_iteration_ms:
+        ms = result.plan.predicted_iteration_ms
+        if best is None or (ms, rank[variant]) < (best[1].plan.predicted_iteration_ms, rank[best[0]]):
             best = (variant, result)
     if best is None:
         if out_of_time:
             raise TimeLimitError(base.time_limit_s)
-        if first_error is not None:
-            raise first_error
+        if errors:
+            raise errors[min(errors)]         # the broadest variant's reason
         raise NoFeasiblePlanError(f"no plan: interleaved without p2p overlap needs at least "
                                   f"{MIN_PP_INTERLEAVED_WITHOUT_OVERLAP} pipeline stages on Megatron-LM; allow a "
                                   f"larger --max-pp, add schedule 1f1b, or let the plan overlap p2p")

@@ -29,6 +29,7 @@ from .counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES, 
 from .evaluate import greedy_split, plan_fits, simulate_plan, spread
 from .leaderboard import Leaderboard
 from .options import SearchOptions, SearchResult, SearchStats, TimeLimitError
+from .seeds import assignment_seeds
 from .shapes import ShapeCache, ShapeData
 from .space import SearchSpace, ShapeGroup
 from .splits import SplitSearch as PySplitSearch
@@ -132,15 +133,15 @@ class SearchRun:
         heap = self.open_groups
         # the open groups, cheapest bound first; the memory-aware bound is computed lazily, for the
         # few groups that reach the top (a cheap bound is valid too, so the effort is capped)
-        for _ in range(LAZY_BOUNDS):
-            if not heap or heap[0][0] >= lb:
-                break
+        lazy = LAZY_BOUNDS
+        while heap and heap[0][0] < lb:
             b, strong, i = heap[0]
             if self.group_done[i]:
-                heapq.heappop(heap)
-            elif strong:
+                heapq.heappop(heap)        # closed: its floor is counted (a done group costs nothing)
+            elif strong or lazy == 0:
                 break
             else:
+                lazy -= 1
                 heapq.heapreplace(heap, (max(b, self.bound(self.sgs[i], memory=True)), True, i))
         if heap:
             lb = min(lb, heap[0][0])
@@ -223,8 +224,11 @@ class SearchRun:
         bubble = (m + (sg.pp - 1) / sg.virtual_stages) / m
         return m * self.space.num_layers / rate * bubble
 
-    def seed(self, sg: ShapeGroup) -> None:
-        """A greedy plan per contiguous type order of the fastest-first counts (an early incumbent)."""
+    def seed(self, sg: ShapeGroup, build: bool = True) -> None:
+        """A greedy plan per contiguous type order of the fastest-first counts, and the memory-aware
+        assignment seeds (:mod:`.seeds`): early incumbents. ``build=False``: the assignment seeds only
+        when the shape's DAG is built already (a frontier-scale DAG costs ~1.7 s under the megatron
+        comm models; the group's own turn builds it anyway)."""
         g = sg.group
         tb, shape = self.space.table(g), self.shape(sg)
         order = sorted(range(len(g.names)), key=lambda t: (tb.forward_ms[t] + tb.backward_ms[t]))
@@ -240,6 +244,18 @@ class SearchRun:
             types = [t for t in seq_types for _ in range(counts[t])]
             rank_layers = greedy_split(tb, shape, types, self.space.num_layers)
             if rank_layers is None:
+                continue
+            layers = spread(rank_layers, sg.pp, sg.virtual_stages)
+            if not plan_fits(tb, shape, types, layers):
+                continue
+            ms = simulate_plan(params, tb, shape, types, layers)
+            self.sim_calls += 1
+            self.offer(sg, ms, types, layers)
+        # memory-aware orders: the types where their memory holds the most layers (search/seeds.py)
+        if not (build or shape.has_kernel):
+            return
+        for types, rank_layers in assignment_seeds(tb, shape, g.slots, self.space.num_layers):
+            if any(types.count(t) > g.slots[t] for t in set(types)):
                 continue
             layers = spread(rank_layers, sg.pp, sg.virtual_stages)
             if not plan_fits(tb, shape, types, layers):
@@ -290,7 +306,9 @@ class SearchRun:
                 self.pruned_shapes += 1
                 self.partial = INF
             return
-        if sg.key not in self.board.best:
+        # a seed may build the shape's DAG (~1.7 s at frontier scale): not past the deadline, unless
+        # there is no plan at all yet
+        if sg.key not in self.board.best and (not self.out_of_time() or not self.board.best):
             self.seed(sg)
         vectors = self.space.count_vectors(sg)
         tb = self.space.table(g)
@@ -298,17 +316,18 @@ class SearchRun:
         # the per-position memory bound costs ~pp x types per step: computed below, only for the
         # structures the cheap bound does not cut
         bounds = [self.bound(sg, vec, positional=False) for vec in vectors]
-        # the open structures of this group, as a suffix minimum: after structure i, i+1.. are open
-        suffix = [INF] * (len(vectors) + 1)
-        for i in range(len(vectors) - 1, -1, -1):
-            suffix[i] = min(bounds[i], suffix[i + 1])
+        strong = [False] * len(vectors)     # bounds[i] is the memory-aware form
         for i, vec in enumerate(vectors):
             if self.out_of_time():
-                self.partial = suffix[i]
+                self.partial = self.open_structures_bound(sg, vectors, bounds, strong, i)
                 return
             self.structures += 1
             tau = self.board.threshold(key) * self.shrink
-            if bounds[i] >= tau or self.bound(sg, vec) >= tau:
+            if bounds[i] < tau:
+                # the memory-aware form is valid too, and the larger: it also bounds the structure
+                # while open
+                bounds[i], strong[i] = max(bounds[i], self.bound(sg, vec)), True
+            if bounds[i] >= tau:
                 self.pruned_structures += 1
                 self.close(tau)
                 continue
@@ -321,11 +340,25 @@ class SearchRun:
             if res.aborted:
                 self.complete = False
                 # this structure is open: its plans take at least its own bound (and a plan it found)
-                self.partial = min(bounds[i], suffix[i + 1])
+                self.partial = self.open_structures_bound(sg, vectors, bounds, strong, i)
                 return
             # closed: every plan below tau was searched, and the loop lowered tau to best x shrink
             self.close(min(tau, res.time_ms * self.shrink))
         self.partial = INF
+
+    def open_structures_bound(self, sg: ShapeGroup, vectors, bounds: list[float], strong: list[bool],
+                              start: int) -> float:
+        """Bound of the structures ``start..`` of a group the clock left open: the memory-aware bound of
+        the cheapest ones (at most ``LAZY_BOUNDS`` computed, cheapest first; the rest keep the cheap one)."""
+        heap = [(bounds[i], i) for i in range(start, len(vectors))]
+        heapq.heapify(heap)
+        for _ in range(LAZY_BOUNDS):
+            if not heap or strong[heap[0][1]]:
+                break
+            b, i = heap[0]
+            strong[i] = True
+            heapq.heapreplace(heap, (max(b, self.bound(sg, vectors[i])), i))
+        return heap[0][0] if heap else INF
 
     def search(self) -> None:
         sgs = list(self.space.shape_groups())
@@ -353,7 +386,7 @@ class SearchRun:
                 continue
             # a seed builds the group's DAG: only for groups the cheap bounds cannot cut already
             if self.root_splitter(sg) is not None:
-                self.seed(sg)
+                self.seed(sg, build=False)
                 alive.append(sg)
             elif not self.complete and not self.board.best and self.bound(sg, memory=False) < INF:
                 self.seed(sg)          # the clock ran out inside the root check

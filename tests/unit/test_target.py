@@ -128,6 +128,25 @@ def test_time_limit_left_by_one_variant_goes_to_the_next(monkeypatch):
     assert res.plan.search_stats["complete"] is True
 
 
+def test_narrow_variant_searches_first_and_leaves_its_time_to_the_broad_one(monkeypatch):
+    """Interleaved without overlap (one schedule) runs before the broad search, which then gets all the
+    time left, and the result is the same plan as in the target's order."""
+    import poseidon_plugin.search as search_pkg
+    cm = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"), micro_batch_sizes=(1,))
+    real, seen = search_pkg.search, []
+
+    def recording(cm_, opts, **kw):
+        seen.append((opts.schedules, opts.time_limit_s))
+        return real(cm_, opts, **kw)
+    monkeypatch.setattr(search_pkg, "search", recording)
+    res = search_plan(cm, TargetRuntime(micro_batch_sizes=(1,)), SearchOptions(time_limit_s=1e6), clock=_TickClock())
+    assert [s for s, _ in seen] == [("interleaved-1f1b",), ("1f1b", "interleaved-1f1b")]
+    assert seen[0][1] == pytest.approx((1e6 - 1) / 2) and seen[0][1] < seen[1][1] < 1e6
+    monkeypatch.setattr(search_pkg, "search", real)
+    each = [search_plan(cm, TargetRuntime(micro_batch_sizes=(1,), p2p_overlap=o)).plan for o in ("on", "off")]
+    assert res.plan.predicted_iteration_ms == min(p.predicted_iteration_ms for p in each)
+
+
 def test_variants_past_the_deadline_still_return_a_plan(monkeypatch):
     """The setup ate the whole limit (every read of the clock is past the deadline): each variant gets
     the token limit and returns its greedy seed plan instead of failing."""

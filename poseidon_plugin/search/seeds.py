@@ -1,0 +1,130 @@
+"""Memory-aware seed plans: device types placed at the pipeline positions where their memory helps.
+
+The contiguous-block greedy seeds (:meth:`.engine.SearchRun.seed`) put the types in a few fixed orders.
+When memory binds (frontier-scale 1F1B: rank ``r`` keeps ``pp - r`` micro-batches of activations, so the
+early ranks hold few layers) the best orders interleave the types. :func:`assignment_seeds` finds, for a
+per-micro-batch work target ``X``, the assignment of types to positions that holds the most layers
+(rank ``r`` on type ``t`` holds at most ``min(cap_t(r), X / (f_t + b_t))``, each type at most its slots):
+a transportation problem, solved exactly by successive shortest paths over the type nodes. The smallest
+``X`` (bisection over the finite set of per-rank works) whose assignment holds the model gives the
+plans. Seeds only offer incumbents, so they never affect exactness.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .evaluate import greedy_split, rank_caps
+from .shapes import ShapeData
+from .tables import TypeTable
+
+NEG = -(1 << 60)
+
+
+def best_assignment(value: Sequence[Sequence[int]], supply: Sequence[int], pp: int) -> tuple[int, list[int]] | None:
+    """Types for ``pp`` positions (type ``t`` at most ``supply[t]`` times) maximising ``sum value[t][r]``
+    (``NEG``: type ``t`` cannot take position ``r``); ``(total, types)`` or None when no assignment
+    exists. Successive shortest paths of the min-cost flow source -> type -> position -> sink, one unit
+    per step, with the positions' reassignments compressed into type-to-type moves (Bellman-Ford over the
+    types): each step is optimal for its flow value, so the last one is optimal."""
+    nt = len(supply)
+    owner = [-1] * pp                  # type of each position, -1: free
+    used = [0] * nt
+    total = 0
+    for _ in range(pp):
+        # gain[t]: best gain of reaching type t with one more unit (0 when t has spare supply)
+        gain = [0 if used[t] < supply[t] else NEG for t in range(nt)]
+        via: list[tuple[int, int] | None] = [None] * nt     # (previous type, position moved) per type
+        for _round in range(nt):
+            changed = False
+            for r in range(pp):
+                a = owner[r]
+                if a < 0 or value[a][r] == NEG:
+                    continue
+                for b in range(nt):
+                    # move position r from type a to b: b's unit comes from a's freed one
+                    if b == a or gain[b] == NEG or value[b][r] == NEG:
+                        continue
+                    g = gain[b] + value[b][r] - value[a][r]
+                    if g > gain[a]:
+                        gain[a], via[a], changed = g, (b, r), True
+            if not changed:
+                break
+        best, arg = NEG, None
+        for r in range(pp):
+            if owner[r] >= 0:
+                continue
+            for t in range(nt):
+                if gain[t] != NEG and value[t][r] != NEG and gain[t] + value[t][r] > best:
+                    best, arg = gain[t] + value[t][r], (t, r)
+        if arg is None:
+            return None
+        t, r = arg
+        owner[r] = t
+        total += best
+        # walk back: t took position r, it may have handed one of its positions to the previous type
+        seen = 0
+        while via[t] is not None and seen <= pp:
+            b, q = via[t]
+            owner[q] = b
+            t = b
+            seen += 1
+        used[t] += 1
+    return total, owner
+
+
+def assignment_seeds(table: TypeTable, shape: ShapeData, slots: Sequence[int], num_layers: int,
+                     extra: int = 2) -> list[tuple[list[int], list[int]]]:
+    """Seed plans ``(types per rank, layers per rank)``: the smallest per-micro-batch work target whose
+    best type assignment holds every layer, and the next ``extra`` targets (their plans differ in the
+    pipeline bubble, which the target ignores)."""
+    pp, v = shape.pp, shape.virtual_stages
+    nt = len(slots)
+    supply = [min(s, pp) for s in slots]
+    if sum(supply) < pp or v * pp > num_layers:
+        return []
+    cost = [table.forward_ms[t] + table.backward_ms[t] for t in range(nt)]
+    caps = [rank_caps(table, shape, [t] * pp, num_layers) if supply[t] else [0] * pp for t in range(nt)]
+    # the embedding and the head add their per-micro-batch work to the first and last rank
+    ends = [[(table.embedding_forward_ms[t] + table.embedding_backward_ms[t] if r == 0 else 0.0)
+             + (table.head_forward_ms[t] + table.head_backward_ms[t] if r == pp - 1 else 0.0)
+             for r in (0, pp - 1)] for t in range(nt)]
+
+    # candidate targets: each rank's work at each possible count
+    works = sorted({cost[t] * n + e for t in range(nt) if supply[t] for n in range(v, num_layers + 1)
+                    if n <= max(caps[t]) for e in (0.0, *ends[t])})
+
+
+    def most(t: int, r: int, x: float) -> int:
+        extra = ends[t][0] if r == 0 else ends[t][1] if r == pp - 1 else 0.0
+        return min(caps[t][r], int(max(0.0, x - extra) / cost[t] * (1 + 1e-12)))
+
+    def holds(x: float):
+        value = [[most(t, r, x) if supply[t] else NEG for r in range(pp)] for t in range(nt)]
+        value = [[h if h >= v else NEG for h in row] for row in value]
+        return best_assignment(value, supply, pp), value
+
+    lo, hi = 0, len(works) - 1
+    found, _value = holds(works[hi]) if works else (None, None)
+    if found is None or found[0] < num_layers:
+        return []
+    while lo < hi:                     # the smallest target whose assignment holds the model
+        mid = (lo + hi) // 2
+        got, _value = holds(works[mid])
+        if got is not None and got[0] >= num_layers:
+            hi = mid
+        else:
+            lo = mid + 1
+    out = []
+    for i in range(lo, min(lo + 1 + extra, len(works))):
+        got, value = holds(works[i])
+        if got is None or got[0] < num_layers:
+            continue
+        types = got[1]
+        rank_layers = greedy_split(table, shape, types, num_layers, caps=[value[t][r] for r, t in enumerate(types)])
+        if rank_layers is not None:
+            out.append((types, rank_layers))
+    return out
+
+
+__all__ = ["assignment_seeds", "best_assignment"]

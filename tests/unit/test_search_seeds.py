@@ -1,0 +1,62 @@
+"""Memory-aware seeds (search/seeds.py): the assignment is optimal, the seeds are plans of the space."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from poseidon_plugin.search.seeds import NEG, best_assignment
+
+
+def _brute(value, supply, pp):
+    best = None
+    for types in itertools.product(range(len(supply)), repeat=pp):
+        if any(types.count(t) > supply[t] for t in range(len(supply))):
+            continue
+        if any(value[t][r] == NEG for r, t in enumerate(types)):
+            continue
+        total = sum(value[t][r] for r, t in enumerate(types))
+        best = total if best is None else max(best, total)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_best_assignment_equals_brute_force(seed):
+    rng = random.Random(seed)
+    nt, pp = rng.randint(1, 3), rng.randint(1, 6)
+    supply = [rng.randint(0, pp) for _ in range(nt)]
+    value = [[NEG if rng.random() < 0.2 else rng.randint(0, 9) for _ in range(pp)] for _ in range(nt)]
+    got = best_assignment(value, supply, pp)
+    want = _brute(value, supply, pp)
+    if want is None:
+        assert got is None
+        return
+    total, types = got
+    assert total == want
+    assert all(types.count(t) <= supply[t] for t in range(nt))
+    assert sum(value[t][r] for r, t in enumerate(types)) == total
+
+
+def test_assignment_seeds_are_fitting_plans_of_the_space():
+    """Every seed of every shape group of Setting 6 at 96 NPUs: counts within the slots, every layer
+    placed, at least V per rank, and within memory (the cost model's formula)."""
+    from poseidon_plugin.costmodel import CostModel
+    from poseidon_plugin.search import SearchOptions
+    from poseidon_plugin.search.engine import SearchRun
+    from poseidon_plugin.search.evaluate import plan_fits, spread
+    from poseidon_plugin.search.seeds import assignment_seeds
+    from poseidon_plugin.specs import load_cluster, load_model
+    cm = CostModel(load_cluster("paper-setting-6-96"), load_model("llama3-70b"), micro_batch_sizes=(1,))
+    run = SearchRun(cm, SearchOptions(mode="exact", max_pipeline_stages=12))
+    seen = 0
+    for sg in run.space.shape_groups():
+        g, shape = sg.group, run.shape(sg)
+        table = run.space.table(g)
+        for types, rank_layers in assignment_seeds(table, shape, g.slots, run.space.num_layers):
+            seen += 1
+            assert len(types) == sg.pp and all(types.count(t) <= g.slots[t] for t in set(types))
+            assert sum(rank_layers) == run.space.num_layers and min(rank_layers) >= sg.virtual_stages
+            assert plan_fits(table, shape, types, spread(rank_layers, sg.pp, sg.virtual_stages))
+    assert seen > 0
