@@ -76,6 +76,25 @@ def fluid_cut(table: TypeTable, slots, micro_batches: int, pp: int, v: int, num_
     return total < num_layers
 
 
+
+def _last_short_time(capacity, num_layers: int, lo: float, hi: float, rel: float) -> float | None:
+    """Bisection on a monotone ``capacity(T)`` (layers the ranks can hold at iteration time T): a time
+    ``lo`` whose capacity is still short of ``num_layers`` (so every plan takes longer), within ``rel`` of
+    the first time that holds them; ``hi`` is doubled until it holds them. None: no finite time does."""
+    while capacity(hi) < num_layers:
+        lo, hi = hi, 2.0 * hi
+        if hi > 1e18:
+            return None
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if capacity(mid) >= num_layers:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= rel * hi:
+            break
+    return lo
+
 def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int,
                    num_layers: int, *, memory: bool = False, live=None) -> float:
     """A lower bound on the iteration time of every plan of a shape group (``counts``: the most ranks
@@ -148,19 +167,9 @@ def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int
                 break
         return total
 
-    lo, hi = 0.0, t_free
-    while capacity(hi) < num_layers:
-        lo, hi = hi, 2.0 * hi
-        if hi > 1e18:
-            return INF
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        if capacity(mid) >= num_layers:
-            hi = mid
-        else:
-            lo = mid
-        if hi - lo <= 1e-9 * hi:
-            break
+    lo = _last_short_time(capacity, num_layers, 0.0, t_free, 1e-9)
+    if lo is None:
+        return INF
     best = max(t_free, lo)
     if live is not None:
         best = max(best, positional_bound(table, counts, micro_batches, pp, v, num_layers, live, best))
@@ -226,20 +235,8 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
 
     if capacity(start) >= num_layers:
         return start
-    lo, hi = start, max(start, 1e-3) * 2.0
-    while capacity(hi) < num_layers:
-        lo, hi = hi, 2.0 * hi
-        if hi > 1e18:
-            return INF
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        if capacity(mid) >= num_layers:
-            hi = mid
-        else:
-            lo = mid
-        if hi - lo <= 1e-5 * hi:     # lo stays a bound whatever the precision: a few steps suffice
-            break
-    return lo
+    lo = _last_short_time(capacity, num_layers, start, max(start, 1e-3) * 2.0, 1e-5)
+    return INF if lo is None else lo   # lo stays a bound whatever the precision: a few steps suffice
 
 
 class PathPrices:

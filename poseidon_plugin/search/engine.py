@@ -243,23 +243,19 @@ class SearchRun:
         for seq_types in (used, by_memory, list(reversed(used))):
             types = [t for t in seq_types for _ in range(counts[t])]
             rank_layers = greedy_split(tb, shape, types, self.space.num_layers)
-            if rank_layers is None:
-                continue
-            layers = spread(rank_layers, sg.pp, sg.virtual_stages)
-            if not plan_fits(tb, shape, types, layers):
-                continue
-            ms = simulate_plan(params, tb, shape, types, layers)
-            self.sim_calls += 1
-            self.offer(sg, ms, types, layers)
+            if rank_layers is not None:
+                self._try_seed(sg, params, tb, shape, types, rank_layers)
         # memory-aware orders: the types where their memory holds the most layers (search/seeds.py)
         if not (build or shape.has_kernel):
             return
         for types, rank_layers in assignment_seeds(tb, shape, g.slots, self.space.num_layers):
-            if any(types.count(t) > g.slots[t] for t in set(types)):
-                continue
-            layers = spread(rank_layers, sg.pp, sg.virtual_stages)
-            if not plan_fits(tb, shape, types, layers):
-                continue
+            if all(types.count(t) <= g.slots[t] for t in set(types)):
+                self._try_seed(sg, params, tb, shape, types, rank_layers)
+
+    def _try_seed(self, sg: ShapeGroup, params, tb, shape: ShapeData, types, rank_layers) -> None:
+        """Simulate a seed plan (per-rank layer counts spread over the chunks) and offer it if it fits."""
+        layers = spread(rank_layers, sg.pp, sg.virtual_stages)
+        if plan_fits(tb, shape, types, layers):
             ms = simulate_plan(params, tb, shape, types, layers)
             self.sim_calls += 1
             self.offer(sg, ms, types, layers)
