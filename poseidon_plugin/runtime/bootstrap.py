@@ -339,7 +339,7 @@ def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) 
                                                micro_batch_sizes=job.target.micro_batch_sizes, keep=opts.keep)
         return profiler.profile_world(world=world, rank=job.rank, device=device, job=job.flags, model=model,
                                       requests=requests, cache_dir=cache_dir, warmup=opts.profile_warmup,
-                                      iters=opts.profile_iters)
+                                      iters=opts.profile_iters, progress=log.rank_line)
 
     outcome = phases.run("profiling", profile)
     phases.notes["profiling"] = f"cache: reused {outcome.reused} of {outcome.reused + outcome.measured} configurations"

@@ -24,7 +24,8 @@ import json
 import os
 import re
 import statistics
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -494,8 +495,11 @@ def _profiling_groups(world: World, requests: Sequence[ProfileRequest], rank: in
 
 
 def profile_world(*, world: World, rank: int, device: Device, job: JobFlags, model: ModelSpec,
-                  requests: Sequence[ProfileRequest], cache_dir: str, warmup: int, iters: int) -> ProfileOutcome:
-    """Collective: cached entries are shared, the missing ones measured by the ranks of their type, merged."""
+                  requests: Sequence[ProfileRequest], cache_dir: str, warmup: int, iters: int,
+                  progress: Callable[[str], None] | None = None) -> ProfileOutcome:
+    """Collective: cached entries are shared, the missing ones measured by the ranks of their type, merged.
+
+    ``progress`` receives one line per configuration this rank measures, from one rank per (host, type)."""
     me = world.ranks[rank]
     keys = {req.key: cache_key(job, req, device) for req in requests if req.device_type == me.device_type}
     local = {}
@@ -513,10 +517,14 @@ def profile_world(*, world: World, rank: int, device: Device, job: JobFlags, mod
     if missing:
         call_ms = p2p_call_ms(world, rank, device, job)
         groups = _profiling_groups(world, missing, rank)
-        for req in missing:
-            if req.device_type == me.device_type and req.tp in groups:
-                doc = measure(job, device, groups[req.tp], req, warmup=warmup, iters=iters)
-                measured.append({**doc, "p2p_call_ms": call_ms})
+        mine = [req for req in missing if req.device_type == me.device_type and req.tp in groups]
+        started = time.perf_counter()
+        for index, req in enumerate(mine):
+            if progress is not None and _writes_cache(world, rank):
+                progress(f"profiling {req.device_type} TP {req.tp} micro-batch {req.mbs} ({index + 1}/{len(mine)}, "
+                         f"{time.perf_counter() - started:.0f} s so far)")
+            doc = measure(job, device, groups[req.tp], req, warmup=warmup, iters=iters)
+            measured.append({**doc, "p2p_call_ms": call_ms})
     merged = dict(cached)
     if missing:
         by_key: dict[tuple, list[dict]] = {}
