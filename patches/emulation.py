@@ -77,34 +77,20 @@ class _BackwardStart(torch.autograd.Function):
 
 
 class _BackwardEnd(torch.autograd.Function):
-    """Identity; its backward runs once the module's input gradient is complete, and stretches backward."""
+    """Identity; its backward runs once the module's input gradient is complete, and holds the backward:
+    ``hold(start)`` sleeps as the mode says (stretch: a multiple of the time since ``start``; deadline:
+    until ``start`` + the target)."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, clock: _Clock, stretch: float) -> torch.Tensor:
-        ctx.clock, ctx.stretch = clock, stretch
+    def forward(ctx: Any, tensor: torch.Tensor, clock: _Clock, hold: Callable[[float], None]) -> torch.Tensor:
+        ctx.clock, ctx.hold = clock, hold
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         start = ctx.clock.backward_start
         if start is not None:
-            _sleep(ctx.stretch * (time.perf_counter() - start))
-        return grad, None, None
-
-
-class _BackwardDeadline(torch.autograd.Function):
-    """Identity; its backward runs once the module's input gradient is complete, and waits for the deadline."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, clock: _Clock, seconds: float) -> torch.Tensor:
-        ctx.clock, ctx.seconds = clock, seconds
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        start = ctx.clock.backward_start
-        if start is not None:
-            sleep_until(start + ctx.seconds)
+            ctx.hold(start)
         return grad, None, None
 
 
@@ -152,7 +138,9 @@ def _deadline_forward(original, module, args: tuple, kwargs: dict, part: str, in
     clock = None
     if backward_ms > 0 and tensor.requires_grad:
         clock = _Clock()
-        args, kwargs = _replace(args, kwargs, where, _BackwardDeadline.apply(tensor, clock, backward_ms / 1e3))
+        seconds = backward_ms / 1e3
+        args, kwargs = _replace(args, kwargs, where,
+                                _BackwardEnd.apply(tensor, clock, lambda start: sleep_until(start + seconds)))
     output = original(module, *args, **kwargs)
     sleep_until(start + forward_ms / 1e3)
     return output if clock is None else _mark_output(output, clock)
@@ -176,7 +164,8 @@ def _stretched(inputs: tuple[str, ...], part: str = "layer", batch_dim: int = 1)
             clock = _Clock()
             where, tensor = _first_tensor(args, kwargs, inputs)
             if tensor is not None and tensor.requires_grad:
-                args, kwargs = _replace(args, kwargs, where, _BackwardEnd.apply(tensor, clock, stretch))
+                hold = lambda start: _sleep(stretch * (time.perf_counter() - start))  # noqa: E731
+                args, kwargs = _replace(args, kwargs, where, _BackwardEnd.apply(tensor, clock, hold))
             start = time.perf_counter()
             output = original(self, *args, **kwargs)
             _sleep(stretch * (time.perf_counter() - start))
