@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..costmodel import slot_indices
-from ..stagecost import link_carries_data, put_rank_times, send_index
+from ..stagecost import link_carries_data, send_index
 from .shapes import ShapeData
 from .splits import memory_need
 from .tables import TypeTable
@@ -25,12 +25,7 @@ def fill_plan(params, table: TypeTable, shape: ShapeData, types: Sequence[int],
     for r in range(pp):
         t = types[r]
         i = t * table.max_slots + slots[r]
-        put_rank_times(params, pp, v, r, layers, None, table.forward_ms[t], table.backward_ms[t],
-                       table.allreduce_ms[i], table.embedding_forward_ms[t],
-                       table.embedding_backward_ms[t], table.embedding_allreduce_ms[i],
-                       table.head_forward_ms[t], table.head_backward_ms[t], table.head_allreduce_ms[i],
-                       table.has_allreduce[i], table.step_forward_ms[t], table.step_backward_ms[t],
-                       table.optimizer_ms[t], table.optimizer_fixed_ms[t])
+        table.put_rank_times(params, pp, v, r, layers, None, t, i)
         n_r = (r + 1) % pp
         if not link_carries_data(r, pp, v):
             s = 0.0

@@ -166,13 +166,7 @@ class SplitSearch(StructureBounds):
         for r in range(pp):
             t = types[r]
             if t >= 0:
-                i = t * self.stride + self.slot[r]
-                put_rank_times(p, pp, v, r, layers, lb, tb.forward_ms[t], tb.backward_ms[t],
-                               tb.allreduce_ms[i], tb.embedding_forward_ms[t],
-                               tb.embedding_backward_ms[t], tb.embedding_allreduce_ms[i],
-                               tb.head_forward_ms[t], tb.head_backward_ms[t], tb.head_allreduce_ms[i],
-                               tb.has_allreduce[i], tb.step_forward_ms[t], tb.step_backward_ms[t],
-                               tb.optimizer_ms[t], tb.optimizer_fixed_ms[t])
+                tb.put_rank_times(p, pp, v, r, layers, lb, t, t * self.stride + self.slot[r])
             else:   # framework terms left out: still a lower bound (stagecost)
                 put_rank_times(p, pp, v, r, layers, lb, mins[MIN_FORWARD], mins[MIN_BACKWARD],
                                mins[MIN_ALLREDUCE], mins[MIN_EMBEDDING_FORWARD],

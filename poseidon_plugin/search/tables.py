@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ..costmodel import CostModel
 from ..specs import LINK_CROSS_TYPE
+from ..stagecost import put_rank_times
 
 # per-type columns, each a GroupCosts field of the same name (send_cross_ms: send_ms[LINK_CROSS_TYPE])
 TYPE_COLUMNS = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding_backward_ms",
@@ -69,6 +70,15 @@ class TypeTable:
     def key(self) -> tuple[int, int, int]:
         """``(tp, mbs, dp)``."""
         return (self.tp, self.mbs, self.dp)
+
+    def put_rank_times(self, params, pp: int, v: int, rank: int, layers, lower, t: int, slot: int) -> None:
+        """:func:`~poseidon_plugin.stagecost.put_rank_times` for a rank of type ``t`` in slot ``slot``
+        (``t * max_slots + j``), with this table's columns: the complete plans' and the bounds' one call."""
+        put_rank_times(params, pp, v, rank, layers, lower, self.forward_ms[t], self.backward_ms[t],
+                       self.allreduce_ms[slot], self.embedding_forward_ms[t], self.embedding_backward_ms[t],
+                       self.embedding_allreduce_ms[slot], self.head_forward_ms[t], self.head_backward_ms[t],
+                       self.head_allreduce_ms[slot], self.has_allreduce[slot], self.step_forward_ms[t],
+                       self.step_backward_ms[t], self.optimizer_ms[t], self.optimizer_fixed_ms[t])
 
 
 def type_table(cm: CostModel, tp: int, mbs: int, dp: int, names: tuple[str, ...],
