@@ -156,7 +156,7 @@ class _Devices:
     entry: ClusterDevice | None
     """This rank's device in ``declared`` (device *i* is launcher rank *i*); None when detected."""
     emulated: EmulationState | None = None
-    """``--poseidon-emulate-model``: the deterministic emulation of this rank (runtime/emulation.py)."""
+    """``--poseidon-emulate-model``: the deterministic emulation installed on this rank (runtime/emulation.py)."""
 
 
 def _run(argv: list[str], rank: int, log: Log) -> int | None:
@@ -195,7 +195,7 @@ def _run(argv: list[str], rank: int, log: Log) -> int | None:
                   + (f", deterministic emulation of {emulated.spec.preset} x{emulated.scale:.4g} "
                      f"({emulated.spec.links} links)" if emulated is not None else ""))
     plan = _plan(job, phases, world, devices, log)
-    return _apply_and_run(job, phases, world, device, plan, log, adaptor)
+    return _apply_and_run(job, phases, world, devices, plan, log, adaptor)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -280,7 +280,9 @@ def _device(job: _Job, declared: ClusterSpec | None, emulated: EmulationState | 
         from poseidon_plugin.runtime import cpu_shim
 
         cpu_shim.install()
-    if emulated is not None and device.kind == "emulated":
+    if emulated is not None and device.kind != "emulated":
+        emulated = None  # only a CPU rank emulates a device
+    if emulated is not None:
         emulation.install_deterministic(emulated)
     if device.slowdown() > 1.0:
         from poseidon_plugin.patches import emulation as emulation_patch
@@ -364,7 +366,7 @@ def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) 
     return phases.run("search", lambda: planning.share_plan(search, job.rank, device.torch_device))
 
 
-def _apply_and_run(job: _Job, phases: Phases, world: World, device: Device, plan: Plan, log: Log,
+def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, plan: Plan, log: Log,
                    adaptor: _Adaptor | None = None) -> int | None:
     """Rewrite the flags, patch, renumber the ranks, then run the script in this process."""
     import torch.distributed as dist
@@ -373,7 +375,7 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, device: Device, plan
     from poseidon_plugin.runtime import apply, job_flags, mindspeed, placement
     from poseidon_plugin.runtime.watch import Watch
 
-    opts, style = job.opts, job.style
+    opts, style, device = job.opts, job.style, devices.device
     rewritten = phases.run("apply", lambda: apply.rewrite_args(plan, style, job.global_batch, job.script_args))
     new_args = rewritten.args
     for note in rewritten.notes:
@@ -406,12 +408,10 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, device: Device, plan
         log.rank_line(f"{me.device_type} device is not used by the plan; leaving")
         return None
     stage = placement.stage_of(plan, new_rank)
-    from poseidon_plugin.runtime import emulation
-
-    if emulation.active() is not None:  # emulated links and DP sync need the plan's placement
+    if devices.emulated is not None:  # emulated links and DP sync need the plan's placement
         from poseidon_plugin.runtime import planning
 
-        emulation.active().bind_plan(plan, new_rank, planning.model_spec(
+        devices.emulated.bind_plan(plan, new_rank, planning.model_spec(
             job.flags, global_batch_size=job.global_batch, name=planning.job_name(job.script, job.flags)))
     log.rank_line(f"now global rank {new_rank}: pipeline stage {stage} on {plan.stages[stage].device_type}")
     log = Log(job.rank, leader=new_rank == 0)  # job-wide lines now come from the planned rank 0

@@ -98,13 +98,12 @@ def validate(opts: runtime_options.RuntimeOptions, script: str, script_args: lis
         if schedule not in MEGATRON_SCHEDULES:
             raise PoseidonError(f"--poseidon-schedules: Megatron cannot run {schedule!r}; choose from "
                                 f"{', '.join(MEGATRON_SCHEDULES)}")
+    from poseidon_plugin.runtime import mindspeed
+
     style = resolve_style(opts.flag_style)
     if not opts.plan:  # the plan's target runtime: its schedules must run in the flag style
-        from poseidon_plugin.runtime import mindspeed
-
         TargetRuntime.for_job(opts, job, style, mindspeed.dp_multiple(script_args))
     if style in MINDSPEED_STYLES:  # MindSpeed-LLM's refused flags and CP/EP values fail before any process
-        from poseidon_plugin.runtime import mindspeed
         from poseidon_plugin.runtime.job_flags import flag_values
 
         user = flag_values(script_args)
@@ -132,8 +131,9 @@ def launch(torchrun_args: list[str]) -> int:
     try:
         torchrun.run(torchrun.parse_args(torchrun_args))
     except ChildFailedError as exc:
-        print(failure_summary(exc.failures, *exc.get_first_failure()), file=sys.stderr, flush=True)
-        codes = [exc.get_first_failure()[1].exitcode] + [f.exitcode for f in exc.failures.values()]
+        first_rank, first = exc.get_first_failure()
+        print(failure_summary(exc.failures, first_rank, first), file=sys.stderr, flush=True)
+        codes = [first.exitcode] + [f.exitcode for f in exc.failures.values()]
         return next((code for code in codes if code > 0), 1)
     return 0
 

@@ -183,8 +183,6 @@ def resolve(cli: Mapping[str, str], environ: Mapping[str, str]) -> RuntimeOption
         else:
             continue
         values[spec.field] = _convert(spec, raw, source)
-        if spec.field == "emulate" and values[spec.field]:
-            _check_emulate(values[spec.field], source)
     options = RuntimeOptions(**values)
     _check_conflicts(options)
     return options
@@ -204,8 +202,11 @@ def as_given(message: str, argv: Sequence[str], environ: Mapping[str, str]) -> s
     except PoseidonError:
         return message
     for spec in _SPECS:
-        if spec.flag in message and spec.flag not in cli and environ.get(spec.env):
-            message = message.replace(f"{spec.flag} ", f"{spec.env}=").replace(spec.flag, spec.env)
+        value = environ.get(spec.env)
+        if spec.flag in message and spec.flag not in cli and value:
+            # "--poseidon-x VALUE" and "e.g. --poseidon-x EXAMPLE" become assignments; a bare flag, the name
+            message = message.replace(f"{spec.flag} {value}", f"{spec.env}={value}")
+            message = message.replace(f"e.g. {spec.flag} ", f"e.g. {spec.env}=").replace(spec.flag, spec.env)
     return message
 
 
@@ -267,20 +268,6 @@ def _convert(spec: _Spec, raw: str, source: str) -> Any:
             raise PoseidonError(f"{source}={raw!r}: every value must be >= {spec.minimum:g}, e.g. {_example(spec)}")
         return tuple(sorted(set(numbers)))
     return tuple(dict.fromkeys(items))
-
-
-def _check_emulate(text: str, source: str) -> None:
-    """``--poseidon-emulate`` parses, and its errors name where the value came from (flag or variable)."""
-    from poseidon_plugin.runtime import emulation
-    from poseidon_plugin.specs import device_presets
-
-    try:
-        emulation.parse_emulate(text, device_presets())
-    except PoseidonError as exc:
-        if source == emulation.FLAG:
-            raise
-        raise PoseidonError(str(exc).replace(f"e.g. {emulation.FLAG} ", f"e.g. {source}=").replace(emulation.FLAG, source)
-                            ) from None
 
 
 def _number(kind: str, text: str, source: str, raw: str) -> float:

@@ -119,10 +119,10 @@ def check_launch(opts: RuntimeOptions, job: JobFlags, world_size: int | None,
 
     cluster = declared_cluster(opts, world_size)
     check_output_paths(opts)
-    global_batch = None
-    if world_size is not None or job.global_batch_size is not None:
-        global_batch = job_flags.effective_global_batch(job, world_size or 1) \
-            if job.global_batch_size is None else job.global_batch_size
+    # the job's own global batch, or Megatron's default for a known world size; unknown for elastic launches
+    global_batch = job.global_batch_size
+    if global_batch is None and world_size is not None:
+        global_batch = job_flags.effective_global_batch(job, world_size)
     if global_batch is not None and opts.micro_batch_sizes:
         check_micro_batch_sizes(opts.micro_batch_sizes, global_batch)
     if not opts.plan:
