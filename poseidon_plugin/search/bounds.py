@@ -184,11 +184,14 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
 
     A rank of type ``t`` at position ``r`` holding ``l`` layers needs at least ``l (s_t + live_r a_t /
     V)`` bytes (its largest chunk holds ``>= l / V`` layers; embedding and head extras are left out),
-    so ``l <= cap_t(r)``; and its ``M`` forwards and backwards lie on one path, so ``M (f_t + b_t) l
-    <= T`` and, ``l`` being an integer, ``l <= k_t(T) = floor(w_t T / M)``. The ranks must hold every
-    layer, and any assignment of types to positions holds at most ``min(sum_r max_t min(cap_t(r),
-    k_t(T)), sum_t (the n_t largest min(cap_t(r), k_t(T))))``; the bound is the smallest ``T`` where
-    that reaches the layers (bisection: capacity is monotone in ``T``)."""
+    so ``l <= cap_t(r)``; and bound path (b) of position ``r`` holds its ``M`` forwards and backwards
+    after the chunk-0 forward of micro-batch 0 and before the chunk-0 backward of the last one on every
+    earlier position (each chunk holds a layer), so ``r c_min + M (f_t + b_t) l <= T`` (``c_min``: the
+    least ``f + b`` of the piece's types) and, ``l`` being an integer, ``l <= k_t(r, T) = floor(w_t (T
+    - r c_min) / M)``. The ranks must hold every layer, and any assignment of types to positions holds
+    at most ``min(sum_r max_t min(cap_t(r), k_t(r, T)), sum_t (the n_t largest min(cap_t(r), k_t(r,
+    T))))``; the bound is the smallest ``T`` where that reaches the layers (bisection: capacity is
+    monotone in ``T``)."""
     slack = 1.0 + 1e-9
     types = []
     for t in range(len(counts)):
@@ -198,18 +201,21 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
         s_t, a_t, use = table.layer_state_bytes[t], table.layer_activation_bytes[t] / v, table.usable_bytes[t]
         caps = [min(num_layers, int(use / (s_t + live[r] * a_t) * slack)) if s_t + live[r] * a_t > 0
                 else num_layers for r in range(pp)]
-        types.append((1.0 / (table.forward_ms[t] + table.backward_ms[t]), n, caps,
-                      sorted(caps, reverse=True)[:n]))
+        types.append((1.0 / (table.forward_ms[t] + table.backward_ms[t]), n, caps))
     if not types:
         return INF
     m = micro_batches
+    # an earlier position's chunk-0 forward and backward on path (b) take at least this
+    c_min = min(table.forward_ms[t] + table.backward_ms[t] for t in range(len(counts)) if min(counts[t], pp) > 0)
 
     def capacity(t_ms: float) -> float:
-        ks = [int(w * t_ms / m * slack) for w, _n, _c, _s in types]
-        by_type = sum(sum(min(c, k) for c in top) for k, (_w, _n, _c, top) in zip(ks, types))
+        # h[r][i]: most layers position r holds on type i (memory, and its work after the fill)
+        h = [[min(c[r], int(w * max(0.0, t_ms - r * c_min) / m * slack)) for w, _n, c in types]
+             for r in range(pp)]
+        by_type = sum(sum(sorted((row[i] for row in h), reverse=True)[:n])
+                      for i, (_w, n, _c) in enumerate(types))
         if by_type < num_layers:
             return by_type
-        h = [[min(c[r], k) for k, (_w, _n, c, _s) in zip(ks, types)] for r in range(pp)]
         best = by_type
         lam = [0.0] * len(types)
         for it in range(DUAL_STEPS):

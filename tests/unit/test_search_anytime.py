@@ -220,7 +220,8 @@ def test_clock_never_stops_a_search_before_its_seed_plan(seed, mode, pure_python
 def test_positional_bound_never_exceeds_the_relaxation_it_bounds(seed):
     """positional_bound against brute force on random types and positions: the smallest T at which
     some assignment of types to positions (at most n_t of type t) holds every layer within each
-    position's memory cap and floor(w_t T / M) layers -- the relaxation its dual terms bound."""
+    position's memory cap, position r's work after the fill of the earlier ones (r c_min + M (f_t +
+    b_t) l <= T) -- the relaxation its dual terms bound."""
     import itertools
     import random
     from types import SimpleNamespace
@@ -242,18 +243,20 @@ def test_positional_bound_never_exceeds_the_relaxation_it_bounds(seed):
     caps = [[min(layers, int(table.usable_bytes[t] / (table.layer_state_bytes[t]
                                                       + live[r] * table.layer_activation_bytes[t] / v)))
              for r in range(pp)] for t in range(nt)]
+    c_min = min(table.forward_ms[t] + table.backward_ms[t] for t in range(nt) if counts[t] > 0)
     best = float("inf")
     for assign in itertools.product(range(nt), repeat=pp):
         if any(assign.count(t) > counts[t] for t in range(nt)):
             continue
         if sum(caps[t][r] for r, t in enumerate(assign)) < layers:
             continue
-        # the smallest T: layer by layer to the rank whose work grows least (exact for a bottleneck)
+        # the smallest T: layer by layer to the rank whose finish grows least (exact for a bottleneck)
         held = [0] * pp
         for _ in range(layers):
             r = min((r for r in range(pp) if held[r] < caps[assign[r]][r]),
-                    key=lambda r: (held[r] + 1) * m * (table.forward_ms[assign[r]] + table.backward_ms[assign[r]]))
+                    key=lambda r: r * c_min + (held[r] + 1) * m * (table.forward_ms[assign[r]]
+                                                                   + table.backward_ms[assign[r]]))
             held[r] += 1
-        best = min(best, max(held[r] * m * (table.forward_ms[t] + table.backward_ms[t])
-                             for r, t in enumerate(assign)))
+        best = min(best, max(r * c_min + held[r] * m * (table.forward_ms[t] + table.backward_ms[t])
+                             for r, t in enumerate(assign) if held[r] > 0))
     assert got <= best * (1 + 1e-9)
