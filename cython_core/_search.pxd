@@ -112,7 +112,8 @@ cdef class SplitSearch:
     cdef void _unknown_mins(self) noexcept nogil
     cdef void _fill(self, int* lb) noexcept nogil
     cdef double _send_lb(self, int r, double unknown_min) noexcept nogil
-    cdef bint _propagate(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
+    cdef bint _propagate(self, int k, int left, int* lb, int* cap, int* capt, int* plb, int* pcap,
+                         int* pcapt) noexcept nogil
     cdef int _type_slopes(self) noexcept nogil
     cdef void _type_room(self, int k, int* lb, int* cap, int* capt, int ns) noexcept nogil
     cdef int _top_sum(self, int* order, int* count, int* vals, int t, int r, int n) noexcept nogil

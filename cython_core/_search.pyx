@@ -383,9 +383,11 @@ cdef class SplitSearch:
             best = self.send_cross_ms[t]
         return 0.0 if best == INFINITY else best
 
-    cdef bint _propagate(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil:
+    cdef bint _propagate(self, int k, int left, int* lb, int* cap, int* capt, int* plb, int* pcap,
+                         int* pcapt) noexcept nogil:
+        # plb/pcap/pcapt: the parent node's bounds, where ranks k.. start from (NULL: none)
         cdef int pp = self.pp, v = self.v, nt = self.nt, vs, r, x, c, best, rnd, s_cap, s_lb, nl, nc
-        cdef int changed, cr
+        cdef int changed, cr, i, ct
         for r in range(k, pp):
             best = -1
             for x in range(nt):
@@ -396,15 +398,25 @@ cdef class SplitSearch:
                 if cr < v:
                     cr = -1
                 for c in range(v):
-                    capt[(c * pp + r) * nt + x] = (cr + v - 1 - c) // v if cr >= 0 else -1
+                    i = (c * pp + r) * nt + x
+                    ct = (cr + v - 1 - c) // v if cr >= 0 else -1
+                    if pcapt != NULL and pcapt[i] < ct:
+                        ct = pcapt[i]
+                    capt[i] = ct
                 if cr > best:
                     best = cr
             if best < v:
                 self.ctr[PRUNED_MEMORY] += 1
                 return False
             for c in range(v):
-                lb[c * pp + r] = 1
-                cap[c * pp + r] = (best + v - 1 - c) // v
+                vs = c * pp + r
+                lb[vs] = 1
+                cap[vs] = (best + v - 1 - c) // v
+                if plb != NULL:
+                    if plb[vs] > 1:
+                        lb[vs] = plb[vs]
+                    if pcap[vs] < cap[vs]:
+                        cap[vs] = pcap[vs]
         for rnd in range(PROPAGATION_ROUNDS):
             s_cap = 0
             s_lb = 0
@@ -902,11 +914,12 @@ cdef class SplitSearch:
 
     cdef void _root_check(self) noexcept nogil:
         self.ctr[NODES] += 1
-        if self._propagate(0, self.num_layers, self.lbs, self.caps, self.capts):
+        if self._propagate(0, self.num_layers, self.lbs, self.caps, self.capts, NULL, NULL, NULL):
             self.best = 0.0
 
     cdef void _node(self, int k, int left) noexcept nogil:
         cdef int t, why
+        cdef bint ok
         cdef int* lb = self.lbs + k * self.nv
         cdef int* cap = self.caps + k * self.nv
         if self.aborted:
@@ -916,7 +929,12 @@ cdef class SplitSearch:
                 self.ctr[NODES] == self.max_nodes:
             self.aborted = True
             return
-        if not self._propagate(k, left, lb, cap, self.capts + k * self.nv * self.nt):
+        if k == 0:
+            ok = self._propagate(k, left, lb, cap, self.capts, NULL, NULL, NULL)
+        else:
+            ok = self._propagate(k, left, lb, cap, self.capts + k * self.nv * self.nt, lb - self.nv,
+                                 cap - self.nv, self.capts + (k - 1) * self.nv * self.nt)
+        if not ok:
             return
         for t in range(self.nt):
             why = self._type_allowed(k, t)

@@ -322,10 +322,12 @@ class StructureBounds:
                 best = tb.send_cross_ms[t]
         return 0.0 if best == INF else best
 
-    def _propagate(self, k: int, left: int, lb, cap, capt) -> bool:
+    def _propagate(self, k: int, left: int, lb, cap, capt, parent=None) -> bool:
         """Initialise and tighten ``lb``/``cap`` of the undecided ranks' stages; ``False``: pruned.
 
         ``capt[vs * nt + t]`` is the cap of stage ``vs`` if its rank takes type ``t`` (-1: cannot).
+        ``parent``: the parent node's ``(lb, cap, capt)``, where ranks ``k..`` start from (every
+        completion here is one of the parent's, and tau has not risen since: docs/SEARCH.md).
         """
         pp, v, nt = self.pp, self.v, self.nt
         ctr = self.ctr
@@ -339,15 +341,23 @@ class StructureBounds:
                 if cr < v:
                     cr = -1
                 for c in range(v):
-                    capt[(c * pp + r) * nt + x] = chunk_layers(cr, c, v) if cr >= 0 else -1
+                    i = (c * pp + r) * nt + x
+                    ct = chunk_layers(cr, c, v) if cr >= 0 else -1
+                    capt[i] = ct if parent is None or ct < parent[2][i] else parent[2][i]
                 if cr > best:
                     best = cr
             if best < v:
                 ctr[PRUNED_MEMORY] += 1
                 return False
             for c in range(v):
-                lb[c * pp + r] = 1
-                cap[c * pp + r] = chunk_layers(best, c, v)
+                vs = c * pp + r
+                lb[vs] = 1
+                cap[vs] = chunk_layers(best, c, v)
+                if parent is not None:
+                    if parent[0][vs] > 1:
+                        lb[vs] = parent[0][vs]
+                    if parent[1][vs] < cap[vs]:
+                        cap[vs] = parent[1][vs]
         tau = self.tau
         for rnd in range(PROPAGATION_ROUNDS):
             s_cap = s_lb = 0

@@ -219,7 +219,8 @@ class SplitSearch(StructureBounds):
             self.aborted = True
             return
         lb, cap = self.lb[k], self.cap[k]
-        if not self._propagate(k, left, lb, cap, self.capt[k]):
+        parent = (self.lb[k - 1], self.cap[k - 1], self.capt[k - 1]) if k > 0 else None
+        if not self._propagate(k, left, lb, cap, self.capt[k], parent):
             return
         for t in range(self.nt):
             why = self._type_allowed(k, t)

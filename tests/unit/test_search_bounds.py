@@ -165,6 +165,81 @@ def test_lower_bounds_never_exceed_any_completion(seed):
         assert ss.kernel.longest(ss.params) <= best
 
 
+def _decide(ss, counts, types, layers, k, pp, v):
+    """Search state with ranks 0..k-1 decided as in (types, layers); returns the layers left."""
+    ss.remaining, ss.used = list(counts), [0] * len(counts)
+    ss.types, ss.layers = [-1] * pp, [0] * (pp * v)
+    for r in range(k):
+        t = types[r]
+        ss.types[r], ss.slot[r] = t, ss.used[t]
+        ss.remaining[t] -= 1
+        ss.used[t] += 1
+        for c in range(v):
+            ss.layers[c * pp + r] = layers[c * pp + r]
+    return ss.num_layers - sum(ss.layers)
+
+
+def _inherited_case(seed: int) -> int | None:
+    """A child node starts from its parent's propagated bounds (docs/SEARCH.md): at random prefixes,
+    with tau just above the best completion of the parent, the child is not pruned, every completion
+    that beats tau lies within its [lb, cap] and its type caps. Returns how many children it cut or
+    bounded tighter somewhere than a fresh propagation (None: no case)."""
+    table, shape, counts, num_layers = random_structure(seed, pure=True)
+    plans = brute_force(table, shape, counts, num_layers)
+    pp, v, nt = shape.pp, shape.virtual_stages, len(counts)
+    if not plans or pp < 2:
+        return None
+    rng = random.Random(seed)
+    ss = PySplitSearch(table, shape, num_layers, ridge=False, blocks=False,
+                       type_class=array("i", range(nt)))
+    ss.run(counts, math.inf)
+    tighter = 0
+    for _ in range(6):
+        _t, types, layers = rng.choice(plans)
+        k = rng.randrange(1, pp)                    # the child decides rank k; its parent rank k-1
+        parent_done = [p for p in plans if p[1][:k - 1] == types[:k - 1]
+                       and all(p[2][c * pp + r] == layers[c * pp + r] for r in range(k - 1) for c in range(v))]
+        ss.tau = min(p[0] for p in parent_done) * (1 + 1e-9) + 1e-12
+        left = _decide(ss, counts, types, layers, k - 1, pp, v)
+        plb, pcap, pcapt = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v * nt)
+        assert ss._propagate(k - 1, left, plb, pcap, pcapt)
+        completions = [p for p in parent_done if p[1][k - 1] == types[k - 1]
+                       and all(p[2][c * pp + k - 1] == layers[c * pp + k - 1] for c in range(v))]
+        left = _decide(ss, counts, types, layers, k, pp, v)
+        lb, cap, capt = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v * nt)
+        ok = ss._propagate(k, left, lb, cap, capt, (plb, pcap, pcapt))
+        fresh = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v * nt)
+        fresh_ok = ss._propagate(k, left, *fresh)
+        beat = [p for p in completions if p[0] < ss.tau]
+        if beat:
+            assert ok
+        if not ok:
+            tighter += fresh_ok         # the inherited bounds cut the child, a fresh start does not
+            continue
+        for t_ms, typ, lay in beat:
+            for r in range(k, pp):
+                for c in range(v):
+                    vs = c * pp + r
+                    assert lb[vs] <= lay[vs] <= cap[vs]
+                    assert lay[vs] <= capt[vs * nt + typ[r]]
+        if fresh_ok:
+            tighter += any(lb[vs] > fresh[0][vs] or cap[vs] < fresh[1][vs]
+                           for vs in (c * pp + r for r in range(k, pp) for c in range(v)))
+    return tighter
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_inherited_bounds_never_exclude_a_completion(seed):
+    if _inherited_case(seed) is None:
+        pytest.skip("nothing fits memory, or one rank")
+
+
+def test_inherited_bounds_are_tighter_somewhere():
+    """Inheriting the parent's bounds is not idle on these problems: some child starts tighter than a
+    fresh propagation would leave it."""
+    assert sum(_inherited_case(seed) or 0 for seed in range(80, 100)) > 0
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_structure_search_matches_brute_force(seed, pure_python):
     if not pure_python and PURE_FORCED:
