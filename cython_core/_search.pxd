@@ -112,6 +112,7 @@ cdef class SplitSearch:
     cdef void _unknown_mins(self) noexcept nogil
     cdef void _fill(self, int* lb) noexcept nogil
     cdef double _send_lb(self, int r, double unknown_min) noexcept nogil
+    cdef bint _child_lower_bounds(self, int k, int rest, int s_cap, int* lb, int* cap, int* out) noexcept nogil
     cdef bint _propagate(self, int k, int left, int* lb, int* cap, int* capt, int* plb, int* pcap,
                          int* pcapt) noexcept nogil
     cdef int _type_slopes(self) noexcept nogil

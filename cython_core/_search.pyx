@@ -951,9 +951,23 @@ cdef class SplitSearch:
             self.remaining[t] += 1
             self.used[t] -= 1
 
+    cdef bint _child_lower_bounds(self, int k, int rest, int s_cap, int* lb, int* cap, int* out) noexcept nogil:
+        # see splits.SplitSearch._child_lower_bounds
+        cdef int vs, x
+        cdef bint raised = False
+        for vs in range(self.nv):
+            out[vs] = lb[vs]
+            if vs % self.pp > k:
+                x = rest - (s_cap - cap[vs])
+                if x > lb[vs]:
+                    out[vs] = x
+                    raised = True
+        return raised
+
     cdef void _children(self, int k, int left, int t, int* lb, int* cap, int* capt) noexcept nogil:
         cdef int pp = self.pp, v = self.v, nv = self.nv, lo = v, hi = self.num_layers, mem, last, down, capped
-        cdef int l, x, y, c, vs, ct, room
+        cdef int l, x, y, c, vs, ct, room, s_cap
+        cdef int* lb2
         cdef double val
         for c in range(v):
             vs = c * pp + k
@@ -992,19 +1006,35 @@ cdef class SplitSearch:
                 x = last
             self.ctr[PRUNED_RIDGE] += hi - x
             hi = last
+        # the DAG bound with the later ranks' lower bounds raised for each count (see splits.py)
+        s_cap = 0
+        if k < pp - 1:
+            for vs in range(nv):
+                if vs % pp > k:
+                    s_cap += cap[vs]
+        lb2 = lb + nv            # the child's lower bounds, scratch: its propagation overwrites them
         l = lo
         while l <= hi and not self.aborted:
             for c in range(v):
                 self.layers[c * pp + k] = (l + v - 1 - c) // v
-            self._fill(lb)
-            if k == pp - 1:
-                self.ctr[SIM_CALLS] += 1
-            else:
+            if k < pp - 1 and self._child_lower_bounds(k, left - l, s_cap, lb, cap, lb2):
+                self._fill(lb2)
                 self.ctr[BOUND_EVALS] += 1
-            val = self.kernel.run(self.params)
-            if val >= self.tau:
-                self.ctr[PRUNED_BOUND] += hi - l + 1
-                break
+                if self.kernel.run(self.params) >= self.tau:
+                    self.ctr[PRUNED_BOUND] += 1
+                    l += 1
+                    continue
+                val = 0.0
+            else:
+                self._fill(lb)
+                if k == pp - 1:
+                    self.ctr[SIM_CALLS] += 1
+                else:
+                    self.ctr[BOUND_EVALS] += 1
+                val = self.kernel.run(self.params)
+                if val >= self.tau:
+                    self.ctr[PRUNED_BOUND] += hi - l + 1
+                    break
             if k == pp - 1:
                 self.ctr[IMPROVED] += 1
                 self.best = val

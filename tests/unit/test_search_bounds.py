@@ -240,6 +240,68 @@ def test_inherited_bounds_are_tighter_somewhere():
     assert sum(_inherited_case(seed) or 0 for seed in range(80, 100)) > 0
 
 
+def _child_bound_case(seed: int) -> int | None:
+    """The DAG bound of a child (rank k on a type with l layers) with the later ranks' lower bounds
+    raised by the sum rule for that count (SplitSearch._child_lower_bounds): at random prefixes, with
+    tau 5 % above the node's best completion, it never exceeds the best completion of a child that
+    has one below tau. Returns how many children it priced above the plain (monotone) bound."""
+    table, shape, counts, num_layers = random_structure(seed, pure=True)
+    plans = brute_force(table, shape, counts, num_layers)
+    pp, v, nt = shape.pp, shape.virtual_stages, len(counts)
+    if not plans or pp < 2:
+        return None
+    rng = random.Random(seed)
+    ss = PySplitSearch(table, shape, num_layers, ridge=False, blocks=False,
+                       type_class=array("i", range(nt)))
+    ss.run(counts, math.inf)
+    stronger = 0
+    for _ in range(6):
+        _t, types, layers = rng.choice(plans)
+        k = rng.randrange(pp - 1)                   # ranks 0..k-1 decided, rank k next, a rank after it
+        node = [p for p in plans if p[1][:k] == types[:k]
+                and all(p[2][c * pp + r] == layers[c * pp + r] for r in range(k) for c in range(v))]
+        ss.tau = min(p[0] for p in node) * 1.05
+        left = _decide(ss, counts, types, layers, k, pp, v)
+        lb, cap, capt = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v * nt)
+        assert ss._propagate(k, left, lb, cap, capt)
+        s_cap = sum(cap[vs] for vs in range(pp * v) if vs % pp > k)
+        children = {}
+        for t_ms, typ, lay in node:
+            if t_ms < ss.tau:
+                key = (typ[k], sum(lay[c * pp + k] for c in range(v)))
+                children[key] = min(children.get(key, math.inf), t_ms)
+        for (t, l), best in children.items():
+            ss.types[k], ss.slot[k] = t, ss.used[t]
+            ss.remaining[t] -= 1
+            ss.used[t] += 1
+            for c in range(v):
+                ss.layers[c * pp + k] = (l + v - 1 - c) // v
+            out = [0] * (pp * v)
+            if ss._child_lower_bounds(k, left - l, s_cap, lb, cap, out):
+                ss._fill(out)
+                raised = ss.kernel.longest(ss.params)
+                assert raised <= best
+                ss._fill(lb)
+                stronger += raised > ss.kernel.longest(ss.params)
+            ss.types[k] = -1
+            ss.remaining[t] += 1
+            ss.used[t] -= 1
+            for c in range(v):
+                ss.layers[c * pp + k] = 0
+    return stronger
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_child_bound_never_exceeds_the_child_optimum(seed):
+    if _child_bound_case(seed) is None:
+        pytest.skip("nothing fits memory, or one rank")
+
+
+def test_child_bound_is_stronger_somewhere():
+    """The raised lower bounds price some children above the plain bound (where they can cut)."""
+    assert sum(_child_bound_case(seed) or 0 for seed in range(80, 100)) > 0
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_structure_search_matches_brute_force(seed, pure_python):
     if not pure_python and PURE_FORCED:
