@@ -189,9 +189,9 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
     earlier position (each chunk holds a layer), so ``r c_min + M (f_t + b_t) l <= T`` (``c_min``: the
     least ``f + b`` of the piece's types) and, ``l`` being an integer, ``l <= k_t(r, T) = floor(w_t (T
     - r c_min) / M)``. The ranks must hold every layer, and any assignment of types to positions holds
-    at most ``min(sum_r max_t min(cap_t(r), k_t(r, T)), sum_t (the n_t largest min(cap_t(r), k_t(r,
-    T))))``; the bound is the smallest ``T`` where that reaches the layers (bisection: capacity is
-    monotone in ``T``)."""
+    at most ``min(sum_r max_t min(cap_t(r), k_t(r, T)), sum_t (the n_t largest min(cap_t(r), k_t(0,
+    T))))`` (``k_t(0, T) >= k_t(r, T)``: the per-type sum needs no sort per ``T``); the bound is the
+    smallest ``T`` where that reaches the layers (bisection: capacity is monotone in ``T``)."""
     slack = 1.0 + 1e-9
     types = []
     for t in range(len(counts)):
@@ -201,7 +201,8 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
         s_t, a_t, use = table.layer_state_bytes[t], table.layer_activation_bytes[t] / v, table.usable_bytes[t]
         caps = [min(num_layers, int(use / (s_t + live[r] * a_t) * slack)) if s_t + live[r] * a_t > 0
                 else num_layers for r in range(pp)]
-        types.append((1.0 / (table.forward_ms[t] + table.backward_ms[t]), n, caps))
+        types.append((1.0 / (table.forward_ms[t] + table.backward_ms[t]), n, caps,
+                      sorted(caps, reverse=True)[:n]))
     if not types:
         return INF
     m = micro_batches
@@ -209,13 +210,15 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
     c_min = min(table.forward_ms[t] + table.backward_ms[t] for t in range(len(counts)) if min(counts[t], pp) > 0)
 
     def capacity(t_ms: float) -> float:
-        # h[r][i]: most layers position r holds on type i (memory, and its work after the fill)
-        h = [[min(c[r], int(w * max(0.0, t_ms - r * c_min) / m * slack)) for w, _n, c in types]
-             for r in range(pp)]
-        by_type = sum(sum(sorted((row[i] for row in h), reverse=True)[:n])
-                      for i, (_w, n, _c) in enumerate(types))
+        # per type its n roomiest positions, each within the work of position 0 (k_t(0) >= k_t(r):
+        # an upper bound on what the type's ranks hold, without sorting per T)
+        by_type = sum(sum(min(c, k) for c in top)
+                      for k, top in ((int(w * t_ms / m * slack), top) for w, _n, _c, top in types))
         if by_type < num_layers:
             return by_type
+        # h[r][i]: most layers position r holds on type i (memory, and its work after the fill)
+        h = [[min(c[r], int(w * max(0.0, t_ms - r * c_min) / m * slack)) for w, _n, c, _s in types]
+             for r in range(pp)]
         best = by_type
         lam = [0.0] * len(types)
         for it in range(DUAL_STEPS):

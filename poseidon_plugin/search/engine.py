@@ -67,11 +67,12 @@ class SearchRun:
         self.clock = clock or time.monotonic
         # the limit counts from here: the space and its cost tables are part of the search's time
         self.deadline = INF if options.time_limit_s is None else self.clock() + options.time_limit_s
-        # a search cut off by the clock spends the last BOUND_RESERVE of the limit on the memory-aware
-        # bounds of the open shape groups (frontier-1024: ~800 groups, ~4 s), not just LAZY_BOUNDS of
-        # them (real clock only: an injected one stops the search where the test says)
+        # an exact search cut off by the clock spends the last BOUND_RESERVE of the limit on the
+        # memory-aware bounds of the open shape groups (frontier-1024: ~800 groups, ~4 CPU s), not just
+        # LAZY_BOUNDS of them (real clock only: an injected one stops the search where the test says;
+        # default mode keeps all of its time for the plan)
         self.bound_deadline = -INF
-        if options.time_limit_s is not None and self.clock is time.monotonic:
+        if options.time_limit_s is not None and self.clock is time.monotonic and options.mode == "exact":
             self.bound_deadline = self.deadline
             self.deadline -= BOUND_RESERVE * options.time_limit_s
         self.node_budget = node_budget
