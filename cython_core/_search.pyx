@@ -53,6 +53,7 @@ cdef double _monotonic() noexcept nogil:
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return ts.tv_sec + ts.tv_nsec * 1e-9
 cdef int PROPAGATION_ROUNDS = 3
+cdef int INHERITED_ROUNDS = 2       # with the parent's bounds (see search/bounds.py)
 
 
 cdef double* _dcopy(object seq) except NULL:
@@ -387,7 +388,7 @@ cdef class SplitSearch:
                          int* pcapt) noexcept nogil:
         # plb/pcap/pcapt: the parent node's bounds, where ranks k.. start from (NULL: none)
         cdef int pp = self.pp, v = self.v, nt = self.nt, vs, r, x, c, best, rnd, s_cap, s_lb, nl, nc
-        cdef int changed, cr, i, ct
+        cdef int changed, cr, i, ct, rounds
         for r in range(k, pp):
             best = -1
             for x in range(nt):
@@ -417,7 +418,8 @@ cdef class SplitSearch:
                         lb[vs] = plb[vs]
                     if pcap[vs] < cap[vs]:
                         cap[vs] = pcap[vs]
-        for rnd in range(PROPAGATION_ROUNDS):
+        rounds = PROPAGATION_ROUNDS if plb == NULL else INHERITED_ROUNDS
+        for rnd in range(rounds):
             s_cap = 0
             s_lb = 0
             for r in range(k, pp):
@@ -439,7 +441,7 @@ cdef class SplitSearch:
                     if lb[vs] > cap[vs]:
                         self.ctr[PRUNED_PATH] += 1
                         return False
-            if self.tau == INFINITY or k == pp - 1 or rnd == PROPAGATION_ROUNDS - 1:
+            if self.tau == INFINITY or k == pp - 1 or rnd == rounds - 1:
                 break
             changed = self._path_caps(k, left, lb, cap, capt)
             if changed >= 0 and not self._type_mass(k, left, lb, cap, capt):

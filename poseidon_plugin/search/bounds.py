@@ -32,6 +32,10 @@ DUAL_STEPS = 30          # subgradient steps of the positional bound's assignmen
 # when the bound exceeds tau by more than float noise; the DAG bound is compared exactly (monotone)
 PATH_SLACK = 1e-9
 PROPAGATION_ROUNDS = 3
+# a node that inherits its parent's bounds starts near a fixpoint: one round of the path bounds on top
+# of the parent's does nearly what two did from scratch (Setting 6 at 288 NPUs: 0.2 % more nodes,
+# ~20 % less time); the roots (thousands of shape groups' checks) keep both rounds
+INHERITED_ROUNDS = 2
 
 # StructureBounds.mins: the smallest cost of each kind over the types an undecided rank may take
 # (the same indices in poseidon_plugin._core._search, which exports MIN_NAMES)
@@ -362,7 +366,8 @@ class StructureBounds:
                     if parent[1][vs] < cap[vs]:
                         cap[vs] = parent[1][vs]
         tau = self.tau
-        for rnd in range(PROPAGATION_ROUNDS):
+        rounds = PROPAGATION_ROUNDS if parent is None else INHERITED_ROUNDS
+        for rnd in range(rounds):
             s_cap = s_lb = 0
             for r in range(k, pp):
                 for c in range(v):
@@ -383,7 +388,7 @@ class StructureBounds:
                     if lb[vs] > cap[vs]:
                         ctr[PRUNED_PATH] += 1
                         return False
-            if tau == INF or k == pp - 1 or rnd == PROPAGATION_ROUNDS - 1:
+            if tau == INF or k == pp - 1 or rnd == rounds - 1:
                 break
             changed = self._path_caps(k, left, lb, cap, capt)
             if changed >= 0 and not self._type_mass(k, left, lb, cap, capt):
