@@ -95,6 +95,7 @@ cdef class SplitSearch:
         self.mu1 = self.mu2 = self.rmt = self.ph_mu = NULL
         self.nu1 = self.nu2 = self.rsum = self.gam = self.xs = self.xall = self.rlb = self.gam0 = NULL
         self.zero_lb = NULL
+        self.g_slb = self.g_even = self.g_start = self.z_slb = self.z_even = NULL
         self.efull = self.ordf = self.ordfn = self.kfull = NULL
         self.narg = NULL
         self.sl_f = self.sl_b = self.sl_a = NULL
@@ -185,6 +186,14 @@ cdef class SplitSearch:
         self.kfull = _ialloc(self.pp * self.nt * self.nt)
         self.rlb = _dcopy([0.0] * self.pp)
         self.gam0 = _dcopy([0.0] * self.pp)
+        self.g_slb = _ialloc(self.pp)
+        self.g_even = _ialloc(self.pp)
+        self.g_start = _ialloc(self.pp)
+        self.z_slb = _ialloc(self.pp)
+        self.z_even = _ialloc(self.pp)
+        for r in range(self.pp):
+            self.z_slb[r] = 0
+            self.z_even[r] = 1
         self.zero_lb = _ialloc(self.nv)
         for c in range(self.nv):
             self.zero_lb[c] = 0
@@ -219,6 +228,7 @@ cdef class SplitSearch:
         free(self.ecap); free(self.kroom); free(self.ordr); free(self.ordn); free(self.marg); free(self.ph_t)
         free(self.mu1); free(self.mu2); free(self.rmt); free(self.ph_mu)
         free(self.nu1); free(self.nu2); free(self.narg); free(self.rsum); free(self.gam); free(self.xs); free(self.xall); free(self.rlb); free(self.gam0); free(self.zero_lb)
+        free(self.g_slb); free(self.g_even); free(self.g_start); free(self.z_slb); free(self.z_even)
         free(self.efull); free(self.ordf); free(self.ordfn); free(self.kfull)
 
     # --- memory ---------------------------------------------------------------------------------
@@ -572,19 +582,14 @@ cdef class SplitSearch:
             return cost
         return INFINITY
 
-    cdef double _gammas(self, int q, int k, int* lb, int* room_of, double* gam, int ns) noexcept nogil:
-        # see splits.SplitSearch._gammas
-        cdef int pp = self.pp, v = self.v, nt = self.nt, r, i, t, c, j, s_lb, top
-        cdef bint even
+    cdef double _gammas(self, int q, int k, int* lb, int* room_of, double* gam, int ns, int* slb,
+                        int* even, int* start) noexcept nogil:
+        # see splits.SplitSearch._gammas; slb/even/start: per rank its lb layers, whether they are
+        # spread like a rank's layers, and s_lb mod V (the same for every path: _path_caps sets them)
+        cdef int pp = self.pp, v = self.v, nt = self.nt, r, i, t, c, j, s_lb, top, x
         cdef double gsum = 0.0, gmax, g, beta, acc, w
         for r in range(k, pp):
-            s_lb = 0
-            for c in range(v):
-                s_lb += lb[c * pp + r]
-            even = True
-            for c in range(v):
-                if (s_lb + v - 1 - c) // v != lb[c * pp + r]:
-                    even = False
+            s_lb = slb[r]
             gmax = 0.0
             for i in range(ns):
                 t = self.sl_t[i]
@@ -597,11 +602,15 @@ cdef class SplitSearch:
                     beta += self.xs[c]
                 beta = beta / v
                 g = 0.0
-                if even:
+                if even[r]:
                     top = v - 1 if v - 1 < room_of[r * nt + t] else room_of[r * nt + t]
                     acc = 0.0
+                    x = start[r]
                     for j in range(1, top + 1):
-                        acc += self.xs[(s_lb + j - 1) % v]
+                        acc += self.xs[x]          # xs[(s_lb + j - 1) % v]
+                        x += 1
+                        if x == v:
+                            x = 0
                         if beta * j - acc > g:
                             g = beta * j - acc
                 else:
@@ -632,6 +641,16 @@ cdef class SplitSearch:
             for c in range(v):
                 extra -= lb[c * pp + r]
         self._type_room(k, lb, cap, capt, ns)
+        for r in range(k, pp):            # per rank, for _gammas (the same for every path)
+            s_lb = 0
+            for c in range(v):
+                s_lb += lb[c * pp + r]
+            self.g_slb[r] = s_lb
+            self.g_start[r] = s_lb % v
+            self.g_even[r] = 1
+            for c in range(v):
+                if (s_lb + v - 1 - c) // v != lb[c * pp + r]:
+                    self.g_even[r] = 0
         for q in range(self.n_paths):
             cf = q * nv
             cr = q * pp
@@ -794,7 +813,8 @@ cdef class SplitSearch:
                             y = -INFINITY
                             if v > 1:
                                 if gsum0 < 0.0:
-                                    gsum0 = self._gammas(q, k, self.zero_lb, self.efull, self.gam0, ns)
+                                    gsum0 = self._gammas(q, k, self.zero_lb, self.efull, self.gam0, ns,
+                                                         self.z_slb, self.z_even, self.z_slb)
                                 y = self._phi(elb + extra - d, r, t, ns, self.nu1, self.nu2, self.narg, self.kfull) \
                                     - (gsum0 - self.gam0[r]) - lbo
                             if own + y < rhs:
@@ -803,7 +823,8 @@ cdef class SplitSearch:
                                     y = g
                             if v > 1 and own + y < rhs:
                                 if gsum < 0.0:
-                                    gsum = self._gammas(q, k, lb, self.ecap, self.gam, ns)
+                                    gsum = self._gammas(q, k, lb, self.ecap, self.gam, ns, self.g_slb,
+                                                        self.g_even, self.g_start)
                                 g = self._phi(extra - d, r, t, ns, self.nu1, self.nu2, self.narg, self.kroom) \
                                     - (gsum - self.gam[r])
                                 if g > y:
