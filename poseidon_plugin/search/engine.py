@@ -100,6 +100,8 @@ class SearchRun:
         self.ridge = options.mode == "default"
         self.blocks = options.mode == "default" and options.type_blocks
         self.gap = options.gap
+        # a plan this fast is known to the caller (another search variant): nothing at or above it matters
+        self.cutoff = INF if options.cutoff_ms is None or self.board.exact_alternatives else options.cutoff_ms
         self.shrink = 1.0 / (1.0 + self.gap)
         self.memory_blocked: list[tuple[float, str, float]] = []   # (need GB, type, usable GB)
         self._splitters: dict[tuple, Any] = {}   # seeded groups that passed their root check
@@ -122,6 +124,10 @@ class SearchRun:
 
     def offer(self, sg: ShapeGroup, ms: float, types, layers) -> None:
         self.board.offer(sg.key, ms, lambda: self.candidate(sg, types, layers))
+
+    def threshold(self, key: tuple) -> float:
+        """The leaderboard's threshold for ``key``, or the caller's cutoff where lower."""
+        return min(self.board.threshold(key), self.cutoff)
 
     def out_of_time(self) -> bool:
         if not self.complete:
@@ -285,7 +291,7 @@ class SearchRun:
         """The group's structure search, or None when the fluid cut or the root bound (types and
         layers free) proves the group cannot beat its threshold. The splitter of a group that
         survives is kept: the seed phase checks the group before its own turn comes."""
-        tau = self.board.threshold(sg.key) * self.shrink
+        tau = self.threshold(sg.key) * self.shrink
         if self.fluid_cut(sg, tau) or self.bound(sg, positional=False) >= tau:
             self.close(tau)
             return None
@@ -329,7 +335,7 @@ class SearchRun:
                 self.partial = self.open_structures_bound(sg, vectors, bounds, strong, i)
                 return
             self.structures += 1
-            tau = self.board.threshold(key) * self.shrink
+            tau = self.threshold(key) * self.shrink
             if bounds[i] < tau:
                 # the memory-aware form is valid too, and the larger: it also bounds the structure
                 # while open
