@@ -26,7 +26,6 @@ from .counters import PRUNED_MEMORY, PRUNED_PATH
 from .tables import TypeTable
 
 INF = math.inf
-DUAL_STEPS = 30          # subgradient steps of the positional bound's assignment dual (any count is valid)
 
 # relative slack on the path bounds (sums in a different order than the kernel's): they prune only
 # when the bound exceeds tau by more than float noise; the DAG bound is compared exactly (monotone)
@@ -192,10 +191,12 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
     after the chunk-0 forward of micro-batch 0 and before the chunk-0 backward of the last one on every
     earlier position (each chunk holds a layer), so ``r c_min + M (f_t + b_t) l <= T`` (``c_min``: the
     least ``f + b`` of the piece's types) and, ``l`` being an integer, ``l <= k_t(r, T) = floor(w_t (T
-    - r c_min) / M)``. The ranks must hold every layer, and any assignment of types to positions holds
-    at most ``min(sum_r max_t min(cap_t(r), k_t(r, T)), sum_t (the n_t largest min(cap_t(r), k_t(0,
-    T))))`` (``k_t(0, T) >= k_t(r, T)``: the per-type sum needs no sort per ``T``); the bound is the
-    smallest ``T`` where that reaches the layers (bisection: capacity is monotone in ``T``)."""
+    - r c_min) / M)``. The ranks must hold every layer: the bound is the smallest ``T`` where the best
+    assignment of types to positions (at most ``n_t`` of type ``t``) holds them with ``h_t(r) =
+    min(cap_t(r), k_t(r, T))`` layers at position ``r`` (bisection: capacity is monotone in ``T``),
+    computed exactly (:func:`.seeds.best_assignment`) after two cheap upper bounds on it, ``sum_t (the
+    n_t largest min(cap_t(r), k_t(0, T)))`` and ``sum_r max_t h_t(r)``, did not settle it."""
+    from .seeds import best_assignment      # here: seeds imports the search modules that import this one
     slack = 1.0 + 1e-9
     types = []
     for t in range(len(counts)):
@@ -223,32 +224,18 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
         # h[r][i]: most layers position r holds on type i (memory, and its work after the fill)
         h = [[min(c[r], int(w * max(0.0, t_ms - r * c_min) / m * slack)) for w, _n, c, _s in types]
              for r in range(pp)]
-        best = by_type
-        lam = [0.0] * len(types)
-        for it in range(DUAL_STEPS):
-            # weak duality: for any lam >= 0, sum_r max_t (h - lam_t) + sum_t lam_t n_t bounds every
-            # assignment using at most n_t positions of type t (lam = 0: the positions' own best)
-            used = [0] * len(types)
-            total = 0.0
-            for row in h:
-                j, val = 0, row[0] - lam[0]
-                for i in range(1, len(row)):
-                    if row[i] - lam[i] > val:
-                        j, val = i, row[i] - lam[i]
-                used[j] += 1
-                total += val
-            total += sum(lam[i] * types[i][1] for i in range(len(types)))
-            if total < best:
-                best = total
-            if best < num_layers or all(used[i] <= types[i][1] for i in range(len(types))):
-                break
-            step = 1.0 / (1 + it)
-            lam = [max(0.0, lam[i] + step * (used[i] - types[i][1])) for i in range(len(types))]
-        return best + 1e-6          # float noise of the dual sum: only ever raises the capacity
+        # every position at its own best type (integers): an upper bound on any assignment, cheap
+        if sum(max(row) for row in h) < num_layers:
+            return 0
+        # the best assignment of types to positions (at most n_t of type t), exactly: a transportation
+        # problem (seeds.best_assignment, successive shortest paths)
+        got = best_assignment([[row[i] for row in h] for i in range(len(types))],
+                              [n for _w, n, _c, _s in types], pp)
+        return 0 if got is None else got[0]
 
     if capacity(start) >= num_layers:
         return start
-    lo = _last_short_time(capacity, num_layers, start, max(start, 1e-3) * 2.0, 1e-5)
+    lo = _last_short_time(capacity, num_layers, start, max(start, 1e-3) * 2.0, 1e-3)
     return INF if lo is None else lo   # lo stays a bound whatever the precision: a few steps suffice
 
 

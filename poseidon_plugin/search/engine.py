@@ -38,9 +38,10 @@ INF = math.inf
 WARMUP_SHAPES = 16
 SEED_SHAPES = 64
 LAZY_BOUNDS = 32             # memory-aware group bounds computed per lower_bound() call, at most
-                             # (~5 ms each at frontier scale: the per-position form) ...
-BOUND_RESERVE = 0.1          # ... except in this last share of --time-limit, kept back from the search
-                             # for the bounds of the open groups when the clock cuts it off
+                             # (the per-position form: up to ~0.15 s each at frontier scale) ...
+LAZY_S = 0.05                # ... and at most this many seconds of them
+BOUND_RESERVE = 0.25         # ... except in this last share of --time-limit, kept back from the search
+                             # for the bounds of the open groups when the clock cuts an exact search off
 
 
 def use_pure_python(options: SearchOptions) -> bool:
@@ -142,6 +143,16 @@ class SearchRun:
         if bound < self.floor:
             self.floor = bound
 
+    def lazy_budget(self) -> Callable[[int], bool]:
+        """Whether to compute one more memory-aware bound, given how many of the ``LAZY_BOUNDS`` are
+        left: in the reserve of an exact search the clock cut off, until the limit; otherwise while
+        some are left and for at most ``LAZY_S`` (at frontier scale one takes up to ~0.15 s)."""
+        now = time.monotonic()
+        if not self.complete and self.bound_deadline > now:
+            return lambda _left: time.monotonic() < self.bound_deadline
+        until = now + LAZY_S
+        return lambda left: left > 0 and time.monotonic() < until
+
     def lower_bound(self) -> float:
         """Proven lower bound on every plan of the space searched (default mode: of the default
         space): the best plan, the floor of the closed pieces, the bounds of the open ones."""
@@ -150,12 +161,12 @@ class SearchRun:
         # the open groups, cheapest bound first; the memory-aware bound is computed lazily, for the
         # groups that reach the top (a cheap bound is valid too, so the effort is capped: LAZY_BOUNDS,
         # or the reserve of a search the clock cut off)
-        lazy = LAZY_BOUNDS
+        lazy, more = LAZY_BOUNDS, self.lazy_budget()
         while heap and heap[0][0] < lb:
             b, strong, i = heap[0]
             if self.group_done[i]:
                 heapq.heappop(heap)        # closed: its floor is counted (a done group costs nothing)
-            elif strong or (lazy <= 0 and (self.complete or time.monotonic() > self.bound_deadline)):
+            elif strong or not more(lazy):
                 break
             else:
                 lazy -= 1
@@ -362,12 +373,12 @@ class SearchRun:
     def open_structures_bound(self, sg: ShapeGroup, vectors, bounds: list[float], strong: list[bool],
                               start: int) -> float:
         """Bound of the structures ``start..`` of a group the clock left open: the memory-aware bound of
-        the cheapest ones (at most ``LAZY_BOUNDS`` computed, cheapest first; the rest keep the cheap one)."""
+        the cheapest ones (cheapest first, as :meth:`lazy_budget` allows; the rest keep the cheap one)."""
         heap = [(bounds[i], i) for i in range(start, len(vectors))]
         heapq.heapify(heap)
-        for _ in range(LAZY_BOUNDS):
-            if not heap or strong[heap[0][1]]:
-                break
+        lazy, more = LAZY_BOUNDS, self.lazy_budget()
+        while heap and not strong[heap[0][1]] and more(lazy):
+            lazy -= 1
             b, i = heap[0]
             strong[i] = True
             heapq.heapreplace(heap, (max(b, self.bound(sg, vectors[i])), i))
