@@ -99,7 +99,8 @@ def _last_short_time(capacity, num_layers: int, lo: float, hi: float, rel: float
     return lo
 
 def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int,
-                   num_layers: int, *, memory: bool = False, live=None) -> float:
+                   num_layers: int, *, memory: bool = False, live=None, schedule: str | None = None,
+                   target: float | None = None) -> float:
     """A lower bound on the iteration time of every plan of a shape group (``counts``: the most ranks
     of each type) or of a structure (``counts``: exact ranks per type); inf when ``pp`` ranks do not
     exist or cannot hold the model. Shape-free: the engine keeps it for every piece of the space it
@@ -115,7 +116,9 @@ def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int
     (greedy, largest ``w`` first), hence the bound. Memory: each rank holds at most ``cap_i`` layers
     (the cost model's formula with one live micro-batch, never below the true cap); inf when the
     ``pp`` roomiest ranks cannot hold the model, and (``memory``) the larger of the bound above and
-    the work bound with caps: ``l_i <= min(cap_i, w_i T / M)`` (rank ``i``'s own work fits in ``T``)."""
+    the work bound with caps: ``l_i <= min(cap_i, w_i T / M)`` (rank ``i``'s own work fits in ``T``);
+    with ``live`` also :func:`positional_bound` (given ``schedule``: with the fill and drain terms;
+    ``target``: computed only up to just above it)."""
     # per type one block of identical ranks (w, cap, n): O(types) where a list of pp ranks cost
     # O(pp log pp), for each of ~15,000 shape groups at frontier scale. The group may pick any pp.
     blocks = []
@@ -175,12 +178,35 @@ def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int
         return INF
     best = max(t_free, lo)
     if live is not None:
-        best = max(best, positional_bound(table, counts, micro_batches, pp, v, num_layers, live, best))
+        best = max(best, positional_bound(table, counts, micro_batches, pp, v, num_layers, live, best,
+                                          schedule, target))
     return best * (1.0 - 1e-9)
 
 
+def drain_coefficients(schedule: str, pp: int, micro_batches: int) -> list[tuple[tuple[int, int], ...]]:
+    """Per position ``r`` of a ``V = 1`` pipeline, pairs ``(kf, kb)`` such that every plan takes ``T >=
+    S + kf F_r + kb B_r`` (``S``: the sum over all ranks of one micro-batch's forward and backward,
+    ``F_r`` / ``B_r``: rank ``r``'s per micro-batch; docs/SEARCH.md, "Fill and drain"). Two DAG paths,
+    each through every stage once plus rank ``r``'s own ops:
+
+    * *last forward*: micro-batch 0's forwards down to ``r``, rank ``r``'s ops up to its last forward
+      (all ``M`` forwards, ``j + 1 - M`` backwards, ``j`` its index), that micro-batch down the later
+      stages and back up, ``B(r, M-1)``, the tail up to rank 0: ``kf = M - 1``, ``kb = j + 1 - M``;
+    * *first backward*: micro-batch 0 down every stage and back up to ``B(r, 0)`` (index ``i``: the
+      ``i`` ops before it are forwards), rank ``r``'s ops from there to its last, ``B(r, M-1)`` (all
+      ``M`` backwards, ``M - i`` more forwards), the tail: ``kf = M - i``, ``kb = M - 1``."""
+    from .shapes import RankOps      # here: shapes imports the simulator, bounds stays light
+    out = []
+    for r in range(pp):
+        ops = RankOps(schedule, pp, micro_batches, 1, r)
+        i, j = ops.first_backward_index(), ops.last_forward_index()
+        out.append(((micro_batches - 1, j + 1 - micro_batches), (micro_batches - i, micro_batches - 1)))
+    return out
+
+
 def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int, num_layers: int,
-                     live, start: float = 0.0) -> float:
+                     live, start: float = 0.0, schedule: str | None = None,
+                     target: float | None = None) -> float:
     """The work bound with each pipeline position's own memory cap (``live[r]``: the schedule's peak
     live micro-batches at position ``r``, as the cost model's memory formula takes them); a lower
     bound on every plan's time, or ``start`` when it is not larger (docs/SEARCH.md "Anytime answers").
@@ -195,7 +221,14 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
     assignment of types to positions (at most ``n_t`` of type ``t``) holds them with ``h_t(r) =
     min(cap_t(r), k_t(r, T))`` layers at position ``r`` (bisection: capacity is monotone in ``T``),
     computed exactly (:func:`.seeds.best_assignment`) after two cheap upper bounds on it, ``sum_t (the
-    n_t largest min(cap_t(r), k_t(0, T)))`` and ``sum_r max_t h_t(r)``, did not settle it."""
+    n_t largest min(cap_t(r), k_t(0, T)))`` and ``sum_r max_t h_t(r)``, did not settle it.
+
+    With ``schedule`` and ``V = 1`` also the fill and drain of the whole pipeline: ``T >= S + kf f_t l +
+    kb b_t l`` for both pairs of :func:`drain_coefficients` at position ``r``, where ``S``, one
+    micro-batch's work on every rank, is at least ``S_min``, the cheapest placement of the model (types
+    by ``f + b``, each up to its ``n_t`` roomiest memory caps), so ``h_t(r)`` is also at most
+    ``floor((T - S_min) / (kf f_t + kb b_t))``. With ``target``: a value just above it as soon as the
+    capacity there is short (the caller needs no more), else the bisection."""
     from .seeds import best_assignment      # here: seeds imports the search modules that import this one
     slack = 1.0 + 1e-9
     types = []
@@ -213,17 +246,43 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
     m = micro_batches
     # an earlier position's chunk-0 forward and backward on path (b) take at least this
     c_min = min(table.forward_ms[t] + table.backward_ms[t] for t in range(len(counts)) if min(counts[t], pp) > 0)
+    drain = None
+    if schedule is not None and v == 1:
+        # S_min: the model's layers on the cheapest types first, each type within its n_t roomiest caps
+        # (every plan's S = sum_i (f_i + b_i) l_i is at least this)
+        active = [t for t in range(len(counts)) if min(counts[t], pp) > 0]     # the order of types
+        s_min, need = 0.0, num_layers
+        for t, (_w, _n, _c, top) in sorted(zip(active, types),
+                                           key=lambda x: table.forward_ms[x[0]] + table.backward_ms[x[0]]):
+            take = min(need, sum(top))
+            s_min += take * (table.forward_ms[t] + table.backward_ms[t])
+            need -= take
+        # per position, per type: the per-layer slope of the drain term (the larger pair)
+        coef = drain_coefficients(schedule, pp, m)
+        slope = [[max(kf * table.forward_ms[t] + kb * table.backward_ms[t] for kf, kb in coef[r])
+                  for t in active] for r in range(pp)]
+        drain = (s_min * (1.0 - 1e-12), slope, [min(row[i] for row in slope) for i in range(len(active))])
 
     def capacity(t_ms: float) -> float:
         # per type its n roomiest positions, each within the work of position 0 (k_t(0) >= k_t(r):
         # an upper bound on what the type's ranks hold, without sorting per T)
-        by_type = sum(sum(min(c, k) for c in top)
-                      for k, top in ((int(w * t_ms / m * slack), top) for w, _n, _c, top in types))
+        ks = [int(w * t_ms / m * slack) for w, _n, _c, _top in types]
+        if drain is not None:
+            # the drain term at each type's least slope over the positions (an upper bound too)
+            room = t_ms - drain[0]
+            if room < 0.0:
+                return 0          # not even one micro-batch through every rank fits
+            ks = [k if y <= 0.0 else min(k, int(room / y * slack)) for k, y in zip(ks, drain[2])]
+        by_type = sum(sum(min(c, k) for c in top) for k, (_w, _n, _c, top) in zip(ks, types))
         if by_type < num_layers:
             return by_type
         # h[r][i]: most layers position r holds on type i (memory, and its work after the fill)
         h = [[min(c[r], int(w * max(0.0, t_ms - r * c_min) / m * slack)) for w, _n, c, _s in types]
              for r in range(pp)]
+        if drain is not None:
+            room, slope = t_ms - drain[0], drain[1]
+            h = [[x if slope[r][i] <= 0.0 else min(x, int(room / slope[r][i] * slack))
+                  for i, x in enumerate(row)] for r, row in enumerate(h)]
         # every position at its own best type (integers): an upper bound on any assignment, cheap
         if sum(max(row) for row in h) < num_layers:
             return 0
@@ -235,6 +294,12 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
 
     if capacity(start) >= num_layers:
         return start
+    if target is not None and start < target < INF:
+        # the caller needs the bound only up to target: one step instead of a bisection; just above
+        # target so that pipeline_bound's float margin (1 - 1e-9) keeps the result at or above it
+        above = target * (1.0 + 2e-9)
+        if capacity(above) < num_layers:
+            return above
     lo = _last_short_time(capacity, num_layers, start, max(start, 1e-3) * 2.0, 1e-3)
     return INF if lo is None else lo   # lo stays a bound whatever the precision: a few steps suffice
 

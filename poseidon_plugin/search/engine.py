@@ -170,7 +170,8 @@ class SearchRun:
                 break
             else:
                 lazy -= 1
-                heapq.heapreplace(heap, (max(b, self.bound(self.sgs[i], memory=True)), True, i))
+                heapq.heapreplace(heap, (max(b, self.bound(self.sgs[i], memory=True,
+                                                                target=self.board.best_ms_all())), True, i))
         if heap:
             lb = min(lb, heap[0][0])
         return lb
@@ -186,9 +187,12 @@ class SearchRun:
         """With ``--gap F``: the best plan is proven within ``1 + F`` of every open piece."""
         return self.gap > 0 and self.board.best_ms_all() * self.shrink <= self.lower_bound()
 
-    def bound(self, sg: ShapeGroup, counts=None, memory: bool = True, positional: bool | None = None) -> float:
+    def bound(self, sg: ShapeGroup, counts=None, memory: bool = True, positional: bool | None = None,
+              target: float | None = None) -> float:
         """:func:`.bounds.pipeline_bound` of a shape group (``counts``: of one structure); ``positional``
-        (default: ``memory``) adds the per-position memory caps (:func:`.bounds.positional_bound`)."""
+        (default: ``memory``) adds the per-position memory caps (:func:`.bounds.positional_bound`, with
+        the fill and drain terms of the schedule; ``target``: the caller needs no more than just above
+        it)."""
         g = sg.group
         if counts is None:
             counts = [min(n, sg.pp) for n in g.slots]
@@ -196,7 +200,8 @@ class SearchRun:
         if memory if positional is None else positional:
             live = CostModel.peak_live(sg.schedule, sg.pp, g.micro_batches, sg.virtual_stages)
         return pipeline_bound(self.space.table(g), counts, g.micro_batches, sg.pp, sg.virtual_stages,
-                              self.space.num_layers, memory=memory, live=live)
+                              self.space.num_layers, memory=memory, live=live, schedule=sg.schedule,
+                              target=target)
 
     # --- phases -----------------------------------------------------------------------------
 
@@ -350,7 +355,7 @@ class SearchRun:
             if bounds[i] < tau:
                 # the memory-aware form is valid too, and the larger: it also bounds the structure
                 # while open
-                bounds[i], strong[i] = max(bounds[i], self.bound(sg, vec)), True
+                bounds[i], strong[i] = max(bounds[i], self.bound(sg, vec, target=tau)), True
             if bounds[i] >= tau:
                 self.pruned_structures += 1
                 self.close(tau)
@@ -381,7 +386,7 @@ class SearchRun:
             lazy -= 1
             b, i = heap[0]
             strong[i] = True
-            heapq.heapreplace(heap, (max(b, self.bound(sg, vectors[i])), i))
+            heapq.heapreplace(heap, (max(b, self.bound(sg, vectors[i], target=self.board.best_ms_all())), i))
         return heap[0][0] if heap else INF
 
     def search(self) -> None:

@@ -426,3 +426,31 @@ def test_bound_paths_by_arithmetic_equal_those_of_the_listed_ops():
         for name in ("count", "coef_f", "coef_b", "coef_s", "coef_ar", "term_ptr", "term_idx",
                      "term_coef", "owner"):
             assert getattr(fast, name) == getattr(ref, name), (schedule, pp, m, v, name)
+
+
+@pytest.mark.parametrize("comm_model", ["dag", "megatron"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "eager-1f1b"])
+@pytest.mark.parametrize("pp,m", [(1, 3), (2, 1), (2, 4), (3, 2), (3, 6), (4, 4), (4, 9), (5, 3)])
+def test_fill_and_drain_terms_never_exceed_the_longest_path(comm_model, schedule, pp, m):
+    """bounds.drain_coefficients: on random weights, every rank r and both pairs, S + kf F_r + kb B_r
+    (S: every rank's forward and backward of one micro-batch) never exceeds the iteration time; on a
+    uniform 1F1B pipeline without transfers the last rank's pair is the iteration time."""
+    from poseidon_plugin.search.bounds import drain_coefficients
+    coef = drain_coefficients(schedule, pp, m)
+    assert len(coef) == pp
+    sim = Simulator(schedule, pp, m, 1, comm_model)
+    rng = random.Random(pp * 1000 + m * 10 + len(schedule))
+    for _ in range(20):
+        fwd = [rng.uniform(0, 5) for _ in range(pp)]
+        bwd = [rng.uniform(0, 9) for _ in range(pp)]
+        longest = sim.iteration_time(fwd, bwd, [rng.uniform(0, 2) for _ in range(pp)],
+                                     [rng.uniform(0, 7) for _ in range(pp)])
+        s = sum(fwd) + sum(bwd)
+        for r in range(pp):
+            for kf, kb in coef[r]:
+                assert kf >= 0 and kb >= 0
+                assert s + kf * fwd[r] + kb * bwd[r] <= longest * (1 + 1e-12)
+    if schedule == "1f1b" and comm_model == "dag":
+        longest = sim.iteration_time([1.0] * pp, [2.0] * pp, [0.0] * pp, [0.0] * pp)
+        kf, kb = coef[pp - 1][1]
+        assert 3.0 * pp + kf + 2.0 * kb == pytest.approx(longest, rel=1e-12)
