@@ -24,6 +24,7 @@ from poseidon_plugin.runtime.planning import job_name, model_spec
 from poseidon_plugin.search import SearchOptions
 from poseidon_plugin.search.baselines import best_uniform
 from poseidon_plugin.specs import device_presets, load_profile
+from poseidon_plugin.target import plan_as_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = "scripts/pretrain_gpt.py"
@@ -98,12 +99,13 @@ def candidate_of(summary: Any) -> Candidate:
 
 
 def uniform_plan(cm: CostModel) -> Plan | None:
-    """(b): the best uniform split, devices in launch order, by the same search restricted to uniform splits."""
-    found = best_uniform(cm, SearchOptions(mode="exact", comm_model=COMM_MODEL))
+    """(b): the best uniform split, devices in launch order, by the same search restricted to uniform splits,
+    run as stock Megatron-LM runs it (interleaved with its default p2p overlap, and priced so)."""
+    found = best_uniform(cm, SearchOptions(mode="exact", comm_model="megatron-overlap"))
     if found is None:
         return None
     _ms, cand = found
-    return cm.make_plan(cand, comm_model=COMM_MODEL)
+    return plan_as_run(cm, cand, comm_model=COMM_MODEL, p2p_overlap="on")
 
 
 def random_plans(cm: CostModel, count: int, seed: int, avoid: set) -> list[Plan]:

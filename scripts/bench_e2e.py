@@ -42,6 +42,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from _e2e_runs import (CLUSTERS, QUICK, ClusterCase, candidate_of, cost_model, launch,  # noqa: E402
                                plan_key, random_plans, uniform_plan)
 from poseidon_plugin.plan import Plan  # noqa: E402
+from poseidon_plugin.target import plan_as_run  # noqa: E402
 
 TARGET_MEDIAN_ERR = 0.05
 TARGET_MAX_ERR = 0.10
@@ -103,7 +104,7 @@ def run_case(case: ClusterCase, *, quick: bool, iters: int, workdir: str, log) -
         plans.append(("(b) uniform", uniform))
         seen.add(plan_key(uniform))
     for i, alt in enumerate(plan_a.alternatives[: 1 if quick else 2]):
-        plan = cm.make_plan(candidate_of(alt), comm_model="megatron")
+        plan = plan_as_run(cm, candidate_of(alt))
         if plan_key(plan) not in seen:
             plans.append((f"(c) runner-up {i + 1}", plan))
             seen.add(plan_key(plan))

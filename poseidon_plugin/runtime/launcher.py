@@ -14,6 +14,7 @@ Mistakes are one line naming the flag, and exit code 2; a failed job exits with 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -47,7 +48,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"poseidon-run: error: {message}", file=sys.stderr, flush=True)
         return 2
     os.environ.update(env)
-    return launch(torchrun_args)
+    if not opts.emulate_model:
+        return launch(torchrun_args)
+    with _emulation_stamps():
+        return launch(torchrun_args)
+
+
+@contextlib.contextmanager
+def _emulation_stamps():
+    """A fresh folder for the deterministic emulation's shared p2p posting times (``patches/emulated_links``),
+    named to the ranks by ``POSEIDON_EMULATION_STAMPS`` and removed when the job ends."""
+    import shutil
+    import tempfile
+
+    from poseidon_plugin.patches.emulated_links import STAMPS_ENV
+
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    folder = tempfile.mkdtemp(prefix="poseidon-emulation-", dir=shm)
+    os.environ[STAMPS_ENV] = os.path.join(folder, "p2p-stamps")
+    try:
+        yield
+    finally:
+        os.environ.pop(STAMPS_ENV, None)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def prepare(opts: runtime_options.RuntimeOptions, rest: list[str]) -> tuple[list[str], dict[str, str]]:

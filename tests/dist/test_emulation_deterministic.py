@@ -132,6 +132,70 @@ def test_p2p_requests_last_their_links_time_and_complete_together():
     assert [w.waited for w in made[0].values()] == [1, 1]
 
 
+class _Rank:
+    def __init__(self, rank):
+        self.my_rank = rank
+
+    def p2p_ms(self, peer, mbs):
+        return 100.0 * mbs
+
+
+def _post(rank, stamps, **tensors):
+    """Rank ``rank`` (pipeline neighbours 0 < 1 < 2) posts one call of ``_p2p_ops`` through the wrapper."""
+    emulated_links.set_state(_Rank(rank), stamps)
+    try:
+        return emulated_links._delayed_p2p(lambda **kw: {n: _Work() for n in tensors})(
+            tensor_send_prev=tensors.get("send_prev"), tensor_recv_prev=tensors.get("recv_prev"),
+            tensor_send_next=tensors.get("send_next"), tensor_recv_next=tensors.get("recv_next"),
+            group=None, prev_pipeline_rank=rank - 1, next_pipeline_rank=rank + 1)
+    finally:
+        emulated_links.set_state(None)
+
+
+def test_p2p_transfer_counts_from_the_later_of_both_posts(tmp_path):
+    # two ranks of one host map the same stamp file (as the launcher's POSEIDON_EMULATION_STAMPS)
+    path = str(tmp_path / "stamps")
+    one, two = emulated_links.Stamps(path, 3), emulated_links.Stamps(path, 3)
+    message = torch.empty(4, 1, 8)
+    send = _post(1, one, send_next=message)["send_next"]
+    time.sleep(0.3)  # rank 2 reaches its receive late: the transfer starts then, for both sides
+    recv = _post(2, two, recv_prev=message)["recv_prev"]
+    start = time.perf_counter()
+    send.wait()
+    recv.wait()
+    assert send.done_at == recv.done_at == recv.posted_at > send.posted_at + 0.25
+    assert 0.1 <= time.perf_counter() - start < 0.1 + LATE_MARGIN_S
+    # the next message on the pair: rank 2 posted first; waited long after, it costs nothing more
+    recv = _post(2, two, recv_prev=message)["recv_prev"]
+    send = _post(1, one, send_next=message)["send_next"]
+    time.sleep(0.2)
+    start = time.perf_counter()
+    recv.wait()
+    send.wait()
+    assert recv.done_at == send.done_at == send.posted_at
+    assert time.perf_counter() - start < LATE_MARGIN_S / 5
+
+
+def test_p2p_without_a_peer_stamp_counts_from_completion_seen(tmp_path, monkeypatch):
+    monkeypatch.setattr(emulated_links.Stamps, "WAIT_S", 0.05)
+    lonely = emulated_links.Stamps(str(tmp_path / "stamps"), 3)
+    send = _post(1, lonely, send_next=torch.empty(4, 1, 8))["send_next"]
+    time.sleep(0.2)
+    start = time.perf_counter()
+    send.wait()
+    assert send.done_at >= start  # the peer never wrote its post: the transfer starts when seen complete
+    assert time.perf_counter() - start >= 0.1
+
+
+def test_stamps_need_every_rank_on_this_host(tmp_path, monkeypatch):
+    monkeypatch.setenv(emulated_links.STAMPS_ENV, str(tmp_path / "stamps"))
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert emulated_links.Stamps.from_env() is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert emulated_links.Stamps.from_env().world == 8
+
+
 def test_p2p_falls_through_until_bound():
     works = [_Work()]
     out = emulated_links._delayed_p2p(lambda **kw: works)(
@@ -244,3 +308,15 @@ def test_bad_emulate_model_is_one_line_before_any_process(capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert re.search(r"--poseidon-emulate-model 'gpt-5:1': unknown model preset 'gpt-5'", err[0]), err[0]
+
+
+def test_launcher_gives_each_emulated_job_its_own_stamp_file_and_removes_it():
+    import os
+
+    from poseidon_plugin.runtime import launcher
+
+    with launcher._emulation_stamps():
+        path = os.environ[emulated_links.STAMPS_ENV]
+        assert os.path.isdir(os.path.dirname(path)) and not os.path.exists(path)
+    assert not os.path.exists(os.path.dirname(path))
+    assert emulated_links.STAMPS_ENV not in os.environ

@@ -153,7 +153,8 @@ def test_cache_tag_names_everything_the_times_depend_on():
     assert len(tags) == 4
 
 
-def test_auto_scale_makes_the_ideal_iteration_the_documented_target():
+def test_auto_scale_makes_the_ideal_iteration_the_documented_target(monkeypatch):
+    monkeypatch.setattr(emulation.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     state = _state(model="llama3-8b", layers=8, gbs=8)
     model = load_model("llama3-8b")
     per_type = {}
@@ -164,6 +165,19 @@ def test_auto_scale_makes_the_ideal_iteration_the_documented_target():
     ideal = (2 * per_type["A2-2"] + 2 * per_type["A2-4"]) / 4 * 8 / 4
     assert state.scale * ideal == pytest.approx(emulation.AUTO_ITERATION_MS)
     assert _state(model="llama3-8b", layers=8, gbs=16).scale == pytest.approx(state.scale / 2)
+
+
+def test_auto_scale_lengthens_the_iteration_when_ranks_outnumber_the_cores():
+    nodes = emulation.parse_emulate("A2-2:4,A2-4:4", ["A2-2", "A2-4"])
+    model = load_model("llama3-8b")
+
+    def scale(cores):
+        return emulation.auto_scale(nodes, model, links="npu", num_layers=8, global_batch=8, micro_batch_size=1,
+                                    cores=cores)
+
+    assert scale(4) == pytest.approx(scale(8))  # 8 ranks fit 4 cores at RANKS_PER_CORE = 2
+    assert scale(2) == pytest.approx(2 * scale(4))
+    assert scale(1) == pytest.approx(4 * scale(4))
 
 
 def _job_model(gbs=8):

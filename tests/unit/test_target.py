@@ -313,3 +313,37 @@ def test_planned_dp_is_a_multiple_of_the_target_s_dp_multiple():
     oracle = exhaustive_search(small, dataclasses.replace(opts, mode="exhaustive", comm_model="megatron")).plan
     assert oracle.dp % 8 == 0
     assert oracle.predicted_iteration_ms == pytest.approx(exact.predicted_iteration_ms, rel=1e-12)
+
+
+def test_plan_as_run_prices_interleaved_as_megatron_runs_it():
+    from poseidon_plugin.costmodel import Candidate
+    from poseidon_plugin.target import MIN_PP_INTERLEAVED_WITHOUT_OVERLAP, plan_as_run
+
+    cm = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"))
+    types = cm.device_types
+
+    def cand(pp, schedule="interleaved-1f1b"):
+        v = 2 if schedule == "interleaved-1f1b" else 1
+        per = cm.model.num_layers // (pp * v)
+        layers = [per] * (pp * v)
+        layers[-1] += cm.model.num_layers - per * pp * v
+        return Candidate(tp=1, pp=pp, dp=1, mbs=1, stage_types=tuple(types[r % len(types)] for r in range(pp)),
+                         layers=tuple(layers), schedule=schedule, virtual_stages=v)
+
+    two = cand(2)  # Megatron-LM refuses interleaved without overlap below 3 stages: overlap, priced so
+    plan = plan_as_run(cm, two)
+    assert plan.overlap_p2p_comm is True
+    assert plan.predicted_iteration_ms == pytest.approx(cm.iteration_ms(two, "megatron-overlap"))
+    with pytest.raises(InputError, match="at least 3 pipeline stages"):
+        plan_as_run(cm, two, p2p_overlap="off")
+    four = cand(4)
+    assert four.pp >= MIN_PP_INTERLEAVED_WITHOUT_OVERLAP
+    on, off = cm.iteration_ms(four, "megatron-overlap"), cm.iteration_ms(four, "megatron")
+    auto = plan_as_run(cm, four)
+    assert auto.predicted_iteration_ms == pytest.approx(min(on, off))
+    assert auto.overlap_p2p_comm == (on <= off)
+    pinned = plan_as_run(cm, four, p2p_overlap="off")
+    assert pinned.overlap_p2p_comm is False and pinned.predicted_iteration_ms == pytest.approx(off)
+    plain = plan_as_run(cm, cand(2, "1f1b"))
+    assert plain.overlap_p2p_comm is False
+    assert plain.predicted_iteration_ms == pytest.approx(cm.iteration_ms(cand(2, "1f1b"), "megatron"))
