@@ -179,20 +179,29 @@ def _decide(ss, counts, types, layers, k, pp, v):
     return ss.num_layers - sum(ss.layers)
 
 
-def _inherited_case(seed: int) -> int | None:
-    """A child node starts from its parent's propagated bounds (docs/SEARCH.md): at random prefixes,
-    with tau just above the best completion of the parent, the child is not pruned, every completion
-    that beats tau lies within its [lb, cap] and its type caps. Returns how many children it cut or
-    bounded tighter somewhere than a fresh propagation (None: no case)."""
+def _searched_structure(seed: int):
+    """A seeded random structure, every plan of it (brute force) and a split search run on it:
+    ``(plans, counts, pp, v, nt, rng, search)``, or None without a plan or with one rank."""
     table, shape, counts, num_layers = random_structure(seed, pure=True)
     plans = brute_force(table, shape, counts, num_layers)
     pp, v, nt = shape.pp, shape.virtual_stages, len(counts)
     if not plans or pp < 2:
         return None
-    rng = random.Random(seed)
     ss = PySplitSearch(table, shape, num_layers, ridge=False, blocks=False,
                        type_class=array("i", range(nt)))
     ss.run(counts, math.inf)
+    return plans, counts, pp, v, nt, random.Random(seed), ss
+
+
+def _inherited_case(seed: int) -> int | None:
+    """A child node starts from its parent's propagated bounds (docs/SEARCH.md): at random prefixes,
+    with tau just above the best completion of the parent, the child is not pruned, every completion
+    that beats tau lies within its [lb, cap] and its type caps. Returns how many children it cut or
+    bounded tighter somewhere than a fresh propagation (None: no case)."""
+    found = _searched_structure(seed)
+    if found is None:
+        return None
+    plans, counts, pp, v, nt, rng, ss = found
     tighter = 0
     for _ in range(6):
         _t, types, layers = rng.choice(plans)
@@ -245,15 +254,10 @@ def _child_bound_case(seed: int) -> int | None:
     raised by the sum rule for that count (SplitSearch._child_lower_bounds): at random prefixes, with
     tau 5 % above the node's best completion, it never exceeds the best completion of a child that
     has one below tau. Returns how many children it priced above the plain (monotone) bound."""
-    table, shape, counts, num_layers = random_structure(seed, pure=True)
-    plans = brute_force(table, shape, counts, num_layers)
-    pp, v, nt = shape.pp, shape.virtual_stages, len(counts)
-    if not plans or pp < 2:
+    found = _searched_structure(seed)
+    if found is None:
         return None
-    rng = random.Random(seed)
-    ss = PySplitSearch(table, shape, num_layers, ridge=False, blocks=False,
-                       type_class=array("i", range(nt)))
-    ss.run(counts, math.inf)
+    plans, counts, pp, v, nt, rng, ss = found
     stronger = 0
     for _ in range(6):
         _t, types, layers = rng.choice(plans)
