@@ -79,6 +79,11 @@ cdef class SplitSearch:
     cdef double* rlb
     cdef double* gam0
     cdef int* zero_lb    # nv zeros (_gammas of whole layer counts)
+    cdef int* g_slb      # pp: per rank its lb layers (_gammas, set per _path_caps call)
+    cdef int* g_even     # pp: whether they are spread like a rank's layers
+    cdef int* g_start    # pp: their count mod V
+    cdef int* z_slb      # pp zeros (the same for whole layer counts)
+    cdef int* z_even     # pp ones
     cdef int* efull
     cdef int* ordf
     cdef int* ordfn
@@ -112,13 +117,16 @@ cdef class SplitSearch:
     cdef void _unknown_mins(self) noexcept nogil
     cdef void _fill(self, int* lb) noexcept nogil
     cdef double _send_lb(self, int r, double unknown_min) noexcept nogil
-    cdef bint _propagate(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
+    cdef bint _child_lower_bounds(self, int k, int rest, int s_cap, int* lb, int* cap, int* out) noexcept nogil
+    cdef bint _propagate(self, int k, int left, int* lb, int* cap, int* capt, int* plb, int* pcap,
+                         int* pcapt) noexcept nogil
     cdef int _type_slopes(self) noexcept nogil
     cdef void _type_room(self, int k, int* lb, int* cap, int* capt, int ns) noexcept nogil
     cdef int _top_sum(self, int* order, int* count, int* vals, int t, int r, int n) noexcept nogil
     cdef int _rank_capacity(self, int r, int t, int* lb, int* cap, int* capt) noexcept nogil
     cdef double _phi(self, int e, int r, int t2, int ns, double* mu1, double* mu2, int* marg, int* kt) noexcept nogil
-    cdef double _gammas(self, int q, int k, int* lb, int* room_of, double* gam, int ns) noexcept nogil
+    cdef double _gammas(self, int q, int k, int* lb, int* room_of, double* gam, int ns, int* slb,
+                        int* even, int* start) noexcept nogil
     cdef int _path_caps(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
     cdef bint _type_mass(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
     cdef int _type_capacity(self, int k, int* lb, int* cap, int* capt) noexcept nogil

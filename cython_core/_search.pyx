@@ -53,6 +53,7 @@ cdef double _monotonic() noexcept nogil:
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return ts.tv_sec + ts.tv_nsec * 1e-9
 cdef int PROPAGATION_ROUNDS = 3
+cdef int INHERITED_ROUNDS = 2       # with the parent's bounds (see search/bounds.py)
 
 
 cdef double* _dcopy(object seq) except NULL:
@@ -94,6 +95,7 @@ cdef class SplitSearch:
         self.mu1 = self.mu2 = self.rmt = self.ph_mu = NULL
         self.nu1 = self.nu2 = self.rsum = self.gam = self.xs = self.xall = self.rlb = self.gam0 = NULL
         self.zero_lb = NULL
+        self.g_slb = self.g_even = self.g_start = self.z_slb = self.z_even = NULL
         self.efull = self.ordf = self.ordfn = self.kfull = NULL
         self.narg = NULL
         self.sl_f = self.sl_b = self.sl_a = NULL
@@ -184,6 +186,14 @@ cdef class SplitSearch:
         self.kfull = _ialloc(self.pp * self.nt * self.nt)
         self.rlb = _dcopy([0.0] * self.pp)
         self.gam0 = _dcopy([0.0] * self.pp)
+        self.g_slb = _ialloc(self.pp)
+        self.g_even = _ialloc(self.pp)
+        self.g_start = _ialloc(self.pp)
+        self.z_slb = _ialloc(self.pp)
+        self.z_even = _ialloc(self.pp)
+        for r in range(self.pp):
+            self.z_slb[r] = 0
+            self.z_even[r] = 1
         self.zero_lb = _ialloc(self.nv)
         for c in range(self.nv):
             self.zero_lb[c] = 0
@@ -218,6 +228,7 @@ cdef class SplitSearch:
         free(self.ecap); free(self.kroom); free(self.ordr); free(self.ordn); free(self.marg); free(self.ph_t)
         free(self.mu1); free(self.mu2); free(self.rmt); free(self.ph_mu)
         free(self.nu1); free(self.nu2); free(self.narg); free(self.rsum); free(self.gam); free(self.xs); free(self.xall); free(self.rlb); free(self.gam0); free(self.zero_lb)
+        free(self.g_slb); free(self.g_even); free(self.g_start); free(self.z_slb); free(self.z_even)
         free(self.efull); free(self.ordf); free(self.ordfn); free(self.kfull)
 
     # --- memory ---------------------------------------------------------------------------------
@@ -383,9 +394,11 @@ cdef class SplitSearch:
             best = self.send_cross_ms[t]
         return 0.0 if best == INFINITY else best
 
-    cdef bint _propagate(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil:
+    cdef bint _propagate(self, int k, int left, int* lb, int* cap, int* capt, int* plb, int* pcap,
+                         int* pcapt) noexcept nogil:
+        # plb/pcap/pcapt: the parent node's bounds, where ranks k.. start from (NULL: none)
         cdef int pp = self.pp, v = self.v, nt = self.nt, vs, r, x, c, best, rnd, s_cap, s_lb, nl, nc
-        cdef int changed, cr
+        cdef int changed, cr, i, ct, rounds
         for r in range(k, pp):
             best = -1
             for x in range(nt):
@@ -396,16 +409,27 @@ cdef class SplitSearch:
                 if cr < v:
                     cr = -1
                 for c in range(v):
-                    capt[(c * pp + r) * nt + x] = (cr + v - 1 - c) // v if cr >= 0 else -1
+                    i = (c * pp + r) * nt + x
+                    ct = (cr + v - 1 - c) // v if cr >= 0 else -1
+                    if pcapt != NULL and pcapt[i] < ct:
+                        ct = pcapt[i]
+                    capt[i] = ct
                 if cr > best:
                     best = cr
             if best < v:
                 self.ctr[PRUNED_MEMORY] += 1
                 return False
             for c in range(v):
-                lb[c * pp + r] = 1
-                cap[c * pp + r] = (best + v - 1 - c) // v
-        for rnd in range(PROPAGATION_ROUNDS):
+                vs = c * pp + r
+                lb[vs] = 1
+                cap[vs] = (best + v - 1 - c) // v
+                if plb != NULL:
+                    if plb[vs] > 1:
+                        lb[vs] = plb[vs]
+                    if pcap[vs] < cap[vs]:
+                        cap[vs] = pcap[vs]
+        rounds = PROPAGATION_ROUNDS if plb == NULL else INHERITED_ROUNDS
+        for rnd in range(rounds):
             s_cap = 0
             s_lb = 0
             for r in range(k, pp):
@@ -427,7 +451,7 @@ cdef class SplitSearch:
                     if lb[vs] > cap[vs]:
                         self.ctr[PRUNED_PATH] += 1
                         return False
-            if self.tau == INFINITY or k == pp - 1 or rnd == PROPAGATION_ROUNDS - 1:
+            if self.tau == INFINITY or k == pp - 1 or rnd == rounds - 1:
                 break
             changed = self._path_caps(k, left, lb, cap, capt)
             if changed >= 0 and not self._type_mass(k, left, lb, cap, capt):
@@ -558,19 +582,14 @@ cdef class SplitSearch:
             return cost
         return INFINITY
 
-    cdef double _gammas(self, int q, int k, int* lb, int* room_of, double* gam, int ns) noexcept nogil:
-        # see splits.SplitSearch._gammas
-        cdef int pp = self.pp, v = self.v, nt = self.nt, r, i, t, c, j, s_lb, top
-        cdef bint even
+    cdef double _gammas(self, int q, int k, int* lb, int* room_of, double* gam, int ns, int* slb,
+                        int* even, int* start) noexcept nogil:
+        # see splits.SplitSearch._gammas; slb/even/start: per rank its lb layers, whether they are
+        # spread like a rank's layers, and s_lb mod V (the same for every path: _path_caps sets them)
+        cdef int pp = self.pp, v = self.v, nt = self.nt, r, i, t, c, j, s_lb, top, x
         cdef double gsum = 0.0, gmax, g, beta, acc, w
         for r in range(k, pp):
-            s_lb = 0
-            for c in range(v):
-                s_lb += lb[c * pp + r]
-            even = True
-            for c in range(v):
-                if (s_lb + v - 1 - c) // v != lb[c * pp + r]:
-                    even = False
+            s_lb = slb[r]
             gmax = 0.0
             for i in range(ns):
                 t = self.sl_t[i]
@@ -583,11 +602,15 @@ cdef class SplitSearch:
                     beta += self.xs[c]
                 beta = beta / v
                 g = 0.0
-                if even:
+                if even[r]:
                     top = v - 1 if v - 1 < room_of[r * nt + t] else room_of[r * nt + t]
                     acc = 0.0
+                    x = start[r]
                     for j in range(1, top + 1):
-                        acc += self.xs[(s_lb + j - 1) % v]
+                        acc += self.xs[x]          # xs[(s_lb + j - 1) % v]
+                        x += 1
+                        if x == v:
+                            x = 0
                         if beta * j - acc > g:
                             g = beta * j - acc
                 else:
@@ -618,6 +641,16 @@ cdef class SplitSearch:
             for c in range(v):
                 extra -= lb[c * pp + r]
         self._type_room(k, lb, cap, capt, ns)
+        for r in range(k, pp):            # per rank, for _gammas (the same for every path)
+            s_lb = 0
+            for c in range(v):
+                s_lb += lb[c * pp + r]
+            self.g_slb[r] = s_lb
+            self.g_start[r] = s_lb % v
+            self.g_even[r] = 1
+            for c in range(v):
+                if (s_lb + v - 1 - c) // v != lb[c * pp + r]:
+                    self.g_even[r] = 0
         for q in range(self.n_paths):
             cf = q * nv
             cr = q * pp
@@ -780,7 +813,8 @@ cdef class SplitSearch:
                             y = -INFINITY
                             if v > 1:
                                 if gsum0 < 0.0:
-                                    gsum0 = self._gammas(q, k, self.zero_lb, self.efull, self.gam0, ns)
+                                    gsum0 = self._gammas(q, k, self.zero_lb, self.efull, self.gam0, ns,
+                                                         self.z_slb, self.z_even, self.z_slb)
                                 y = self._phi(elb + extra - d, r, t, ns, self.nu1, self.nu2, self.narg, self.kfull) \
                                     - (gsum0 - self.gam0[r]) - lbo
                             if own + y < rhs:
@@ -789,7 +823,8 @@ cdef class SplitSearch:
                                     y = g
                             if v > 1 and own + y < rhs:
                                 if gsum < 0.0:
-                                    gsum = self._gammas(q, k, lb, self.ecap, self.gam, ns)
+                                    gsum = self._gammas(q, k, lb, self.ecap, self.gam, ns, self.g_slb,
+                                                        self.g_even, self.g_start)
                                 g = self._phi(extra - d, r, t, ns, self.nu1, self.nu2, self.narg, self.kroom) \
                                     - (gsum - self.gam[r])
                                 if g > y:
@@ -902,11 +937,12 @@ cdef class SplitSearch:
 
     cdef void _root_check(self) noexcept nogil:
         self.ctr[NODES] += 1
-        if self._propagate(0, self.num_layers, self.lbs, self.caps, self.capts):
+        if self._propagate(0, self.num_layers, self.lbs, self.caps, self.capts, NULL, NULL, NULL):
             self.best = 0.0
 
     cdef void _node(self, int k, int left) noexcept nogil:
         cdef int t, why
+        cdef bint ok
         cdef int* lb = self.lbs + k * self.nv
         cdef int* cap = self.caps + k * self.nv
         if self.aborted:
@@ -916,7 +952,12 @@ cdef class SplitSearch:
                 self.ctr[NODES] == self.max_nodes:
             self.aborted = True
             return
-        if not self._propagate(k, left, lb, cap, self.capts + k * self.nv * self.nt):
+        if k == 0:
+            ok = self._propagate(k, left, lb, cap, self.capts, NULL, NULL, NULL)
+        else:
+            ok = self._propagate(k, left, lb, cap, self.capts + k * self.nv * self.nt, lb - self.nv,
+                                 cap - self.nv, self.capts + (k - 1) * self.nv * self.nt)
+        if not ok:
             return
         for t in range(self.nt):
             why = self._type_allowed(k, t)
@@ -933,9 +974,23 @@ cdef class SplitSearch:
             self.remaining[t] += 1
             self.used[t] -= 1
 
+    cdef bint _child_lower_bounds(self, int k, int rest, int s_cap, int* lb, int* cap, int* out) noexcept nogil:
+        # see splits.SplitSearch._child_lower_bounds
+        cdef int vs, x
+        cdef bint raised = False
+        for vs in range(self.nv):
+            out[vs] = lb[vs]
+            if vs % self.pp > k:
+                x = rest - (s_cap - cap[vs])
+                if x > lb[vs]:
+                    out[vs] = x
+                    raised = True
+        return raised
+
     cdef void _children(self, int k, int left, int t, int* lb, int* cap, int* capt) noexcept nogil:
         cdef int pp = self.pp, v = self.v, nv = self.nv, lo = v, hi = self.num_layers, mem, last, down, capped
-        cdef int l, x, y, c, vs, ct, room
+        cdef int l, x, y, c, vs, ct, room, s_cap
+        cdef int* lb2
         cdef double val
         for c in range(v):
             vs = c * pp + k
@@ -974,19 +1029,35 @@ cdef class SplitSearch:
                 x = last
             self.ctr[PRUNED_RIDGE] += hi - x
             hi = last
+        # the DAG bound with the later ranks' lower bounds raised for each count (see splits.py)
+        s_cap = 0
+        if k < pp - 1:
+            for vs in range(nv):
+                if vs % pp > k:
+                    s_cap += cap[vs]
+        lb2 = lb + nv            # the child's lower bounds, scratch: its propagation overwrites them
         l = lo
         while l <= hi and not self.aborted:
             for c in range(v):
                 self.layers[c * pp + k] = (l + v - 1 - c) // v
-            self._fill(lb)
-            if k == pp - 1:
-                self.ctr[SIM_CALLS] += 1
-            else:
+            if k < pp - 1 and self._child_lower_bounds(k, left - l, s_cap, lb, cap, lb2):
+                self._fill(lb2)
                 self.ctr[BOUND_EVALS] += 1
-            val = self.kernel.run(self.params)
-            if val >= self.tau:
-                self.ctr[PRUNED_BOUND] += hi - l + 1
-                break
+                if self.kernel.run(self.params) >= self.tau:
+                    self.ctr[PRUNED_BOUND] += 1
+                    l += 1
+                    continue
+                val = 0.0
+            else:
+                self._fill(lb)
+                if k == pp - 1:
+                    self.ctr[SIM_CALLS] += 1
+                else:
+                    self.ctr[BOUND_EVALS] += 1
+                val = self.kernel.run(self.params)
+                if val >= self.tau:
+                    self.ctr[PRUNED_BOUND] += hi - l + 1
+                    break
             if k == pp - 1:
                 self.ctr[IMPROVED] += 1
                 self.best = val

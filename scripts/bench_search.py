@@ -7,13 +7,13 @@ ranked best by the paper's Eq. 1 instead of the DAG. Then exact vs default mode 
 finishes within ``--exact-limit`` seconds, and the peak memory of ``poseidon plan``.
 
     python scripts/bench_search.py [--settings 1,2,3,5,6-96,6-192,6-288] [--exact-limit 60]
-                                   [--scale] [--scale-only]
+                                   [--scale] [--scale-only] [--scale-rows frontier-4096,...]
 
 ``--scale`` adds the large-cluster rows (Llama-3.1 405B): generated clusters of 100,000 and 800,000
-devices and the presets ``frontier-1024`` / ``frontier-4096``, each ``poseidon plan`` run in a fresh
-process with a time limit, printing the limit against the wall time of the search and of the whole
-command, the best plan, the proven lower bound and the gap, the devices the plan uses and the size of
-its JSON (schema 3, ranks and devices as runs) against every rank and device listed (schema 2); then
+devices and the presets ``frontier-1024`` (GBS 1024) / ``frontier-4096`` (GBS 2048, the issue's), each
+``poseidon plan`` run in a fresh process with a time limit, printing the GBS, the limit against the
+wall time of the search and of the whole command, the best plan, the proven lower bound and the gap,
+the devices the plan uses and the size of its JSON (schema 3, ranks and devices as runs) against every rank and device listed (schema 2); then
 the issue's targets (not asserted).
 """
 
@@ -105,29 +105,35 @@ def plan_cli(cluster: str, model: str, *flags: str) -> dict:
             "devices": plan.world_size}
 
 
-def scale_rows(limits: dict[str, float]) -> None:
-    """Time limit vs wall on very large clusters, and the anytime answers (best, bound, gap)."""
+def scale_rows(limits: dict[str, float], only: set[str] | None = None) -> None:
+    """Time limit vs wall on very large clusters, and the anytime answers (best, bound, gap);
+    ``only``: the labels of the rows to run (default: all)."""
     print()
-    print(f"{'cluster':<16} {'mode':<8} {'limit s':>7} {'search s':>8} {'cmd s':>6} {'over s':>6} "
+    print(f"{'cluster':<16} {'GBS':>5} {'mode':<8} {'limit s':>7} {'search s':>8} {'cmd s':>6} {'over s':>6} "
           f"{'MiB':>5} {'done':>5} {'best ms':>11} {'proven >= ms':>12} {'gap':>7} {'devices':>7} "
           f"{'plan kB':>8} {'listed kB':>9}")
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [(big_cluster(100_000, tmp), "100k devices", "default", 2.0),
-                (big_cluster(800_000, tmp), "800k devices", "default", 5.0),
-                ("frontier-1024", "frontier-1024", "default", limits["default"]),
-                ("frontier-1024", "frontier-1024", "exact", limits["exact-1024"]),
-                ("frontier-4096", "frontier-4096", "default", limits["default"]),
-                ("frontier-4096", "frontier-4096", "exact", limits["exact-4096"])]
-        for cluster, label, mode, limit in runs:
-            flags = ["--time-limit", str(limit)] + (["--exact"] if mode == "exact" else [])
-            r = plan_cli(cluster, "llama3-405b", *flags)
+        # the issue's rows: Llama-3.1 405B, GBS 1024 on frontier-1024 (the preset's), 2048 on frontier-4096
+        runs = [(lambda: big_cluster(100_000, tmp), "100k devices", 1024, "default", 2.0),
+                (lambda: big_cluster(800_000, tmp), "800k devices", 1024, "default", 5.0),
+                (lambda: "frontier-1024", "frontier-1024", 1024, "default", limits["default"]),
+                (lambda: "frontier-1024", "frontier-1024", 1024, "exact", limits["exact-1024"]),
+                (lambda: "frontier-4096", "frontier-4096", 2048, "default", limits["default"]),
+                (lambda: "frontier-4096", "frontier-4096", 2048, "exact", limits["exact-4096"])]
+        for cluster, label, gbs, mode, limit in runs:
+            if only is not None and label not in only:
+                continue
+            flags = ["--time-limit", str(limit), "--global-batch-size", str(gbs)] \
+                + (["--exact"] if mode == "exact" else [])
+            r = plan_cli(cluster(), "llama3-405b", *flags)
             if "error" in r:
-                print(f"{label:<16} {mode:<8} {limit:>7.1f} {'':>8} {r['wall']:>6.2f}  failed: {r['error']}")
+                print(f"{label:<16} {gbs:>5} {mode:<8} {limit:>7.1f} {'':>8} {r['wall']:>6.2f}  "
+                      f"failed: {r['error']}")
                 continue
             st = r["stats"]
             gap = f"{100 * st['gap']:.2f}%" if st.get("gap") is not None else "n/a"
             lb = f"{st['lower_bound_ms']:,.0f}" if st.get("lower_bound_ms") else "n/a"
-            print(f"{label:<16} {mode:<8} {limit:>7.1f} {st['wall_s']:>8.2f} {r['wall']:>6.2f} "
+            print(f"{label:<16} {gbs:>5} {mode:<8} {limit:>7.1f} {st['wall_s']:>8.2f} {r['wall']:>6.2f} "
                   f"{r['wall'] - limit:>6.2f} {r['rss']:>5.0f} {str(st['complete']):>5} {r['ms']:>11,.0f} "
                   f"{lb:>12} {gap:>7} {r['devices']:>7} {r['kb']:>8.1f} {r['listed_kb']:>9.1f}")
             sys.stdout.flush()
@@ -144,9 +150,12 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", action="store_true",
                     help="also the large-cluster rows (100k / 800k devices, frontier presets)")
     ap.add_argument("--scale-only", action="store_true", help="only the large-cluster rows")
+    ap.add_argument("--scale-rows", default=None,
+                    help="comma-separated labels of the large-cluster rows to run (e.g. frontier-4096)")
     args = ap.parse_args(argv)
+    only = None if args.scale_rows is None else {x.strip() for x in args.scale_rows.split(",")}
     if args.scale_only:
-        scale_rows({"default": 5.0, "exact-1024": 30.0, "exact-4096": 60.0})
+        scale_rows({"default": 5.0, "exact-1024": 30.0, "exact-4096": 60.0}, only)
         return 0
     names = [s.strip() for s in args.settings.split(",") if s.strip()]
     opts = SearchOptions()
@@ -203,7 +212,7 @@ def main(argv=None) -> int:
             print(f"peak RSS of `poseidon plan --cluster {cluster} --model {model}`: "
                   f"{peak_rss_mb(cluster, model):.0f} MiB")
     if args.scale:
-        scale_rows({"default": 5.0, "exact-1024": 30.0, "exact-4096": 60.0})
+        scale_rows({"default": 5.0, "exact-1024": 30.0, "exact-4096": 60.0}, only)
     return 0
 
 

@@ -26,12 +26,15 @@ from .counters import PRUNED_MEMORY, PRUNED_PATH
 from .tables import TypeTable
 
 INF = math.inf
-DUAL_STEPS = 30          # subgradient steps of the positional bound's assignment dual (any count is valid)
 
 # relative slack on the path bounds (sums in a different order than the kernel's): they prune only
 # when the bound exceeds tau by more than float noise; the DAG bound is compared exactly (monotone)
 PATH_SLACK = 1e-9
 PROPAGATION_ROUNDS = 3
+# a node that inherits its parent's bounds starts near a fixpoint: one round of the path bounds on top
+# of the parent's does nearly what two did from scratch (Setting 6 at 288 NPUs: 0.2 % more nodes,
+# ~20 % less time); the roots (thousands of shape groups' checks) keep both rounds
+INHERITED_ROUNDS = 2
 
 # StructureBounds.mins: the smallest cost of each kind over the types an undecided rank may take
 # (the same indices in poseidon_plugin._core._search, which exports MIN_NAMES)
@@ -96,7 +99,8 @@ def _last_short_time(capacity, num_layers: int, lo: float, hi: float, rel: float
     return lo
 
 def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int,
-                   num_layers: int, *, memory: bool = False, live=None) -> float:
+                   num_layers: int, *, memory: bool = False, live=None, schedule: str | None = None,
+                   target: float | None = None) -> float:
     """A lower bound on the iteration time of every plan of a shape group (``counts``: the most ranks
     of each type) or of a structure (``counts``: exact ranks per type); inf when ``pp`` ranks do not
     exist or cannot hold the model. Shape-free: the engine keeps it for every piece of the space it
@@ -112,7 +116,9 @@ def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int
     (greedy, largest ``w`` first), hence the bound. Memory: each rank holds at most ``cap_i`` layers
     (the cost model's formula with one live micro-batch, never below the true cap); inf when the
     ``pp`` roomiest ranks cannot hold the model, and (``memory``) the larger of the bound above and
-    the work bound with caps: ``l_i <= min(cap_i, w_i T / M)`` (rank ``i``'s own work fits in ``T``)."""
+    the work bound with caps: ``l_i <= min(cap_i, w_i T / M)`` (rank ``i``'s own work fits in ``T``);
+    with ``live`` also :func:`positional_bound` (given ``schedule``: with the fill and drain terms;
+    ``target``: computed only up to just above it)."""
     # per type one block of identical ranks (w, cap, n): O(types) where a list of pp ranks cost
     # O(pp log pp), for each of ~15,000 shape groups at frontier scale. The group may pick any pp.
     blocks = []
@@ -172,23 +178,58 @@ def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int
         return INF
     best = max(t_free, lo)
     if live is not None:
-        best = max(best, positional_bound(table, counts, micro_batches, pp, v, num_layers, live, best))
+        best = max(best, positional_bound(table, counts, micro_batches, pp, v, num_layers, live, best,
+                                          schedule, target))
     return best * (1.0 - 1e-9)
 
 
+def drain_coefficients(schedule: str, pp: int, micro_batches: int) -> list[tuple[tuple[int, int], ...]]:
+    """Per position ``r`` of a ``V = 1`` pipeline, pairs ``(kf, kb)`` such that every plan takes ``T >=
+    S + kf F_r + kb B_r`` (``S``: the sum over all ranks of one micro-batch's forward and backward,
+    ``F_r`` / ``B_r``: rank ``r``'s per micro-batch; docs/SEARCH.md, "Fill and drain"). Two DAG paths,
+    each through every stage once plus rank ``r``'s own ops:
+
+    * *last forward*: micro-batch 0's forwards down to ``r``, rank ``r``'s ops up to its last forward
+      (all ``M`` forwards, ``j + 1 - M`` backwards, ``j`` its index), that micro-batch down the later
+      stages and back up, ``B(r, M-1)``, the tail up to rank 0: ``kf = M - 1``, ``kb = j + 1 - M``;
+    * *first backward*: micro-batch 0 down every stage and back up to ``B(r, 0)`` (index ``i``: the
+      ``i`` ops before it are forwards), rank ``r``'s ops from there to its last, ``B(r, M-1)`` (all
+      ``M`` backwards, ``M - i`` more forwards), the tail: ``kf = M - i``, ``kb = M - 1``."""
+    from .shapes import RankOps      # here: shapes imports the simulator, bounds stays light
+    out = []
+    for r in range(pp):
+        ops = RankOps(schedule, pp, micro_batches, 1, r)
+        i, j = ops.first_backward_index(), ops.last_forward_index()
+        out.append(((micro_batches - 1, j + 1 - micro_batches), (micro_batches - i, micro_batches - 1)))
+    return out
+
+
 def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int, num_layers: int,
-                     live, start: float = 0.0) -> float:
+                     live, start: float = 0.0, schedule: str | None = None,
+                     target: float | None = None) -> float:
     """The work bound with each pipeline position's own memory cap (``live[r]``: the schedule's peak
     live micro-batches at position ``r``, as the cost model's memory formula takes them); a lower
     bound on every plan's time, or ``start`` when it is not larger (docs/SEARCH.md "Anytime answers").
 
     A rank of type ``t`` at position ``r`` holding ``l`` layers needs at least ``l (s_t + live_r a_t /
     V)`` bytes (its largest chunk holds ``>= l / V`` layers; embedding and head extras are left out),
-    so ``l <= cap_t(r)``; and its ``M`` forwards and backwards lie on one path, so ``M (f_t + b_t) l
-    <= T`` and, ``l`` being an integer, ``l <= k_t(T) = floor(w_t T / M)``. The ranks must hold every
-    layer, and any assignment of types to positions holds at most ``min(sum_r max_t min(cap_t(r),
-    k_t(T)), sum_t (the n_t largest min(cap_t(r), k_t(T))))``; the bound is the smallest ``T`` where
-    that reaches the layers (bisection: capacity is monotone in ``T``)."""
+    so ``l <= cap_t(r)``; and bound path (b) of position ``r`` holds its ``M`` forwards and backwards
+    after the chunk-0 forward of micro-batch 0 and before the chunk-0 backward of the last one on every
+    earlier position (each chunk holds a layer), so ``r c_min + M (f_t + b_t) l <= T`` (``c_min``: the
+    least ``f + b`` of the piece's types) and, ``l`` being an integer, ``l <= k_t(r, T) = floor(w_t (T
+    - r c_min) / M)``. The ranks must hold every layer: the bound is the smallest ``T`` where the best
+    assignment of types to positions (at most ``n_t`` of type ``t``) holds them with ``h_t(r) =
+    min(cap_t(r), k_t(r, T))`` layers at position ``r`` (bisection: capacity is monotone in ``T``),
+    computed exactly (:func:`.seeds.best_assignment`) after two cheap upper bounds on it, ``sum_t (the
+    n_t largest min(cap_t(r), k_t(0, T)))`` and ``sum_r max_t h_t(r)``, did not settle it.
+
+    With ``schedule`` and ``V = 1`` also the fill and drain of the whole pipeline: ``T >= S + kf f_t l +
+    kb b_t l`` for both pairs of :func:`drain_coefficients` at position ``r``, where ``S``, one
+    micro-batch's work on every rank, is at least ``S_min``, the cheapest placement of the model (types
+    by ``f + b``, each up to its ``n_t`` roomiest memory caps), so ``h_t(r)`` is also at most
+    ``floor((T - S_min) / (kf f_t + kb b_t))``. With ``target``: a value just above it as soon as the
+    capacity there is short (the caller needs no more), else the bisection."""
+    from .seeds import best_assignment      # here: seeds imports the search modules that import this one
     slack = 1.0 + 1e-9
     types = []
     for t in range(len(counts)):
@@ -203,39 +244,63 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
     if not types:
         return INF
     m = micro_batches
+    # an earlier position's chunk-0 forward and backward on path (b) take at least this
+    c_min = min(table.forward_ms[t] + table.backward_ms[t] for t in range(len(counts)) if min(counts[t], pp) > 0)
+    drain = None
+    if schedule is not None and v == 1:
+        # S_min: the model's layers on the cheapest types first, each type within its n_t roomiest caps
+        # (every plan's S = sum_i (f_i + b_i) l_i is at least this)
+        active = [t for t in range(len(counts)) if min(counts[t], pp) > 0]     # the order of types
+        s_min, need = 0.0, num_layers
+        for t, (_w, _n, _c, top) in sorted(zip(active, types),
+                                           key=lambda x: table.forward_ms[x[0]] + table.backward_ms[x[0]]):
+            take = min(need, sum(top))
+            s_min += take * (table.forward_ms[t] + table.backward_ms[t])
+            need -= take
+        # per position, per type: the per-layer slope of the drain term (the larger pair)
+        coef = drain_coefficients(schedule, pp, m)
+        slope = [[max(kf * table.forward_ms[t] + kb * table.backward_ms[t] for kf, kb in coef[r])
+                  for t in active] for r in range(pp)]
+        drain = (s_min * (1.0 - 1e-12), slope, [min(row[i] for row in slope) for i in range(len(active))])
 
     def capacity(t_ms: float) -> float:
-        ks = [int(w * t_ms / m * slack) for w, _n, _c, _s in types]
+        # per type its n roomiest positions, each within the work of position 0 (k_t(0) >= k_t(r):
+        # an upper bound on what the type's ranks hold, without sorting per T)
+        ks = [int(w * t_ms / m * slack) for w, _n, _c, _top in types]
+        if drain is not None:
+            # the drain term at each type's least slope over the positions (an upper bound too)
+            room = t_ms - drain[0]
+            if room < 0.0:
+                return 0          # not even one micro-batch through every rank fits
+            ks = [k if y <= 0.0 else min(k, int(room / y * slack)) for k, y in zip(ks, drain[2])]
         by_type = sum(sum(min(c, k) for c in top) for k, (_w, _n, _c, top) in zip(ks, types))
         if by_type < num_layers:
             return by_type
-        h = [[min(c[r], k) for k, (_w, _n, c, _s) in zip(ks, types)] for r in range(pp)]
-        best = by_type
-        lam = [0.0] * len(types)
-        for it in range(DUAL_STEPS):
-            # weak duality: for any lam >= 0, sum_r max_t (h - lam_t) + sum_t lam_t n_t bounds every
-            # assignment using at most n_t positions of type t (lam = 0: the positions' own best)
-            used = [0] * len(types)
-            total = 0.0
-            for row in h:
-                j, val = 0, row[0] - lam[0]
-                for i in range(1, len(row)):
-                    if row[i] - lam[i] > val:
-                        j, val = i, row[i] - lam[i]
-                used[j] += 1
-                total += val
-            total += sum(lam[i] * types[i][1] for i in range(len(types)))
-            if total < best:
-                best = total
-            if best < num_layers or all(used[i] <= types[i][1] for i in range(len(types))):
-                break
-            step = 1.0 / (1 + it)
-            lam = [max(0.0, lam[i] + step * (used[i] - types[i][1])) for i in range(len(types))]
-        return best + 1e-6          # float noise of the dual sum: only ever raises the capacity
+        # h[r][i]: most layers position r holds on type i (memory, and its work after the fill)
+        h = [[min(c[r], int(w * max(0.0, t_ms - r * c_min) / m * slack)) for w, _n, c, _s in types]
+             for r in range(pp)]
+        if drain is not None:
+            room, slope = t_ms - drain[0], drain[1]
+            h = [[x if slope[r][i] <= 0.0 else min(x, int(room / slope[r][i] * slack))
+                  for i, x in enumerate(row)] for r, row in enumerate(h)]
+        # every position at its own best type (integers): an upper bound on any assignment, cheap
+        if sum(max(row) for row in h) < num_layers:
+            return 0
+        # the best assignment of types to positions (at most n_t of type t), exactly: a transportation
+        # problem (seeds.best_assignment, successive shortest paths)
+        got = best_assignment([[row[i] for row in h] for i in range(len(types))],
+                              [n for _w, n, _c, _s in types], pp)
+        return 0 if got is None else got[0]
 
     if capacity(start) >= num_layers:
         return start
-    lo = _last_short_time(capacity, num_layers, start, max(start, 1e-3) * 2.0, 1e-5)
+    if target is not None and start < target < INF:
+        # the caller needs the bound only up to target: one step instead of a bisection; just above
+        # target so that pipeline_bound's float margin (1 - 1e-9) keeps the result at or above it
+        above = target * (1.0 + 2e-9)
+        if capacity(above) < num_layers:
+            return above
+    lo = _last_short_time(capacity, num_layers, start, max(start, 1e-3) * 2.0, 1e-3)
     return INF if lo is None else lo   # lo stays a bound whatever the precision: a few steps suffice
 
 
@@ -316,10 +381,12 @@ class StructureBounds:
                 best = tb.send_cross_ms[t]
         return 0.0 if best == INF else best
 
-    def _propagate(self, k: int, left: int, lb, cap, capt) -> bool:
+    def _propagate(self, k: int, left: int, lb, cap, capt, parent=None) -> bool:
         """Initialise and tighten ``lb``/``cap`` of the undecided ranks' stages; ``False``: pruned.
 
         ``capt[vs * nt + t]`` is the cap of stage ``vs`` if its rank takes type ``t`` (-1: cannot).
+        ``parent``: the parent node's ``(lb, cap, capt)``, where ranks ``k..`` start from (every
+        completion here is one of the parent's, and tau has not risen since: docs/SEARCH.md).
         """
         pp, v, nt = self.pp, self.v, self.nt
         ctr = self.ctr
@@ -333,17 +400,26 @@ class StructureBounds:
                 if cr < v:
                     cr = -1
                 for c in range(v):
-                    capt[(c * pp + r) * nt + x] = chunk_layers(cr, c, v) if cr >= 0 else -1
+                    i = (c * pp + r) * nt + x
+                    ct = chunk_layers(cr, c, v) if cr >= 0 else -1
+                    capt[i] = ct if parent is None or ct < parent[2][i] else parent[2][i]
                 if cr > best:
                     best = cr
             if best < v:
                 ctr[PRUNED_MEMORY] += 1
                 return False
             for c in range(v):
-                lb[c * pp + r] = 1
-                cap[c * pp + r] = chunk_layers(best, c, v)
+                vs = c * pp + r
+                lb[vs] = 1
+                cap[vs] = chunk_layers(best, c, v)
+                if parent is not None:
+                    if parent[0][vs] > 1:
+                        lb[vs] = parent[0][vs]
+                    if parent[1][vs] < cap[vs]:
+                        cap[vs] = parent[1][vs]
         tau = self.tau
-        for rnd in range(PROPAGATION_ROUNDS):
+        rounds = PROPAGATION_ROUNDS if parent is None else INHERITED_ROUNDS
+        for rnd in range(rounds):
             s_cap = s_lb = 0
             for r in range(k, pp):
                 for c in range(v):
@@ -364,7 +440,7 @@ class StructureBounds:
                     if lb[vs] > cap[vs]:
                         ctr[PRUNED_PATH] += 1
                         return False
-            if tau == INF or k == pp - 1 or rnd == PROPAGATION_ROUNDS - 1:
+            if tau == INF or k == pp - 1 or rnd == rounds - 1:
                 break
             changed = self._path_caps(k, left, lb, cap, capt)
             if changed >= 0 and not self._type_mass(k, left, lb, cap, capt):

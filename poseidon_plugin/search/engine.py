@@ -38,7 +38,10 @@ INF = math.inf
 WARMUP_SHAPES = 16
 SEED_SHAPES = 64
 LAZY_BOUNDS = 32             # memory-aware group bounds computed per lower_bound() call, at most
-                             # (~10 ms each at frontier scale: the per-position form)
+                             # (the per-position form: up to ~0.15 s each at frontier scale) ...
+LAZY_S = 0.05                # ... and at most this many seconds of them
+BOUND_RESERVE = 0.25         # ... except in this last share of --time-limit, kept back from the search
+                             # for the bounds of the open groups when the clock cuts an exact search off
 
 
 def use_pure_python(options: SearchOptions) -> bool:
@@ -65,6 +68,14 @@ class SearchRun:
         self.clock = clock or time.monotonic
         # the limit counts from here: the space and its cost tables are part of the search's time
         self.deadline = INF if options.time_limit_s is None else self.clock() + options.time_limit_s
+        # an exact search cut off by the clock spends the last BOUND_RESERVE of the limit on the
+        # memory-aware bounds of the open shape groups (frontier-1024: ~800 groups, ~4 CPU s), not just
+        # LAZY_BOUNDS of them (real clock only: an injected one stops the search where the test says;
+        # default mode keeps all of its time for the plan)
+        self.bound_deadline = -INF
+        if options.time_limit_s is not None and self.clock is time.monotonic and options.mode == "exact":
+            self.bound_deadline = self.deadline
+            self.deadline -= BOUND_RESERVE * options.time_limit_s
         self.node_budget = node_budget
         self.pure = use_pure_python(options)
         self.space = SearchSpace(cm, options)
@@ -90,6 +101,8 @@ class SearchRun:
         self.ridge = options.mode == "default"
         self.blocks = options.mode == "default" and options.type_blocks
         self.gap = options.gap
+        # a plan this fast is known to the caller (another search variant): nothing at or above it matters
+        self.cutoff = INF if options.cutoff_ms is None or self.board.exact_alternatives else options.cutoff_ms
         self.shrink = 1.0 / (1.0 + self.gap)
         self.memory_blocked: list[tuple[float, str, float]] = []   # (need GB, type, usable GB)
         self._splitters: dict[tuple, Any] = {}   # seeded groups that passed their root check
@@ -113,6 +126,10 @@ class SearchRun:
     def offer(self, sg: ShapeGroup, ms: float, types, layers) -> None:
         self.board.offer(sg.key, ms, lambda: self.candidate(sg, types, layers))
 
+    def threshold(self, key: tuple) -> float:
+        """The leaderboard's threshold for ``key``, or the caller's cutoff where lower."""
+        return min(self.board.threshold(key), self.cutoff)
+
     def out_of_time(self) -> bool:
         if not self.complete:
             return True
@@ -126,23 +143,35 @@ class SearchRun:
         if bound < self.floor:
             self.floor = bound
 
+    def lazy_budget(self) -> Callable[[int], bool]:
+        """Whether to compute one more memory-aware bound, given how many of the ``LAZY_BOUNDS`` are
+        left: in the reserve of an exact search the clock cut off, until the limit; otherwise while
+        some are left and for at most ``LAZY_S`` (at frontier scale one takes up to ~0.15 s)."""
+        now = time.monotonic()
+        if not self.complete and self.bound_deadline > now:
+            return lambda _left: time.monotonic() < self.bound_deadline
+        until = now + LAZY_S
+        return lambda left: left > 0 and time.monotonic() < until
+
     def lower_bound(self) -> float:
         """Proven lower bound on every plan of the space searched (default mode: of the default
         space): the best plan, the floor of the closed pieces, the bounds of the open ones."""
         lb = min(self.board.best_ms_all(), self.floor, self.partial)
         heap = self.open_groups
         # the open groups, cheapest bound first; the memory-aware bound is computed lazily, for the
-        # few groups that reach the top (a cheap bound is valid too, so the effort is capped)
-        lazy = LAZY_BOUNDS
+        # groups that reach the top (a cheap bound is valid too, so the effort is capped: LAZY_BOUNDS,
+        # or the reserve of a search the clock cut off)
+        lazy, more = LAZY_BOUNDS, self.lazy_budget()
         while heap and heap[0][0] < lb:
             b, strong, i = heap[0]
             if self.group_done[i]:
                 heapq.heappop(heap)        # closed: its floor is counted (a done group costs nothing)
-            elif strong or lazy == 0:
+            elif strong or not more(lazy):
                 break
             else:
                 lazy -= 1
-                heapq.heapreplace(heap, (max(b, self.bound(self.sgs[i], memory=True)), True, i))
+                heapq.heapreplace(heap, (max(b, self.bound(self.sgs[i], memory=True,
+                                                                target=self.board.best_ms_all())), True, i))
         if heap:
             lb = min(lb, heap[0][0])
         return lb
@@ -158,9 +187,12 @@ class SearchRun:
         """With ``--gap F``: the best plan is proven within ``1 + F`` of every open piece."""
         return self.gap > 0 and self.board.best_ms_all() * self.shrink <= self.lower_bound()
 
-    def bound(self, sg: ShapeGroup, counts=None, memory: bool = True, positional: bool | None = None) -> float:
+    def bound(self, sg: ShapeGroup, counts=None, memory: bool = True, positional: bool | None = None,
+              target: float | None = None) -> float:
         """:func:`.bounds.pipeline_bound` of a shape group (``counts``: of one structure); ``positional``
-        (default: ``memory``) adds the per-position memory caps (:func:`.bounds.positional_bound`)."""
+        (default: ``memory``) adds the per-position memory caps (:func:`.bounds.positional_bound`, with
+        the fill and drain terms of the schedule; ``target``: the caller needs no more than just above
+        it)."""
         g = sg.group
         if counts is None:
             counts = [min(n, sg.pp) for n in g.slots]
@@ -168,7 +200,8 @@ class SearchRun:
         if memory if positional is None else positional:
             live = CostModel.peak_live(sg.schedule, sg.pp, g.micro_batches, sg.virtual_stages)
         return pipeline_bound(self.space.table(g), counts, g.micro_batches, sg.pp, sg.virtual_stages,
-                              self.space.num_layers, memory=memory, live=live)
+                              self.space.num_layers, memory=memory, live=live, schedule=sg.schedule,
+                              target=target)
 
     # --- phases -----------------------------------------------------------------------------
 
@@ -274,7 +307,7 @@ class SearchRun:
         """The group's structure search, or None when the fluid cut or the root bound (types and
         layers free) proves the group cannot beat its threshold. The splitter of a group that
         survives is kept: the seed phase checks the group before its own turn comes."""
-        tau = self.board.threshold(sg.key) * self.shrink
+        tau = self.threshold(sg.key) * self.shrink
         if self.fluid_cut(sg, tau) or self.bound(sg, positional=False) >= tau:
             self.close(tau)
             return None
@@ -318,11 +351,11 @@ class SearchRun:
                 self.partial = self.open_structures_bound(sg, vectors, bounds, strong, i)
                 return
             self.structures += 1
-            tau = self.board.threshold(key) * self.shrink
+            tau = self.threshold(key) * self.shrink
             if bounds[i] < tau:
                 # the memory-aware form is valid too, and the larger: it also bounds the structure
                 # while open
-                bounds[i], strong[i] = max(bounds[i], self.bound(sg, vec)), True
+                bounds[i], strong[i] = max(bounds[i], self.bound(sg, vec, target=tau)), True
             if bounds[i] >= tau:
                 self.pruned_structures += 1
                 self.close(tau)
@@ -345,15 +378,15 @@ class SearchRun:
     def open_structures_bound(self, sg: ShapeGroup, vectors, bounds: list[float], strong: list[bool],
                               start: int) -> float:
         """Bound of the structures ``start..`` of a group the clock left open: the memory-aware bound of
-        the cheapest ones (at most ``LAZY_BOUNDS`` computed, cheapest first; the rest keep the cheap one)."""
+        the cheapest ones (cheapest first, as :meth:`lazy_budget` allows; the rest keep the cheap one)."""
         heap = [(bounds[i], i) for i in range(start, len(vectors))]
         heapq.heapify(heap)
-        for _ in range(LAZY_BOUNDS):
-            if not heap or strong[heap[0][1]]:
-                break
+        lazy, more = LAZY_BOUNDS, self.lazy_budget()
+        while heap and not strong[heap[0][1]] and more(lazy):
+            lazy -= 1
             b, i = heap[0]
             strong[i] = True
-            heapq.heapreplace(heap, (max(b, self.bound(sg, vectors[i])), i))
+            heapq.heapreplace(heap, (max(b, self.bound(sg, vectors[i], target=self.board.best_ms_all())), i))
         return heap[0][0] if heap else INF
 
     def search(self) -> None:

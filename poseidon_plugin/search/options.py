@@ -75,6 +75,12 @@ class SearchOptions:
     """Stop after this many seconds and return the best plan so far (``stats.complete`` is then
     false: the plan is not proven optimal); ``None``: no limit."""
 
+    cutoff_ms: float | None = None
+    """A plan this fast is known elsewhere (another search of the same target, ``target.search_plan``):
+    plans at or above it need not be found, so the search proves only that none of its plans is
+    faster; without one below it, its result is whatever it met (or no plan). Ignored with
+    ``exact_alternatives`` (each key's runner-up must then be proven). ``None``: no cutoff."""
+
     max_exhaustive_plans: int = 2_000_000
     """``exhaustive`` refuses problems with more plans than this."""
 

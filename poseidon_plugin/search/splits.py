@@ -219,7 +219,8 @@ class SplitSearch(StructureBounds):
             self.aborted = True
             return
         lb, cap = self.lb[k], self.cap[k]
-        if not self._propagate(k, left, lb, cap, self.capt[k]):
+        parent = (self.lb[k - 1], self.cap[k - 1], self.capt[k - 1]) if k > 0 else None
+        if not self._propagate(k, left, lb, cap, self.capt[k], parent):
             return
         for t in range(self.nt):
             why = self._type_allowed(k, t)
@@ -235,6 +236,20 @@ class SplitSearch(StructureBounds):
             self.types[k] = -1
             self.remaining[t] += 1
             self.used[t] -= 1
+
+    def _child_lower_bounds(self, k: int, rest: int, s_cap: int, lb, cap, out) -> bool:
+        """Lower bounds of the stages after rank ``k`` when they hold ``rest`` layers (``s_cap``: the sum
+        of their caps): ``lb`` raised by the sum rule, into ``out``; whether any rose."""
+        pp = self.pp
+        raised = False
+        for vs in range(self.nv):
+            out[vs] = lb[vs]
+            if vs % pp > k:
+                x = rest - (s_cap - cap[vs])
+                if x > lb[vs]:
+                    out[vs] = x
+                    raised = True
+        return raised
 
     def _children(self, k: int, left: int, t: int, lb, cap, capt) -> None:
         """Try rank ``k`` on type ``t`` with increasing layer counts."""
@@ -273,16 +288,35 @@ class SplitSearch(StructureBounds):
         if self.ridge and last > 0 and (down or not capped) and last < hi:
             ctr[PRUNED_RIDGE] += hi - max(last, lo - 1)
             hi = last
+        # with l layers here the later ranks hold left - l, each stage at most its cap: a stage holds at
+        # least left - l - (the other stages' caps). Where that raises a lower bound the DAG bound is
+        # taken with it (valid for this count only: it falls as l rises, so it never ends the loop);
+        # elsewhere with lb, monotone in l, and its first cut ends the loop
+        s_cap = 0
+        if k < pp - 1:
+            for vs in range(self.nv):
+                if vs % pp > k:
+                    s_cap += cap[vs]
+        lb2 = self.lb[k + 1]          # the child's lower bounds, scratch: its propagation overwrites them
         l = lo
         while l <= hi and not self.aborted:
             for c in range(v):
                 self.layers[c * pp + k] = chunk_layers(l, c, v)
-            self._fill(lb)
-            ctr[SIM_CALLS if k == pp - 1 else BOUND_EVALS] += 1
-            val = self.kernel.longest(self.params)
-            if val >= self.tau:
-                ctr[PRUNED_BOUND] += hi - l + 1
-                break
+            if k < pp - 1 and self._child_lower_bounds(k, left - l, s_cap, lb, cap, lb2):
+                self._fill(lb2)
+                ctr[BOUND_EVALS] += 1
+                if self.kernel.longest(self.params) >= self.tau:
+                    ctr[PRUNED_BOUND] += 1
+                    l += 1
+                    continue
+                val = 0.0
+            else:
+                self._fill(lb)
+                ctr[SIM_CALLS if k == pp - 1 else BOUND_EVALS] += 1
+                val = self.kernel.longest(self.params)
+                if val >= self.tau:
+                    ctr[PRUNED_BOUND] += hi - l + 1
+                    break
             if k == pp - 1:
                 ctr[IMPROVED] += 1
                 self.best = val

@@ -122,8 +122,10 @@ def test_pipeline_bound_below_every_shape_groups_optimum(seed):
                 assert r.bound(sg, memory=memory) <= bests[sg.key]
             g = sg.group
             live = r.cm.peak_live(sg.schedule, sg.pp, g.micro_batches, sg.virtual_stages)
-            assert positional_bound(r.space.table(g), [min(n, sg.pp) for n in g.slots], g.micro_batches,
-                                    sg.pp, sg.virtual_stages, r.space.num_layers, live) <= bests[sg.key]
+            for schedule in (None, sg.schedule):        # with the fill and drain terms (V = 1)
+                assert positional_bound(r.space.table(g), [min(n, sg.pp) for n in g.slots], g.micro_batches,
+                                        sg.pp, sg.virtual_stages, r.space.num_layers, live,
+                                        schedule=schedule) <= bests[sg.key]
             # the structure of the key's best plan: its exact ranks per type
             names = list(sg.group.names)
             counts = [list(plans[sg.key].stage_types).count(n) for n in names]
@@ -220,12 +222,14 @@ def test_clock_never_stops_a_search_before_its_seed_plan(seed, mode, pure_python
 def test_positional_bound_never_exceeds_the_relaxation_it_bounds(seed):
     """positional_bound against brute force on random types and positions: the smallest T at which
     some assignment of types to positions (at most n_t of type t) holds every layer within each
-    position's memory cap and floor(w_t T / M) layers -- the relaxation its dual terms bound."""
+    position's memory cap, position r's work after the fill of the earlier ones (r c_min + M (f_t +
+    b_t) l <= T) and, with a V = 1 schedule, within the fill and drain terms (S + kf f_t l + kb b_t l <=
+    T, S at least the assignment's cheapest placement of the model) -- the relaxation it bounds."""
     import itertools
     import random
     from types import SimpleNamespace
 
-    from poseidon_plugin.search.bounds import positional_bound
+    from poseidon_plugin.search.bounds import drain_coefficients, positional_bound
     rng = random.Random(seed)
     nt, pp, v, m = rng.randint(1, 3), rng.randint(1, 5), rng.choice([1, 2]), rng.choice([4, 8])
     counts = [rng.randint(0, pp) for _ in range(nt)]
@@ -238,22 +242,57 @@ def test_positional_bound_never_exceeds_the_relaxation_it_bounds(seed):
                             backward_ms=[rng.uniform(2, 6) for _ in range(nt)])
     live = sorted((rng.randint(1, pp + 1) for _ in range(pp)), reverse=True)
     layers = rng.randint(pp * v, 4 * pp * v)
-    got = positional_bound(table, counts, m, pp, v, layers, live)
+    schedule = rng.choice([None, "1f1b", "eager-1f1b", "gpipe"]) if v == 1 else None
+    got = positional_bound(table, counts, m, pp, v, layers, live, schedule=schedule)
+    coef = drain_coefficients(schedule, pp, m) if schedule else None
     caps = [[min(layers, int(table.usable_bytes[t] / (table.layer_state_bytes[t]
                                                       + live[r] * table.layer_activation_bytes[t] / v)))
              for r in range(pp)] for t in range(nt)]
+    c_min = min(table.forward_ms[t] + table.backward_ms[t] for t in range(nt) if counts[t] > 0)
     best = float("inf")
     for assign in itertools.product(range(nt), repeat=pp):
         if any(assign.count(t) > counts[t] for t in range(nt)):
             continue
         if sum(caps[t][r] for r, t in enumerate(assign)) < layers:
             continue
-        # the smallest T: layer by layer to the rank whose work grows least (exact for a bottleneck)
+        cost = [table.forward_ms[t] + table.backward_ms[t] for t in assign]
+        s = 0.0           # one micro-batch through every rank: the assignment's cheapest placement
+        left = layers
+        for r in sorted(range(pp), key=lambda r: cost[r]):
+            take = min(left, caps[assign[r]][r])
+            s += take * cost[r]
+            left -= take
+
+        def finish(r, n):
+            t = assign[r]
+            x = r * c_min + n * m * cost[r]
+            if coef:
+                x = max(x, *(s + n * (kf * table.forward_ms[t] + kb * table.backward_ms[t]) for kf, kb in coef[r]))
+            return x
+
+        # the smallest T: layer by layer to the rank whose finish grows least (exact for a bottleneck)
         held = [0] * pp
         for _ in range(layers):
-            r = min((r for r in range(pp) if held[r] < caps[assign[r]][r]),
-                    key=lambda r: (held[r] + 1) * m * (table.forward_ms[assign[r]] + table.backward_ms[assign[r]]))
+            r = min((r for r in range(pp) if held[r] < caps[assign[r]][r]), key=lambda r: finish(r, held[r] + 1))
             held[r] += 1
-        best = min(best, max(held[r] * m * (table.forward_ms[t] + table.backward_ms[t])
-                             for r, t in enumerate(assign)))
+        best = min(best, max(finish(r, held[r]) for r in range(pp) if held[r] > 0))
     assert got <= best * (1 + 1e-9)
+
+
+def test_fill_and_drain_terms_raise_the_positional_bound_somewhere():
+    """The fill and drain terms are not vacuous: on the random problems they raise the positional
+    bound of some V = 1 shape groups (each checked against the optimum above)."""
+    from poseidon_plugin.search.bounds import positional_bound
+    raised = 0
+    for seed in SEEDS:
+        cm, schedules = random_problem(seed)
+        r = SearchRun(cm, SearchOptions(mode="exact", schedules=schedules))
+        for sg in r.space.shape_groups():
+            g = sg.group
+            if sg.virtual_stages != 1:
+                continue
+            live = r.cm.peak_live(sg.schedule, sg.pp, g.micro_batches, 1)
+            args = (r.space.table(g), [min(n, sg.pp) for n in g.slots], g.micro_batches, sg.pp, 1,
+                    r.space.num_layers, live)
+            raised += positional_bound(*args, schedule=sg.schedule) > positional_bound(*args) * 1.001
+    assert raised > 0

@@ -165,6 +165,147 @@ def test_lower_bounds_never_exceed_any_completion(seed):
         assert ss.kernel.longest(ss.params) <= best
 
 
+def _decide(ss, counts, types, layers, k, pp, v):
+    """Search state with ranks 0..k-1 decided as in (types, layers); returns the layers left."""
+    ss.remaining, ss.used = list(counts), [0] * len(counts)
+    ss.types, ss.layers = [-1] * pp, [0] * (pp * v)
+    for r in range(k):
+        t = types[r]
+        ss.types[r], ss.slot[r] = t, ss.used[t]
+        ss.remaining[t] -= 1
+        ss.used[t] += 1
+        for c in range(v):
+            ss.layers[c * pp + r] = layers[c * pp + r]
+    return ss.num_layers - sum(ss.layers)
+
+
+def _searched_structure(seed: int):
+    """A seeded random structure, every plan of it (brute force) and a split search run on it:
+    ``(plans, counts, pp, v, nt, rng, search)``, or None without a plan or with one rank."""
+    table, shape, counts, num_layers = random_structure(seed, pure=True)
+    plans = brute_force(table, shape, counts, num_layers)
+    pp, v, nt = shape.pp, shape.virtual_stages, len(counts)
+    if not plans or pp < 2:
+        return None
+    ss = PySplitSearch(table, shape, num_layers, ridge=False, blocks=False,
+                       type_class=array("i", range(nt)))
+    ss.run(counts, math.inf)
+    return plans, counts, pp, v, nt, random.Random(seed), ss
+
+
+def _inherited_case(seed: int) -> int | None:
+    """A child node starts from its parent's propagated bounds (docs/SEARCH.md): at random prefixes,
+    with tau just above the best completion of the parent, the child is not pruned, every completion
+    that beats tau lies within its [lb, cap] and its type caps. Returns how many children it cut or
+    bounded tighter somewhere than a fresh propagation (None: no case)."""
+    found = _searched_structure(seed)
+    if found is None:
+        return None
+    plans, counts, pp, v, nt, rng, ss = found
+    tighter = 0
+    for _ in range(6):
+        _t, types, layers = rng.choice(plans)
+        k = rng.randrange(1, pp)                    # the child decides rank k; its parent rank k-1
+        parent_done = [p for p in plans if p[1][:k - 1] == types[:k - 1]
+                       and all(p[2][c * pp + r] == layers[c * pp + r] for r in range(k - 1) for c in range(v))]
+        ss.tau = min(p[0] for p in parent_done) * (1 + 1e-9) + 1e-12
+        left = _decide(ss, counts, types, layers, k - 1, pp, v)
+        plb, pcap, pcapt = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v * nt)
+        assert ss._propagate(k - 1, left, plb, pcap, pcapt)
+        completions = [p for p in parent_done if p[1][k - 1] == types[k - 1]
+                       and all(p[2][c * pp + k - 1] == layers[c * pp + k - 1] for c in range(v))]
+        left = _decide(ss, counts, types, layers, k, pp, v)
+        lb, cap, capt = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v * nt)
+        ok = ss._propagate(k, left, lb, cap, capt, (plb, pcap, pcapt))
+        fresh = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v * nt)
+        fresh_ok = ss._propagate(k, left, *fresh)
+        beat = [p for p in completions if p[0] < ss.tau]
+        if beat:
+            assert ok
+        if not ok:
+            tighter += fresh_ok         # the inherited bounds cut the child, a fresh start does not
+            continue
+        for t_ms, typ, lay in beat:
+            for r in range(k, pp):
+                for c in range(v):
+                    vs = c * pp + r
+                    assert lb[vs] <= lay[vs] <= cap[vs]
+                    assert lay[vs] <= capt[vs * nt + typ[r]]
+        if fresh_ok:
+            tighter += any(lb[vs] > fresh[0][vs] or cap[vs] < fresh[1][vs]
+                           for vs in (c * pp + r for r in range(k, pp) for c in range(v)))
+    return tighter
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_inherited_bounds_never_exclude_a_completion(seed):
+    if _inherited_case(seed) is None:
+        pytest.skip("nothing fits memory, or one rank")
+
+
+def test_inherited_bounds_are_tighter_somewhere():
+    """Inheriting the parent's bounds is not idle on these problems: some child starts tighter than a
+    fresh propagation would leave it."""
+    assert sum(_inherited_case(seed) or 0 for seed in range(80, 100)) > 0
+
+
+def _child_bound_case(seed: int) -> int | None:
+    """The DAG bound of a child (rank k on a type with l layers) with the later ranks' lower bounds
+    raised by the sum rule for that count (SplitSearch._child_lower_bounds): at random prefixes, with
+    tau 5 % above the node's best completion, it never exceeds the best completion of a child that
+    has one below tau. Returns how many children it priced above the plain (monotone) bound."""
+    found = _searched_structure(seed)
+    if found is None:
+        return None
+    plans, counts, pp, v, nt, rng, ss = found
+    stronger = 0
+    for _ in range(6):
+        _t, types, layers = rng.choice(plans)
+        k = rng.randrange(pp - 1)                   # ranks 0..k-1 decided, rank k next, a rank after it
+        node = [p for p in plans if p[1][:k] == types[:k]
+                and all(p[2][c * pp + r] == layers[c * pp + r] for r in range(k) for c in range(v))]
+        ss.tau = min(p[0] for p in node) * 1.05
+        left = _decide(ss, counts, types, layers, k, pp, v)
+        lb, cap, capt = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v * nt)
+        assert ss._propagate(k, left, lb, cap, capt)
+        s_cap = sum(cap[vs] for vs in range(pp * v) if vs % pp > k)
+        children = {}
+        for t_ms, typ, lay in node:
+            if t_ms < ss.tau:
+                key = (typ[k], sum(lay[c * pp + k] for c in range(v)))
+                children[key] = min(children.get(key, math.inf), t_ms)
+        for (t, l), best in children.items():
+            ss.types[k], ss.slot[k] = t, ss.used[t]
+            ss.remaining[t] -= 1
+            ss.used[t] += 1
+            for c in range(v):
+                ss.layers[c * pp + k] = (l + v - 1 - c) // v
+            out = [0] * (pp * v)
+            if ss._child_lower_bounds(k, left - l, s_cap, lb, cap, out):
+                ss._fill(out)
+                raised = ss.kernel.longest(ss.params)
+                assert raised <= best
+                ss._fill(lb)
+                stronger += raised > ss.kernel.longest(ss.params)
+            ss.types[k] = -1
+            ss.remaining[t] += 1
+            ss.used[t] -= 1
+            for c in range(v):
+                ss.layers[c * pp + k] = 0
+    return stronger
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_child_bound_never_exceeds_the_child_optimum(seed):
+    if _child_bound_case(seed) is None:
+        pytest.skip("nothing fits memory, or one rank")
+
+
+def test_child_bound_is_stronger_somewhere():
+    """The raised lower bounds price some children above the plain bound (where they can cut)."""
+    assert sum(_child_bound_case(seed) or 0 for seed in range(80, 100)) > 0
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_structure_search_matches_brute_force(seed, pure_python):
     if not pure_python and PURE_FORCED:
@@ -289,3 +430,31 @@ def test_bound_paths_by_arithmetic_equal_those_of_the_listed_ops():
         for name in ("count", "coef_f", "coef_b", "coef_s", "coef_ar", "term_ptr", "term_idx",
                      "term_coef", "owner"):
             assert getattr(fast, name) == getattr(ref, name), (schedule, pp, m, v, name)
+
+
+@pytest.mark.parametrize("comm_model", ["dag", "megatron"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "eager-1f1b"])
+@pytest.mark.parametrize("pp,m", [(1, 3), (2, 1), (2, 4), (3, 2), (3, 6), (4, 4), (4, 9), (5, 3)])
+def test_fill_and_drain_terms_never_exceed_the_longest_path(comm_model, schedule, pp, m):
+    """bounds.drain_coefficients: on random weights, every rank r and both pairs, S + kf F_r + kb B_r
+    (S: every rank's forward and backward of one micro-batch) never exceeds the iteration time; on a
+    uniform 1F1B pipeline without transfers the last rank's pair is the iteration time."""
+    from poseidon_plugin.search.bounds import drain_coefficients
+    coef = drain_coefficients(schedule, pp, m)
+    assert len(coef) == pp
+    sim = Simulator(schedule, pp, m, 1, comm_model)
+    rng = random.Random(pp * 1000 + m * 10 + len(schedule))
+    for _ in range(20):
+        fwd = [rng.uniform(0, 5) for _ in range(pp)]
+        bwd = [rng.uniform(0, 9) for _ in range(pp)]
+        longest = sim.iteration_time(fwd, bwd, [rng.uniform(0, 2) for _ in range(pp)],
+                                     [rng.uniform(0, 7) for _ in range(pp)])
+        s = sum(fwd) + sum(bwd)
+        for r in range(pp):
+            for kf, kb in coef[r]:
+                assert kf >= 0 and kb >= 0
+                assert s + kf * fwd[r] + kb * bwd[r] <= longest * (1 + 1e-12)
+    if schedule == "1f1b" and comm_model == "dag":
+        longest = sim.iteration_time([1.0] * pp, [2.0] * pp, [0.0] * pp, [0.0] * pp)
+        kf, kb = coef[pp - 1][1]
+        assert 3.0 * pp + kf + 2.0 * kb == pytest.approx(longest, rel=1e-12)

@@ -83,6 +83,24 @@ def test_exact_equals_exhaustive(seed, pure_python):
     assert cm.fits(candidate(dflt.plan))
 
 
+@pytest.mark.parametrize("seed", range(0, 60, 3))
+def test_cutoff_keeps_the_optimum_below_it(seed, pure_python):
+    """SearchOptions.cutoff_ms (another variant's plan): with the cutoff above the optimum the exact
+    search still returns the optimum; at or below it, nothing faster than the cutoff is returned."""
+    from poseidon_plugin.errors import NoFeasiblePlanError
+    cm, schedules = random_problem(seed)
+    opts = dict(schedules=schedules, top_k=2, warmup_samples=0, pure_python=pure_python)
+    best = search(cm, SearchOptions(mode="exhaustive", **opts)).plan.predicted_iteration_ms
+    got = search(cm, SearchOptions(mode="exact", cutoff_ms=best * 1.0001, **opts))
+    assert got.stats.complete and got.plan.predicted_iteration_ms == best
+    for cutoff in (best, best * 0.99):
+        try:
+            res = search(cm, SearchOptions(mode="exact", cutoff_ms=cutoff, **opts))
+        except NoFeasiblePlanError:
+            continue                 # no plan met at all: nothing below the cutoff either
+        assert res.plan.predicted_iteration_ms >= best
+
+
 @pytest.mark.skipif(os.environ.get("POSEIDON_PURE_PYTHON", "") not in ("", "0"),
                     reason="POSEIDON_PURE_PYTHON=1 forces the pure loop")
 @pytest.mark.parametrize("seed", range(8))

@@ -147,6 +147,27 @@ def test_narrow_variant_searches_first_and_leaves_its_time_to_the_broad_one(monk
     assert res.plan.predicted_iteration_ms == min(p.predicted_iteration_ms for p in each)
 
 
+def test_without_a_limit_later_variants_search_below_the_best_plan_so_far(monkeypatch):
+    """No time limit: the broad variant first, the narrow one with its plan as the cutoff; the result
+    is the faster of the two variants' own optima."""
+    import poseidon_plugin.search as search_pkg
+    cm = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"), micro_batch_sizes=(1,))
+    real, seen = search_pkg.search, []
+
+    def recording(cm_, opts, **kw):
+        seen.append((opts.schedules, opts.cutoff_ms))
+        res = real(cm_, opts, **kw)
+        seen[-1] += (res.plan.predicted_iteration_ms,)
+        return res
+    monkeypatch.setattr(search_pkg, "search", recording)
+    res = search_plan(cm, TargetRuntime(micro_batch_sizes=(1,)))
+    assert [s for s, *_ in seen] == [("1f1b", "interleaved-1f1b"), ("interleaved-1f1b",)]
+    assert seen[0][1] is None and seen[1][1] == seen[0][2]
+    monkeypatch.setattr(search_pkg, "search", real)
+    each = [search_plan(cm, TargetRuntime(micro_batch_sizes=(1,), p2p_overlap=o)).plan for o in ("on", "off")]
+    assert res.plan.predicted_iteration_ms == min(p.predicted_iteration_ms for p in each)
+
+
 def test_variants_past_the_deadline_still_return_a_plan(monkeypatch):
     """The setup ate the whole limit (every read of the clock is past the deadline): each variant gets
     the token limit and returns its greedy seed plan instead of failing."""
