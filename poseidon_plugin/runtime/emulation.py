@@ -112,8 +112,9 @@ def slowdown_factors(peak_tflops: Mapping[str, float]) -> dict[str, float]:
 # enough for a benchmark. With more than RANKS_PER_CORE ranks per CPU core of this host, that target grows
 # in proportion: each rank's real CPU work per iteration (megatron-core's Python around the tiny model, about
 # 0.3 s at 8 ranks) stays the same, so a longer iteration keeps the host from running out of CPU, which
-# would delay every deadline (measured: 8 ranks on 2 cores at 1.5 s ran 15-23 % over the plan). The job's own flags still give the layer count, the batch and the tiny model that
-# really runs; the preset gives the hidden size, sequence length, vocabulary and dtype of the emulated one.
+# would delay every deadline (measured: 8 ranks on 2 cores at 1.5 s ran 15-23 % over the plan). The job's
+# own flags still give the layer count, the batch and the tiny model that really runs; the preset gives the
+# hidden size, sequence length, vocabulary and dtype of the emulated one.
 
 MODEL_FLAG = "--poseidon-emulate-model"
 AUTO_ITERATION_MS = 1500.0
