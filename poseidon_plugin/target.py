@@ -286,28 +286,23 @@ def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "Search
     return dataclasses.replace(result, plan=plan)
 
 
-def plan_as_run(cost_model: "CostModel", cand: Any, *, comm_model: str = "megatron",
-                p2p_overlap: str = "auto") -> Any:
-    """The plan of one candidate priced as Megatron-LM will run it, for plans not found by :func:`search_plan`
-    (a hand-made split, a runner-up, a baseline). An interleaved plan runs with p2p overlap (Megatron-LM's
-    default, priced under ``megatron-overlap``) or, from MIN_PP_INTERLEAVED_WITHOUT_OVERLAP stages, without it
-    (under ``comm_model``); ``p2p_overlap`` ``auto`` keeps the faster, ``on`` / ``off`` pin it. The plan records
-    the choice (``Plan.overlap_p2p_comm``), which its Megatron flags carry."""
-    if cand.schedule != INTERLEAVED or comm_model == "dag":
-        return cost_model.make_plan(cand, comm_model=comm_model)
-    if p2p_overlap not in P2P_OVERLAP:
-        raise InputError(f"p2p overlap {p2p_overlap!r} is invalid: choose one of {', '.join(P2P_OVERLAP)}")
-    priced = []
-    if p2p_overlap in ("auto", "on"):
-        priced.append((cost_model.iteration_ms(cand, "megatron-overlap"), True, "megatron-overlap"))
-    if p2p_overlap in ("auto", "off") and cand.pp >= MIN_PP_INTERLEAVED_WITHOUT_OVERLAP:
-        priced.append((cost_model.iteration_ms(cand, comm_model), False, comm_model))
+def plan_as_run(cost_model: "CostModel", cand: Any, target: TargetRuntime | None = None) -> Any:
+    """The plan of one candidate priced as ``target`` (default: Megatron-LM's) will run it, for plans not
+    found by :func:`search_plan` (a hand-made split, a runner-up, a baseline): under each of the target's
+    :meth:`~TargetRuntime.variants` that covers the candidate (an interleaved plan with p2p overlap, or
+    without it from its ``min_pp`` stages), the faster kept. The plan records the overlap it runs with
+    (``Plan.overlap_p2p_comm``), which its Megatron flags carry."""
+    target = target or TargetRuntime()
+    if cand.schedule != INTERLEAVED:
+        return cost_model.make_plan(cand, comm_model=target.comm_model)
+    priced = [(cost_model.iteration_ms(cand, v.comm_model), not v.overlap, v) for v in target.variants()
+              if INTERLEAVED in v.schedules and cand.pp >= v.min_pp]
     if not priced:
         raise InputError(f"interleaved without p2p overlap needs at least {MIN_PP_INTERLEAVED_WITHOUT_OVERLAP} "
                          f"pipeline stages on Megatron-LM (this plan has {cand.pp}); let it overlap p2p")
-    ms, overlap, comm = min(priced, key=lambda p: (p[0], not p[1]))
-    plan = cost_model.make_plan(cand, ms, comm_model=comm)
-    return dataclasses.replace(plan, overlap_p2p_comm=overlap)
+    ms, _no_overlap, variant = min(priced, key=lambda p: p[:2])
+    plan = cost_model.make_plan(cand, ms, comm_model=variant.comm_model)
+    return dataclasses.replace(plan, overlap_p2p_comm=variant.overlap)
 
 
 def _scaled_progress(progress, index: int, count: int):

@@ -24,7 +24,7 @@ from poseidon_plugin.runtime.planning import job_name, model_spec
 from poseidon_plugin.search import SearchOptions
 from poseidon_plugin.search.baselines import best_uniform
 from poseidon_plugin.specs import device_presets, load_profile
-from poseidon_plugin.target import plan_as_run
+from poseidon_plugin.target import TargetRuntime, plan_as_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = "scripts/pretrain_gpt.py"
@@ -105,7 +105,7 @@ def uniform_plan(cm: CostModel) -> Plan | None:
     if found is None:
         return None
     _ms, cand = found
-    return plan_as_run(cm, cand, comm_model=COMM_MODEL, p2p_overlap="on")
+    return plan_as_run(cm, cand, TargetRuntime(comm_model=COMM_MODEL, p2p_overlap="on"))
 
 
 def random_plans(cm: CostModel, count: int, seed: int, avoid: set) -> list[Plan]:

@@ -335,14 +335,14 @@ def test_plan_as_run_prices_interleaved_as_megatron_runs_it():
     assert plan.overlap_p2p_comm is True
     assert plan.predicted_iteration_ms == pytest.approx(cm.iteration_ms(two, "megatron-overlap"))
     with pytest.raises(InputError, match="at least 3 pipeline stages"):
-        plan_as_run(cm, two, p2p_overlap="off")
+        plan_as_run(cm, two, TargetRuntime(p2p_overlap="off"))
     four = cand(4)
     assert four.pp >= MIN_PP_INTERLEAVED_WITHOUT_OVERLAP
     on, off = cm.iteration_ms(four, "megatron-overlap"), cm.iteration_ms(four, "megatron")
     auto = plan_as_run(cm, four)
     assert auto.predicted_iteration_ms == pytest.approx(min(on, off))
     assert auto.overlap_p2p_comm == (on <= off)
-    pinned = plan_as_run(cm, four, p2p_overlap="off")
+    pinned = plan_as_run(cm, four, TargetRuntime(p2p_overlap="off"))
     assert pinned.overlap_p2p_comm is False and pinned.predicted_iteration_ms == pytest.approx(off)
     plain = plan_as_run(cm, cand(2, "1f1b"))
     assert plain.overlap_p2p_comm is False
