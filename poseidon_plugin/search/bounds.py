@@ -65,19 +65,24 @@ def fluid_cut(table: TypeTable, slots, micro_batches: int, pp: int, v: int, num_
         x = tau * (1.0 + 1e-9) / (micro_batches * (table.forward_ms[t] + table.backward_ms[t]))
         if min(slots[t], pp) > 0:
             blocks.append((int(x), min(slots[t], pp)))
-    blocks.sort(reverse=True)
-    left, total, smallest = pp, 0, None
-    for c, n in blocks:
-        k = min(n, left)
-        total += k * c
-        left -= k
-        smallest = c
-        if left == 0:
-            break
+    total, left, smallest = _take(sorted(blocks, reverse=True), pp)
     if left > 0 or smallest < v:
         return True
     return total < num_layers
 
+
+def _take(blocks, pp: int) -> tuple[int, int, int | None]:
+    """The first ``pp`` ranks of ``blocks`` (``(value, ranks)`` in the order to take them): the sum of
+    their values, how many of the ``pp`` were missing, and the last value taken (None: none)."""
+    left, total, last = pp, 0, None
+    for c, n in blocks:
+        k = min(n, left)
+        total += k * c
+        left -= k
+        last = c
+        if left == 0:
+            break
+    return total, left, last
 
 
 def _last_short_time(capacity, num_layers: int, lo: float, hi: float, rel: float) -> float | None:
@@ -97,6 +102,7 @@ def _last_short_time(capacity, num_layers: int, lo: float, hi: float, rel: float
         if hi - lo <= rel * hi:
             break
     return lo
+
 
 def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int,
                    num_layers: int, *, memory: bool = False, live=None, schedule: str | None = None,
@@ -131,13 +137,7 @@ def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int
         blocks.append((1.0 / (table.forward_ms[t] + table.backward_ms[t]), min(most, num_layers), n))
     if sum(n for _w, _c, n in blocks) < pp:
         return INF
-    left, room = pp, 0
-    for _w, c, n in sorted(blocks, key=lambda b: -b[1]):      # the pp roomiest ranks
-        k = min(n, left)
-        room += k * c
-        left -= k
-        if left == 0:
-            break
+    room, _left, _last = _take(sorted(((c, n) for _w, c, n in blocks), reverse=True), pp)  # pp roomiest
     if room < num_layers:
         return INF
     blocks.sort(reverse=True)
