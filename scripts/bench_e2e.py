@@ -145,6 +145,8 @@ def run_case(case: ClusterCase, *, quick: bool, iters: int, workdir: str, log) -
     a = rows[0]
     b = next((r for r in rows if r["label"].startswith("(b)")), None)
     record["speedup_vs_uniform"] = b["measured_ms"] / a["measured_ms"] if b else float("nan")
+    # what the model promises for the same two plans: the most the measured speed-up can honestly reach
+    record["speedup_predicted"] = b["predicted_ms"] / a["predicted_ms"] if b else float("nan")
     fastest = min(r["measured_ms"] for r in ok) if ok else float("nan")
     record["poseidon_vs_fastest"] = a["measured_ms"] / fastest - 1.0 if ok else float("nan")
     return record
@@ -199,7 +201,8 @@ def render(records: list[dict], wall_s: float) -> str:
         need = f"target >= {TARGET_SPEEDUP}x" if ratio >= SPEEDUP_WHEN_RATIO else "no target (types < 1.3x apart)"
         out.append(f"Spearman {rec['spearman']:.2f} (target >= {TARGET_SPEARMAN}); Poseidon vs fastest measured "
                    f"{100 * rec['poseidon_vs_fastest']:+.1f}% (target <= +{100 * TARGET_FASTEST_WITHIN:.0f}%); "
-                   f"speed-up over uniform {rec['speedup_vs_uniform']:.2f}x ({need}; types {ratio:.2f}x apart)")
+                   f"speed-up over uniform {rec['speedup_vs_uniform']:.2f}x, predicted "
+                   f"{rec.get('speedup_predicted', float('nan')):.2f}x ({need}; types {ratio:.2f}x apart)")
         out.append("")
     if errors:
         out.append(f"all plans: |error| median {100 * statistics.median(errors):.1f}% "

@@ -445,7 +445,7 @@ def p2p_call_ms(world: World, rank: int, device: Device, job: JobFlags) -> float
         peer = next((b if a == rank else a for a, b in pairs if rank in (a, b)), None)
         if peer is None:
             continue
-        for _ in range(1 + P2P_CALLS):   # the first call sets up the pair
+        for call in range(1 + P2P_CALLS):   # the first call of each pairing sets the pair up: not timed
             start = device.mark()
             buffer = torch.empty(shape, dtype=dtype, device=device.torch_device, requires_grad=True)
             ops = [dist.P2POp(dist.isend, payload, peer), dist.P2POp(dist.irecv, buffer, peer)]
@@ -455,8 +455,9 @@ def p2p_call_ms(world: World, rank: int, device: Device, job: JobFlags) -> float
             posted = device.mark()
             for work in works:
                 work.wait()
-            times.append(device.ms_between(start, posted))
-    return statistics.median(times[1:]) if len(times) > 1 else 0.0
+            if call:
+                times.append(device.ms_between(start, posted))
+    return statistics.median(times) if times else 0.0
 
 
 # --- the collective flow --------------------------------------------------------------------------

@@ -204,6 +204,28 @@ def test_p2p_falls_through_until_bound():
     assert out is works
 
 
+def test_dp_sync_is_held_before_the_pipeline_collectives_of_finalize():
+    """The emulated DP sync starts when the stage's last backward ends; the real ``finalize_model_grads`` (whose
+    tied-embedding all-reduce waits for the other stages) runs after it, not before."""
+
+    class Synced:
+        sync_ms = 150.0
+
+    called = []
+    emulated_links.set_state(Synced())
+    try:
+        start = time.perf_counter()
+        out = emulated_links._held_sync(lambda *a, **k: called.append(time.perf_counter() - start) or "done")("m")
+        total = time.perf_counter() - start
+    finally:
+        emulated_links.set_state(None)
+    assert out == "done"
+    assert called[0] == pytest.approx(0.150, abs=0.03)   # the original ran after the held sync
+    assert total == pytest.approx(0.150, abs=0.03)       # and nothing was held after it
+    emulated_links.set_state(None)
+    assert emulated_links._held_sync(lambda: "plain")() == "plain"   # unbound: falls through
+
+
 def test_emulated_links_table_applies_to_installed_megatron():
     import megatron.core.distributed as mcore_distributed
     from megatron.core.pipeline_parallel import p2p_communication
