@@ -30,6 +30,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = "scripts/pretrain_gpt.py"
 COMM_MODEL = "megatron"  # what poseidon-run plans with (runtime/planning.py)
 WARMUP_ITERS = 2
+MEASURED_ITERS = 5
+# the watch times iteration n when step n + 1 starts, so the last iteration of a run is never timed
+MIN_ITERS = WARMUP_ITERS + MEASURED_ITERS + 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -16,11 +16,12 @@ links and DP sync take the analytic times of a real model on the emulated device
 
 (b)-(d) are written as plan files, timed by the same cost model on the profile run (a) measured, and applied
 with ``--poseidon-plan``. Runs are sequential. Per plan: predicted ms, measured ms (median of the schedule
-call over the iterations after ``WARMUP_ITERS`` warm-up ones, from ``poseidon-run``'s watch), error, the
-spread of the measured iterations, and two terms the prediction leaves out: the optimizer step (script
-iteration minus schedule call) and the excess per micro-batch step ((measured - predicted) / (M + pp - 1),
-the framework's per-micro-batch cost the profile does not see). Per cluster: Spearman's rank correlation of
-predicted vs measured, and Poseidon's measured speed-up over (b). Targets are printed beside the numbers.
+call over the ``MEASURED_ITERS`` or more iterations after ``WARMUP_ITERS`` warm-up ones, from ``poseidon-run``'s
+watch), error, the spread of the measured iterations, and two terms the prediction leaves out: the optimizer
+step (script iteration minus schedule call) and the excess per micro-batch step ((measured - predicted) /
+(M + pp - 1), the framework's per-micro-batch cost the profile does not see). Per cluster: Spearman's rank
+correlation of predicted vs measured, and Poseidon's measured speed-up over (b) next to the predicted one.
+Targets are printed beside the numbers.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ import zlib
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
-from _e2e_runs import (CLUSTERS, QUICK, ClusterCase, candidate_of, cost_model, launch,  # noqa: E402
-                               plan_key, random_plans, uniform_plan)
+from _e2e_runs import (CLUSTERS, MEASURED_ITERS, MIN_ITERS, QUICK, WARMUP_ITERS, ClusterCase,  # noqa: E402
+                       candidate_of, cost_model, launch, plan_key, random_plans, uniform_plan)
 from poseidon_plugin.plan import Plan  # noqa: E402
 from poseidon_plugin.target import plan_as_run  # noqa: E402
 
@@ -216,10 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one 4-rank cluster, 4 plans")
     parser.add_argument("--only", default="", help="comma list of substrings of cluster names")
-    parser.add_argument("--iters", type=int, default=7, help=f"training iterations per run (>= {2 + 5})")
+    parser.add_argument("--iters", type=int, default=MIN_ITERS,
+                        help=f"training iterations per run (>= {MIN_ITERS}: {WARMUP_ITERS} warm-up, then at least "
+                             f"{MEASURED_ITERS} timed; the watch cannot time a run's last one)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     parser.add_argument("--render", metavar="JSON", help="print the table of a saved --json output and exit")
     args = parser.parse_args(argv)
+    if args.iters < MIN_ITERS:
+        parser.error(f"--iters {args.iters}: at least {MIN_ITERS} are needed ({WARMUP_ITERS} warm-up iterations, "
+                     f"{MEASURED_ITERS} timed ones, and the last one, which the watch does not time)")
     if args.render:
         with open(args.render, encoding="utf-8") as f:
             doc = json.load(f)
