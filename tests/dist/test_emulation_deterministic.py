@@ -204,26 +204,27 @@ def test_p2p_falls_through_until_bound():
     assert out is works
 
 
-def test_dp_sync_is_held_before_the_pipeline_collectives_of_finalize():
+def test_dp_sync_is_held_before_the_pipeline_collectives_of_finalize(monkeypatch):
     """The emulated DP sync starts when the stage's last backward ends; the real ``finalize_model_grads`` (whose
     tied-embedding all-reduce waits for the other stages) runs after it, not before."""
 
     class Synced:
         sync_ms = 150.0
 
-    called = []
+    events = []
+    monkeypatch.setattr(emulated_links, "sleep_until", lambda deadline: events.append(("held until", deadline)))
     emulated_links.set_state(Synced())
     try:
-        start = time.perf_counter()
-        out = emulated_links._held_sync(lambda *a, **k: called.append(time.perf_counter() - start) or "done")("m")
-        total = time.perf_counter() - start
+        entered = time.perf_counter()
+        out = emulated_links._held_sync(lambda *a, **k: events.append(("finalize", a)) or "done")("model")
     finally:
         emulated_links.set_state(None)
     assert out == "done"
-    assert called[0] == pytest.approx(0.150, abs=0.03)   # the original ran after the held sync
-    assert total == pytest.approx(0.150, abs=0.03)       # and nothing was held after it
-    emulated_links.set_state(None)
-    assert emulated_links._held_sync(lambda: "plain")() == "plain"   # unbound: falls through
+    assert [name for name, _ in events] == ["held until", "finalize"]   # the sync first, then the real call
+    assert events[0][1] - entered == pytest.approx(0.150, abs=0.01)       # for the stage's sync time
+    assert events[1][1] == ("model",)
+    events.clear()
+    assert emulated_links._held_sync(lambda: "plain")() == "plain" and events == []   # unbound: falls through
 
 
 def test_emulated_links_table_applies_to_installed_megatron():
