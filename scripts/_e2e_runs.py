@@ -196,6 +196,15 @@ class RunResult:
         return statistics.median(1e3 * s - m for s, m in pairs) if pairs else float("nan")
 
 
+SCRIPT_ITERATION = re.compile(r"^iteration \d+/\d+ \| lm loss \S+ \| ([\d.]+) s", re.M)
+"""``scripts/pretrain_gpt.py``'s line per training iteration; the group is its wall time in seconds."""
+
+
+def iteration_seconds(output: str) -> list[float]:
+    """The wall seconds of each training iteration the script logged in ``output``."""
+    return [float(m) for m in SCRIPT_ITERATION.findall(output)]
+
+
 def launch(case: ClusterCase, *, iters: int, cache_dir: str, plan_file: str | None, save_plan: str | None,
            timeout_s: float = 600.0) -> RunResult:
     """One ``python -m poseidon_plugin.runtime.launcher`` run of the case (sequential; bounded)."""
@@ -225,7 +234,7 @@ def launch(case: ClusterCase, *, iters: int, cache_dir: str, plan_file: str | No
     result = RunResult(code=code, wall_s=time.perf_counter() - start, tail="\n".join(out.splitlines()[-15:]),
                        load=os.getloadavg()[0])
     result.schedule_ms = [float(m) for m in re.findall(r"^poseidon: iteration \d+: measured ([\d.]+) ms", out, re.M)]
-    result.iteration_s = [float(m) for m in re.findall(r"^iteration \d+/\d+ \| lm loss \S+ \| ([\d.]+) s", out, re.M)]
+    result.iteration_s = iteration_seconds(out)
     built = re.findall(r"built layers \S+ as planned", out)
     result.layers_as_planned = code == 0 and len(built) > 0 and "does not apply the rewritten" not in out
     return result

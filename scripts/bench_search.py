@@ -13,8 +13,8 @@ finishes within ``--exact-limit`` seconds, and the peak memory of ``poseidon pla
 devices and the presets ``frontier-1024`` (GBS 1024) / ``frontier-4096`` (GBS 2048, the issue's), each
 ``poseidon plan`` run in a fresh process with a time limit, printing the GBS, the limit against the
 wall time of the search and of the whole command, the best plan, the proven lower bound and the gap,
-the devices the plan uses and the size of its JSON (schema 3, ranks and devices as runs) against every rank and device listed (schema 2); then
-the issue's targets (not asserted).
+the devices the plan uses and the size of its JSON (schema 3, ranks and devices as runs) against every
+rank and device listed (schema 2); then the issue's targets (not asserted).
 """
 
 from __future__ import annotations
@@ -105,6 +105,10 @@ def plan_cli(cluster: str, model: str, *flags: str) -> dict:
             "devices": plan.world_size}
 
 
+SCALE_LIMITS = {"default": 5.0, "exact-1024": 30.0, "exact-4096": 60.0}
+"""--time-limit of the large-cluster rows: the issue's targets for frontier-1024 / frontier-4096."""
+
+
 def scale_rows(limits: dict[str, float], only: set[str] | None = None) -> None:
     """Time limit vs wall on very large clusters, and the anytime answers (best, bound, gap);
     ``only``: the labels of the rows to run (default: all)."""
@@ -155,7 +159,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     only = None if args.scale_rows is None else {x.strip() for x in args.scale_rows.split(",")}
     if args.scale_only:
-        scale_rows({"default": 5.0, "exact-1024": 30.0, "exact-4096": 60.0}, only)
+        scale_rows(SCALE_LIMITS, only)
         return 0
     names = [s.strip() for s in args.settings.split(",") if s.strip()]
     opts = SearchOptions()
@@ -212,7 +216,7 @@ def main(argv=None) -> int:
             print(f"peak RSS of `poseidon plan --cluster {cluster} --model {model}`: "
                   f"{peak_rss_mb(cluster, model):.0f} MiB")
     if args.scale:
-        scale_rows({"default": 5.0, "exact-1024": 30.0, "exact-4096": 60.0}, only)
+        scale_rows(SCALE_LIMITS, only)
     return 0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -25,14 +26,23 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-TARGET_S = 5.0
+sys.path[:0] = [HERE, REPO]
 
-JOB = ["scripts/pretrain_gpt.py", "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
-       "--seq-length", "32", "--vocab-size", "512", "--micro-batch-size", "1", "--global-batch-size", "8",
-       "--train-iters", "4"]
-POSEIDON = ["--poseidon-emulate", "A2-2:2,A2-4:2", "--poseidon-emulate-model", "llama2-13b"]
-ITERATION = re.compile(r"^iteration \d+/\d+ \| .* \| ([0-9.]+) s$", re.M)
+from _e2e_runs import iteration_seconds  # noqa: E402
+from poseidon_plugin.runtime.options import split_argv  # noqa: E402
+
+TARGET_S = 5.0
 OVERHEAD = re.compile(r"^poseidon: overhead: Poseidon ([0-9.]+) s", re.M)
+
+
+def readme_main_command() -> list[str]:
+    """The arguments of ``poseidon-run`` in the README's main command (its second line, after the install)."""
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        line = f.read().splitlines()[1]
+    words = shlex.split(line.rpartition("&&")[2])
+    if not words or words[0] != "poseidon-run":
+        raise SystemExit(f"bench_startup: the README's second line does not end in a poseidon-run command: {line!r}")
+    return words[1:]
 
 
 def command(name: str) -> list[str]:
@@ -51,7 +61,7 @@ def run(argv: list[str]) -> dict:
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise SystemExit(f"bench_startup: {' '.join(argv[:2])} ... failed (exit {proc.returncode}):\n{out[-3000:]}")
-    iterations = [float(t) for t in ITERATION.findall(out)]
+    iterations = iteration_seconds(out)
     own = OVERHEAD.search(out)
     return {"wall_s": wall, "train_s": sum(iterations), "startup_s": wall - sum(iterations),
             "iterations": len(iterations), "poseidon_s": float(own.group(1)) if own else None}
@@ -61,8 +71,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    poseidon = command("poseidon-run") + ["--nproc-per-node", "4", *JOB, *POSEIDON]
-    torchrun = command("torchrun") + ["--nproc-per-node", "4", *JOB]
+    args_poseidon = readme_main_command()
+    _options, args_torchrun = split_argv(args_poseidon)   # the same job without the --poseidon-* options
+    poseidon = command("poseidon-run") + args_poseidon
+    torchrun = command("torchrun") + args_torchrun
     print("warming the profile cache (one poseidon-run) ...", flush=True)
     run(poseidon)
     rows: dict[str, list[dict]] = {"poseidon-run": [], "torchrun": []}
