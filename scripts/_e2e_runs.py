@@ -83,14 +83,22 @@ QUICK = ("a2x2+a2-4x2",)
 # --- plans ------------------------------------------------------------------------------------------------
 
 
+def job_model(case: ClusterCase) -> Any:
+    """The ModelSpec of the job that really runs on ``case`` (what poseidon-run plans for)."""
+    flags = read_job(SCRIPT, case.job())
+    return model_spec(flags, global_batch_size=case.global_batch, name=job_name(SCRIPT, flags))
+
+
+def emulation_state(case: ClusterCase) -> emulation.EmulationState:
+    """Rank 0's deterministic emulation as poseidon-run builds it for ``case`` (same scale, same TP degrees)."""
+    return emulation.deterministic_state(emulate=case.emulate, emulate_model=case.model, rank=0,
+                                         world_size=case.ranks, num_layers=case.layers,
+                                         global_batch=case.global_batch, micro_batch_size=1, job_model=job_model(case))
+
+
 def cost_model(case: ClusterCase, profile_path: str) -> CostModel:
     """The cost model poseidon-run planned with: the emulated cluster, the job, the profile it measured."""
-    flags = read_job(SCRIPT, case.job())
-    state = emulation.deterministic_state(emulate=case.emulate, emulate_model=case.model, rank=0,
-                                          world_size=case.ranks, num_layers=case.layers,
-                                          global_batch=case.global_batch, micro_batch_size=1)
-    model = model_spec(flags, global_batch_size=case.global_batch, name=job_name(SCRIPT, flags))
-    return CostModel(state.cluster, model, load_profile(profile_path))
+    return CostModel(emulation_state(case).cluster, job_model(case), load_profile(profile_path))
 
 
 def candidate_of(summary: Any) -> Candidate:

@@ -41,7 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 from _e2e_runs import (CLUSTERS, MEASURED_ITERS, MIN_ITERS, QUICK, WARMUP_ITERS, ClusterCase,  # noqa: E402
-                       candidate_of, cost_model, launch, plan_key, random_plans, uniform_plan)
+                       candidate_of, cost_model, emulation_state, launch, plan_key, random_plans, uniform_plan)
 from poseidon_plugin.plan import Plan  # noqa: E402
 from poseidon_plugin.target import plan_as_run  # noqa: E402
 
@@ -156,12 +156,9 @@ def run_case(case: ClusterCase, *, quick: bool, iters: int, workdir: str, log) -
 def profile_excess(case: ClusterCase, profile_path: str) -> dict:
     """How much the measured profile exceeds the emulation's deadlines (hooks, autograd, Python): per layer
     forward and backward, median over the profiled (type, TP, mbs), in ms and relative."""
-    from poseidon_plugin.runtime import emulation
     from poseidon_plugin.specs import load_profile
 
-    state = emulation.deterministic_state(emulate=case.emulate, emulate_model=case.model, rank=0,
-                                          world_size=case.ranks, num_layers=case.layers,
-                                          global_batch=case.global_batch, micro_batch_size=1)
+    state = emulation_state(case)
     fwd, bwd = [], []
     for e in load_profile(profile_path).entries:
         target = state.emulated_entry(e.device_type, e.tp, e.mbs)

@@ -248,11 +248,13 @@ def _deterministic_emulation(job: _Job) -> EmulationState | None:
     """``--poseidon-emulate-model``: this rank's EmulationState (runtime/emulation.py), or None."""
     if not job.opts.emulate_model:
         return None
-    from poseidon_plugin.runtime import emulation
+    from poseidon_plugin.runtime import emulation, planning
 
     return emulation.deterministic_state(
         emulate=job.opts.emulate, emulate_model=job.opts.emulate_model, rank=job.rank, world_size=job.world_size,
-        num_layers=job.flags.num_layers, global_batch=job.global_batch, micro_batch_size=job.flags.micro_batch_size)
+        num_layers=job.flags.num_layers, global_batch=job.global_batch, micro_batch_size=job.flags.micro_batch_size,
+        job_model=planning.model_spec(job.flags, global_batch_size=job.global_batch,
+                                      name=planning.job_name(job.script, job.flags)))
 
 
 def _device(job: _Job, declared: ClusterSpec | None, emulated: EmulationState | None = None) -> _Devices:
@@ -336,9 +338,16 @@ def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) 
                                 name=planning.job_name(job.script, job.flags))
     cache_dir = runtime_options.profile_cache_dir(opts)
 
+    emulated = devices.emulated
+    if emulated is not None:
+        for note in emulated.host_notes():
+            log.job_line(f"emulation: {note}")
+
     def profile() -> profiler.ProfileOutcome:
         requests = profiler.candidate_requests(cluster, model, job.flags,
                                                micro_batch_sizes=job.target.micro_batch_sizes, keep=opts.keep)
+        if emulated is not None and not opts.keep:  # TP degrees this host cannot emulate (emulation.fit_to_host)
+            requests = [r for r in requests if emulated.allows_tp(r.tp)]
         return profiler.profile_world(world=world, rank=job.rank, device=device, job=job.flags, model=model,
                                       requests=requests, cache_dir=cache_dir, warmup=opts.profile_warmup,
                                       iters=opts.profile_iters, progress=log.rank_line)

@@ -115,10 +115,32 @@ def slowdown_factors(peak_tflops: Mapping[str, float]) -> dict[str, float]:
 # would delay every deadline (measured: 8 ranks on 2 cores at 1.5 s ran 15-23 % over the plan). The job's
 # own flags still give the layer count, the batch and the tiny model that really runs; the preset gives the
 # hidden size, sequence length, vocabulary and dtype of the emulated one.
+#
+# The automatic SCALE must also leave each layer's deadline room for the tiny layer's real CPU work, which is
+# not small at TP > 1: megatron-core's tensor-parallel layer does two gloo all-reduces per pass, and on a
+# 2-core host a gloo all-reduce costs 0.4 ms of CPU per rank between 2 processes and 2 ms between 4 (threads
+# handing work over, measured with torch 2.13). When every rank computes at once (the steady 1F1B phase),
+# ranks / (RANKS_PER_CORE x cores) times HOST_LAYER_MS[tp] is what one layer's forward + backward really
+# takes; a deadline shorter than that is overrun by contention and the run drifts from the prediction
+# (measured: 8 ranks at TP 4 with the deadline 0.46x that cost ran 9-17 % over the plan with 8 % spread; 12
+# ranks at TP 2 at 0.91x ran 5-10 % over). So the automatic SCALE grows until every TP degree's shortest
+# deadline (fastest type, micro-batch 1) is HOST_FIT times that cost, but at most MAX_FIT_GROWTH times the
+# iteration target above; TP degrees that would need more are left out of the emulated job (not profiled,
+# so the search cannot pick them), and the job's log says which SCALE would include them. An explicit SCALE
+# is kept as given: every TP degree stays, and the log warns about those whose deadline is too short.
 
 MODEL_FLAG = "--poseidon-emulate-model"
 AUTO_ITERATION_MS = 1500.0
 RANKS_PER_CORE = 2
+# Wall ms of one forward + backward of the tiny layer (the README job's: hidden 64, 4 heads, sequence 32,
+# micro-batch 1) with RANKS_PER_CORE ranks per core, per TP degree: measured by profiling 4 ranks on the
+# 2-core host at --poseidon-emulate-model llama3-8b:0.001 (deadlines about 0, so the profile is the CPU
+# cost alone). TP 8 is not measured (it needs 8 devices per node and 8 heads); HOST_LAYER_MS_PER_DOUBLING
+# extends the table beyond TP 4, an assumption.
+HOST_LAYER_MS = {1: 1.3, 2: 14.2, 4: 23.4}
+HOST_LAYER_MS_PER_DOUBLING = 2.0
+HOST_FIT = 1.5
+MAX_FIT_GROWTH = 2.0
 DEFAULT_LINKS = "npu"
 # Link families only the emulation offers (beside devices.yaml's): "npu-wan" is the npu family with the
 # device types' clusters joined by a 10 Gbps / 500 us WAN (our assumption), so cross-type transfers are slow.
@@ -207,9 +229,64 @@ def auto_scale(nodes: Sequence[EmulatedNode], model: Any, *, links: str, num_lay
     ranks = types_by_rank(nodes)
     mean_ms = sum(per_type[t] for t in ranks) / len(ranks)
     ideal_ms = mean_ms * max(1, global_batch // mbs) / len(ranks)
+    return AUTO_ITERATION_MS * max(1.0, len(ranks) / (RANKS_PER_CORE * usable_cores(cores))) / ideal_ms
+
+
+def usable_cores(cores: int | None = None) -> int:
+    """``cores``, or this host's usable CPUs when None."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return AUTO_ITERATION_MS * max(1.0, len(ranks) / (RANKS_PER_CORE * max(1, cores))) / ideal_ms
+    return max(1, cores)
+
+
+def host_layer_ms(tp: int, ranks: int, cores: int | None = None) -> float:
+    """What one tiny layer's forward + backward at TP ``tp`` really takes on this host when ``ranks`` ranks
+    compute at once (HOST_LAYER_MS scaled by the ranks per core beyond RANKS_PER_CORE)."""
+    known = max(t for t in HOST_LAYER_MS if t <= tp)
+    per_layer = HOST_LAYER_MS[known]
+    while known < tp:
+        known *= 2
+        per_layer *= HOST_LAYER_MS_PER_DOUBLING
+    return per_layer * max(1.0, ranks / (RANKS_PER_CORE * usable_cores(cores)))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HostFit:
+    """The emulation's SCALE and TP degrees as this host can keep them (:func:`fit_to_host`)."""
+
+    scale: float
+    tp_limit: int | None
+    """Largest TP degree the emulated job offers; None: every valid one."""
+    short: tuple[tuple[int, float], ...] = ()
+    """``(TP, SCALE it needs)`` of the TP degrees whose deadline is under HOST_FIT x their CPU cost at
+    ``scale``: left out when automatic, kept (and warned about) when the SCALE was given."""
+
+
+def fit_to_host(nodes: Sequence[EmulatedNode], model: Any, *, links: str, scale: float, automatic: bool,
+                tp_degrees: Mapping[str, Sequence[int]], cores: int | None = None) -> HostFit:
+    """Grow an automatic ``scale`` (at most MAX_FIT_GROWTH x) until each TP degree's shortest deadline is
+    HOST_FIT x :func:`host_layer_ms`; TP degrees needing more are left out. ``tp_degrees``: per device type
+    of ``nodes``, the TP degrees the job can use there. A given SCALE (``automatic`` false) stays."""
+    from poseidon_plugin.specs import analytic_entry, constants_for
+
+    cluster = emulated_cluster(nodes, links=links)
+    constants = constants_for(cluster, model)
+    ranks = len(types_by_rank(nodes))
+    needed: dict[int, float] = {}
+    for tp in sorted({t for degrees in tp_degrees.values() for t in degrees}):
+        deadline = min(e.forward_ms + e.backward_ms for e in (
+            analytic_entry(cluster, model, name, tp, 1, constants)
+            for name, degrees in tp_degrees.items() if tp in degrees))
+        needed[tp] = HOST_FIT * host_layer_ms(tp, ranks, cores) / deadline
+    if not automatic:
+        return HostFit(scale=scale, tp_limit=None,
+                       short=tuple((tp, need) for tp, need in needed.items() if need > scale))
+    out, limit = scale, None
+    for tp, need in needed.items():  # ascending TP: the CPU cost grows with it
+        if need > MAX_FIT_GROWTH * scale:
+            return HostFit(scale=out, tp_limit=limit, short=tuple((t, n) for t, n in needed.items() if t >= tp))
+        out, limit = max(out, need), tp
+    return HostFit(scale=out, tp_limit=None)
 
 
 def link_kind(a: tuple[int, str], b: tuple[int, str]) -> int:
@@ -228,13 +305,14 @@ class EmulationState:
     """
 
     def __init__(self, *, nodes: Sequence[EmulatedNode], model: Any, spec: EmulatedModel, scale: float,
-                 device_type: str) -> None:
+                 device_type: str, fit: HostFit | None = None) -> None:
         from poseidon_plugin.specs import constants_for
 
         self.nodes = tuple(nodes)
         self.model = model
         self.spec = spec
         self.scale = float(scale)
+        self.fit = fit if fit is not None else HostFit(scale=self.scale, tp_limit=None)
         self.device_type = device_type
         self.real_cluster = emulated_cluster(nodes, links=spec.links)
         self.cluster = emulated_cluster(nodes, links=spec.links, scale=self.scale)
@@ -291,6 +369,25 @@ class EmulationState:
         doc.update({name: int(getattr(e, name)) for name in _BYTE_FIELDS})
         return doc
 
+    def allows_tp(self, tp: int) -> bool:
+        """Whether the emulated job offers TP ``tp`` on this host (:class:`HostFit`)."""
+        return self.fit.tp_limit is None or tp <= self.fit.tp_limit
+
+    def host_notes(self) -> list[str]:
+        """What :func:`fit_to_host` decided, for the job's log: TP degrees left out or short of CPU time."""
+        cores = usable_cores()
+        flag = f"{MODEL_FLAG} {self.spec.preset}"
+        notes = []
+        for tp, need in self.fit.short:
+            why = (f"TP {tp}: on {cores} cores its collectives need SCALE >= {need:.3g} to keep each layer's "
+                   f"deadline (the tiny layer's CPU cost x{HOST_FIT:g}, every rank busy)")
+            if self.allows_tp(tp):
+                notes.append(f"{why}; at SCALE {self.scale:.3g} expect iterations above the prediction")
+            else:
+                notes.append(f"{why}; left out of the search (automatic SCALE {self.scale:.3g}; "
+                             f"{flag}:{need:.3g} includes it)")
+        return notes
+
     def cache_tag(self) -> str:
         """What a cached profile entry depends on beyond the job (part of the profiler's cache key)."""
         return f"deterministic:{self.spec.preset}:{self.scale:.9g}:{self.spec.links}"
@@ -341,9 +438,12 @@ class EmulationState:
 
 
 def deterministic_state(*, emulate: str, emulate_model: str, rank: int, world_size: int, num_layers: int,
-                        global_batch: int, micro_batch_size: int) -> EmulationState:
-    """Parse both options and build this rank's EmulationState (the scale resolved when automatic)."""
-    from poseidon_plugin.specs import device_presets, load_model, model_presets
+                        global_batch: int, micro_batch_size: int, job_model: Any = None,
+                        cores: int | None = None) -> EmulationState:
+    """Parse both options and build this rank's EmulationState (the scale resolved when automatic and fitted
+    to this host, :func:`fit_to_host`). ``job_model``: the ModelSpec of the job that really runs, whose TP
+    degrees are fitted (None: every power of two up to a node's devices)."""
+    from poseidon_plugin.specs import device_presets, load_model, model_presets, valid_tp_degrees
 
     nodes = parse_emulate(emulate, device_presets())
     check_world(nodes, world_size)
@@ -351,8 +451,15 @@ def deterministic_state(*, emulate: str, emulate_model: str, rank: int, world_si
     model = load_model(spec.preset)
     scale = spec.scale if spec.scale is not None else auto_scale(
         nodes, model, links=spec.links, num_layers=num_layers, global_batch=global_batch,
-        micro_batch_size=micro_batch_size)
-    return EmulationState(nodes=nodes, model=model, spec=spec, scale=scale, device_type=types_by_rank(nodes)[rank])
+        micro_batch_size=micro_batch_size, cores=cores)
+    cluster = emulated_cluster(nodes, links=spec.links)
+    degrees = {name: (valid_tp_degrees(cluster, job_model, name) if job_model is not None
+                      else tuple(2 ** k for k in range(cluster.devices_per_node(name).bit_length())))
+               for name in cluster.type_names}
+    fit = fit_to_host(nodes, model, links=spec.links, scale=scale, automatic=spec.scale is None,
+                      tp_degrees=degrees, cores=cores)
+    return EmulationState(nodes=nodes, model=model, spec=spec, scale=fit.scale, device_type=types_by_rank(nodes)[rank],
+                          fit=fit)
 
 
 # --- the process's active deterministic emulation (what the bootstrap and the profiler ask) ------------
