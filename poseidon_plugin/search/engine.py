@@ -41,7 +41,9 @@ LAZY_BOUNDS = 32             # memory-aware group bounds computed per lower_boun
                              # (the per-position form: up to ~0.15 s each at frontier scale) ...
 LAZY_S = 0.05                # ... and at most this many seconds of them
 BOUND_RESERVE = 0.25         # ... except in this last share of --time-limit, kept back from the search
-                             # for the bounds of the open groups when the clock cuts an exact search off
+                             # for the bounds of the open groups when the clock cuts an exact search off;
+RESUME_MIN_S = 0.5           # once they are computed, the search goes on where it was cut if at least
+                             # this much of the reserve is left (with the same share kept back again)
 
 
 def use_pure_python(options: SearchOptions) -> bool:
@@ -60,10 +62,13 @@ class SearchRun:
     """
 
     def __init__(self, cm: CostModel, options: SearchOptions, *, clock: Callable[[], float] | None = None,
-                 node_budget: int | None = None):
+                 node_budget: int | None = None, reserve: bool | None = None):
         """``clock`` (default ``time.monotonic``) is what ``time_limit_s`` is measured on; a test
         injects a counter to stop the search at a fixed point. ``node_budget``: stop each structure
-        search after this many nodes (deterministic, for tests); the result is then incomplete."""
+        search after this many nodes (deterministic, for tests); the result is then incomplete.
+        ``reserve``: keep BOUND_RESERVE of the limit for the bounds of the open pieces, and search on
+        with what they leave (default: exact mode with a limit on the real clock; a test can ask for it
+        on an injected clock)."""
         self.cm, self.options = cm, options
         self.clock = clock or time.monotonic
         # the limit counts from here: the space and its cost tables are part of the search's time
@@ -73,9 +78,13 @@ class SearchRun:
         # LAZY_BOUNDS of them (real clock only: an injected one stops the search where the test says;
         # default mode keeps all of its time for the plan)
         self.bound_deadline = -INF
-        if options.time_limit_s is not None and self.clock is time.monotonic and options.mode == "exact":
+        if reserve is None:
+            reserve = self.clock is time.monotonic and options.mode == "exact"
+        if options.time_limit_s is not None and reserve:
             self.bound_deadline = self.deadline
             self.deadline -= BOUND_RESERVE * options.time_limit_s
+        self.resumes = 0
+        self.resume_at: dict[tuple, int] = {}   # a group the clock cut: its first structure not closed
         self.node_budget = node_budget
         self.pure = use_pure_python(options)
         self.space = SearchSpace(cm, options)
@@ -147,11 +156,14 @@ class SearchRun:
         """Whether to compute one more memory-aware bound, given how many of the ``LAZY_BOUNDS`` are
         left: in the reserve of an exact search the clock cut off, until the limit; otherwise while
         some are left and for at most ``LAZY_S`` (at frontier scale one takes up to ~0.15 s)."""
-        now = time.monotonic()
+        # the reserve is measured on the search's clock; the LAZY_S cap on the real one (an injected
+        # clock without a reserve stops the search where its test says, and no later)
+        clock = self.clock if self.bound_deadline > -INF else time.monotonic
+        now = clock()
         if not self.complete and self.bound_deadline > now:
-            return lambda _left: time.monotonic() < self.bound_deadline
+            return lambda _left: clock() < self.bound_deadline
         until = now + LAZY_S
-        return lambda left: left > 0 and time.monotonic() < until
+        return lambda left: left > 0 and clock() < until
 
     def lower_bound(self) -> float:
         """Proven lower bound on every plan of the space searched (default mode: of the default
@@ -346,8 +358,11 @@ class SearchRun:
         # structures the cheap bound does not cut
         bounds = [self.bound(sg, vec, positional=False) for vec in vectors]
         strong = [False] * len(vectors)     # bounds[i] is the memory-aware form
-        for i, vec in enumerate(vectors):
+        # resumed after the clock cut it (:meth:`resume`): the structures before are closed already
+        for i in range(self.resume_at.pop(key, 0), len(vectors)):
+            vec = vectors[i]
             if self.out_of_time():
+                self.resume_at[key] = i
                 self.partial = self.open_structures_bound(sg, vectors, bounds, strong, i)
                 return
             self.structures += 1
@@ -368,6 +383,7 @@ class SearchRun:
                 self.offer(sg, res.time_ms, res.types, res.layers)
             if res.aborted:
                 self.complete = False
+                self.resume_at[key] = i
                 # this structure is open: its plans take at least its own bound (and a plan it found)
                 self.partial = self.open_structures_bound(sg, vectors, bounds, strong, i)
                 return
@@ -433,19 +449,47 @@ class SearchRun:
         seeded = {sg.key: self.board.best_ms(sg.key) for sg in head}
         head.sort(key=lambda sg: seeded[sg.key])
         sgs = head + sgs[SEED_SHAPES:]
+        at = self.main_loop(sgs, index, 0)
+        while at < len(sgs) and self.resume():
+            at = self.main_loop(sgs, index, at)
+        if self.options.progress is not None:
+            self.options.progress(1.0, f"{len(sgs)}/{len(sgs)} shapes  {self.gap_text()}")
+
+    def main_loop(self, sgs: list[ShapeGroup], index: dict[tuple, int], start: int) -> int:
+        """Branch and bound of the groups ``sgs[start:]`` in order; the index of the first group not
+        closed when the clock or ``--gap`` stops it (``len(sgs)``: all searched)."""
         progress = self.options.progress
         last_report = time.perf_counter()
-        for i, sg in enumerate(sgs):
+        for i in range(start, len(sgs)):
+            sg = sgs[i]
             if self.out_of_time() or self.proven_within_gap():
-                break
+                return i
             self.run_shape_group(sg)
             if self.partial == INF:
                 self.group_done[index[sg.key]] = True
+            elif not self.complete:
+                return i               # cut inside this group: a resume goes on from it
             if progress is not None and time.perf_counter() - last_report > 0.1:
                 last_report = time.perf_counter()
                 progress(i / len(sgs), f"{i}/{len(sgs)} shapes  {self.gap_text()}")
-        if progress is not None:
-            progress(1.0, f"{len(sgs)}/{len(sgs)} shapes  {self.gap_text()}")
+        return len(sgs)
+
+    def resume(self) -> bool:
+        """An exact search the clock cut off: compute the bounds of the open pieces (in the reserve,
+        :meth:`lower_bound`), then, if at least RESUME_MIN_S of the limit is left and the gap is not
+        closed, search on with that time (keeping BOUND_RESERVE of it back again)."""
+        if self.complete or self.bound_deadline == -INF or self.proven_within_gap():
+            return False
+        lb = self.lower_bound()
+        left = self.bound_deadline - self.clock()
+        if left < RESUME_MIN_S or lb >= self.board.best_ms_all():
+            return False
+        self.resumes += 1
+        self.deadline = self.bound_deadline - BOUND_RESERVE * left
+        if self.clock is time.monotonic:
+            self.split_deadline = self.deadline
+        self.complete = True
+        return True
 
     def gap_text(self) -> str:
         """``best 277,445 ms, proven >= 270,100 ms, gap 2.7 %`` (progress lines)."""

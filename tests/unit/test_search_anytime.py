@@ -296,3 +296,41 @@ def test_fill_and_drain_terms_raise_the_positional_bound_somewhere():
                     r.space.num_layers, live)
             raised += positional_bound(*args, schedule=sg.schedule) > positional_bound(*args) * 1.001
     assert raised > 0
+
+
+
+def _cut_once(seed, pure_python, fraction):
+    """A search whose limit is ``whole search / fraction`` clock reads (``fraction`` > 0.75: the deadline,
+    0.75 x the limit, cuts it before its end), with the reserve on: the run, its result, the optimum."""
+    cm, schedules = random_problem(seed)
+    best = optimum(cm, schedules).plan.predicted_iteration_ms
+    opts = dict(mode="exact", schedules=schedules, warmup_samples=4, pure_python=pure_python)
+    full = TickClock()
+    SearchRun(cm, SearchOptions(**opts), clock=full, reserve=True).search()
+    clock = TickClock()
+    limit = full.reads / fraction
+    r = SearchRun(cm, SearchOptions(time_limit_s=limit, **opts), clock=clock, reserve=True)
+    r.search()
+    res = r.result()
+    # past the limit nothing but the looks that find it passed (the resume's and each lower bound's)
+    assert clock.reads <= limit + 6
+    assert res.stats.lower_bound_ms <= best <= res.plan.predicted_iteration_ms
+    return r, res, best
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("fraction", [0.8, 0.9])
+def test_a_search_resumed_after_its_reserve_stays_valid(seed, fraction, pure_python):
+    r, res, best = _cut_once(seed, pure_python, fraction)
+    if res.stats.complete:
+        assert res.stats.lower_bound_ms == best == res.plan.predicted_iteration_ms
+
+
+@pytest.mark.parametrize("seed", [30, 42])
+def test_a_search_cut_off_searches_on_with_what_the_bounds_leave(seed, pure_python):
+    """The reserve kept back for the bounds of the open pieces is not returned unused: once they are
+    computed the search resumes where the clock cut it (the group, the structure) and, with time
+    enough, finishes with the proven optimum (on these two problems the bounds alone do not prove it)."""
+    r, res, best = _cut_once(seed, pure_python, 0.8)
+    assert r.resumes == 1
+    assert res.stats.complete and res.stats.lower_bound_ms == best == res.plan.predicted_iteration_ms
