@@ -173,10 +173,13 @@ def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int
                 break
         return total
 
-    lo = _last_short_time(capacity, num_layers, 0.0, t_free, 1e-9)
-    if lo is None:
-        return INF
-    best = max(t_free, lo)
+    if capacity(t_free) >= num_layers:
+        best = t_free          # the caps do not bind at the free bound: nothing to bisect
+    else:
+        lo = _last_short_time(capacity, num_layers, t_free, 2.0 * t_free, 1e-9)
+        if lo is None:
+            return INF
+        best = lo
     if live is not None:
         best = max(best, positional_bound(table, counts, micro_batches, pp, v, num_layers, live, best,
                                           schedule, target))

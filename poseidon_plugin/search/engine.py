@@ -315,12 +315,13 @@ class SearchRun:
         return fluid_cut(self.space.table(g), g.slots, g.micro_batches, sg.pp, sg.virtual_stages,
                          self.space.num_layers, tau)
 
-    def root_splitter(self, sg: ShapeGroup):
+    def root_splitter(self, sg: ShapeGroup, cheap: float | None = None):
         """The group's structure search, or None when the fluid cut or the root bound (types and
-        layers free) proves the group cannot beat its threshold. The splitter of a group that
-        survives is kept: the seed phase checks the group before its own turn comes."""
+        layers free; ``cheap``: its value, when the caller has it) proves the group cannot beat its
+        threshold. The splitter of a group that survives is kept: the seed phase checks the group
+        before its own turn comes."""
         tau = self.threshold(sg.key) * self.shrink
-        if self.fluid_cut(sg, tau) or self.bound(sg, positional=False) >= tau:
+        if self.fluid_cut(sg, tau) or (self.bound(sg, positional=False) if cheap is None else cheap) >= tau:
             self.close(tau)
             return None
         if self.out_of_time():          # building the shape's bound paths costs time at scale
@@ -340,7 +341,7 @@ class SearchRun:
         key = sg.key
         g = sg.group
         self.partial = self.bound(sg, positional=False)        # the group is open until its structures are closed
-        splitter = self.root_splitter(sg)
+        splitter = self.root_splitter(sg, self.partial)
         self._splitters.pop(key, None)         # this is the group's turn: no later use
         if splitter is None:
             if self.complete:

@@ -297,10 +297,9 @@ def bound_paths(schedule: str, pp: int, micro_batches: int, virtual_stages: int,
         for base, vec, order in ((1, cf, perm), (1 + nv, cb, perm), (1 + 2 * nv, cs, None),
                                  (1 + 2 * nv + pp, car, None)):
             items = [vec[x] for x in order] if order is not None else vec
-            for i, k in enumerate(items):
-                if k:
-                    idx.append(base + i)
-                    coef.append(k)
+            nonzero = [i for i, k in enumerate(items) if k]
+            idx.extend([base + i for i in nonzero])
+            coef.extend([items[i] for i in nonzero])
         ptr.append(len(idx))
     return BoundPaths(count=len(rows), coef_f=flat[0], coef_b=flat[1], coef_s=flat[2], coef_ar=flat[3],
                       term_ptr=ptr, term_idx=idx, term_coef=coef, owner=owner)
@@ -313,11 +312,12 @@ class ShapeData:
     vector with :meth:`new_params` so that they exist and hold their defaults.
 
     The DAG is built on first use of :attr:`kernel`: most shapes are pruned by the path bounds at
-    their root, which need only the paths, and building a graph costs far more than checking them.
+    their root, which need only the paths, and building a graph costs far more than checking them;
+    the paths are built on first use of :attr:`paths`.
     """
 
     __slots__ = ("schedule", "pp", "micro_batches", "virtual_stages", "nv", "_kernel", "n_params",
-                 "live", "paths", "pure_python", "comm_model", "_template")
+                 "live", "_paths", "pure_python", "comm_model", "_template")
 
     def __init__(self, schedule: str, pp: int, micro_batches: int, virtual_stages: int,
                  pure_python: bool, comm_model: str = "dag", extras: Mapping[str, float] | None = None):
@@ -337,7 +337,15 @@ class ShapeData:
             # the cost model's values (CostModel.comm_extras: measured p2p_call_ms) where it has them
             self._template[layout.extra(name)] = (values or {}).get(name, default)
         self.live = array("i", peak_live_microbatches(schedule, pp, micro_batches, virtual_stages))
-        self.paths = bound_paths(schedule, pp, micro_batches, virtual_stages)
+        self._paths = None
+
+    @property
+    def paths(self) -> BoundPaths:
+        """The bound paths (:func:`bound_paths`), built on first use: the warm-up and the seeds simulate
+        plans of many shapes whose groups never reach a tree search."""
+        if self._paths is None:
+            self._paths = bound_paths(self.schedule, self.pp, self.micro_batches, self.virtual_stages)
+        return self._paths
 
     @property
     def kernel(self):
