@@ -342,6 +342,9 @@ def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) 
     if emulated is not None:
         for note in emulated.host_notes():
             log.job_line(f"emulation: {note}")
+        if opts.keep and not emulated.allows_tp(job.flags.tensor_parallel):
+            log.job_line(f"emulation: --poseidon-keep keeps TP {job.flags.tensor_parallel} all the same; expect "
+                         f"iterations above the prediction")
 
     def profile() -> profiler.ProfileOutcome:
         requests = profiler.candidate_requests(cluster, model, job.flags,
