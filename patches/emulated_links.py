@@ -83,10 +83,15 @@ class Stamps:
 
     @classmethod
     def from_env(cls) -> Stamps | None:
-        """The launcher's stamp file when every rank of the job runs on this host, else None."""
+        """The launcher's stamp file when every rank of the job runs on this host, else None.
+
+        One host: torchrun's ``GROUP_WORLD_SIZE`` (its nodes) is 1, or, without it, ``WORLD_SIZE`` equals
+        ``LOCAL_WORLD_SIZE``. Not the latter alone: a plan that leaves devices idle regroups the job into
+        fewer ranks (``placement.regroup`` sets ``WORLD_SIZE``) than the host launched."""
         path = os.environ.get(STAMPS_ENV)
         world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
-        if not path or not world or world != local:
+        nodes = os.environ.get("GROUP_WORLD_SIZE")
+        if not path or not world or not (nodes == "1" if nodes else world == local):
             return None
         try:
             return cls(path, int(world))

@@ -189,11 +189,21 @@ def test_p2p_without_a_peer_stamp_counts_from_completion_seen(tmp_path, monkeypa
 
 def test_stamps_need_every_rank_on_this_host(tmp_path, monkeypatch):
     monkeypatch.setenv(emulated_links.STAMPS_ENV, str(tmp_path / "stamps"))
+    monkeypatch.delenv("GROUP_WORLD_SIZE", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert emulated_links.Stamps.from_env() is None
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert emulated_links.Stamps.from_env().world == 8
+    # torchrun's node count decides where it is set: two nodes of 4, or one host whose plan left 2 of its
+    # 8 launched ranks idle (the job regrouped into 6 ranks)
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert emulated_links.Stamps.from_env() is None
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert emulated_links.Stamps.from_env().world == 6
 
 
 def test_p2p_falls_through_until_bound():
