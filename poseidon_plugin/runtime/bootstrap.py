@@ -248,13 +248,20 @@ def _deterministic_emulation(job: _Job) -> EmulationState | None:
     """``--poseidon-emulate-model``: this rank's EmulationState (runtime/emulation.py), or None."""
     if not job.opts.emulate_model:
         return None
-    from poseidon_plugin.runtime import emulation, planning
+    from poseidon_plugin.runtime import emulation
 
     return emulation.deterministic_state(
         emulate=job.opts.emulate, emulate_model=job.opts.emulate_model, rank=job.rank, world_size=job.world_size,
         num_layers=job.flags.num_layers, global_batch=job.global_batch, micro_batch_size=job.flags.micro_batch_size,
-        job_model=planning.model_spec(job.flags, global_batch_size=job.global_batch,
-                                      name=planning.job_name(job.script, job.flags)))
+        job_model=_job_model(job))
+
+
+def _job_model(job: _Job) -> ModelSpec:
+    """The ModelSpec of the job that really runs (its flags, its global batch, its name)."""
+    from poseidon_plugin.runtime import planning
+
+    return planning.model_spec(job.flags, global_batch_size=job.global_batch,
+                               name=planning.job_name(job.script, job.flags))
 
 
 def _device(job: _Job, declared: ClusterSpec | None, emulated: EmulationState | None = None) -> _Devices:
@@ -334,8 +341,7 @@ def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) 
         probe = phases.run("probing", lambda: inventory.probe_links(world, job.rank, device))
         cluster = inventory.cluster_from_world(world, inventory.link_specs(probe["links"]), declared)
         log.job_line(_links_line(probe))
-    model = planning.model_spec(job.flags, global_batch_size=job.global_batch,
-                                name=planning.job_name(job.script, job.flags))
+    model = _job_model(job)
     cache_dir = runtime_options.profile_cache_dir(opts)
 
     emulated = devices.emulated
@@ -421,10 +427,7 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, p
         return None
     stage = placement.stage_of(plan, new_rank)
     if devices.emulated is not None:  # emulated links and DP sync need the plan's placement
-        from poseidon_plugin.runtime import planning
-
-        devices.emulated.bind_plan(plan, new_rank, planning.model_spec(
-            job.flags, global_batch_size=job.global_batch, name=planning.job_name(job.script, job.flags)))
+        devices.emulated.bind_plan(plan, new_rank, _job_model(job))
     log.rank_line(f"now global rank {new_rank}: pipeline stage {stage} on {plan.stages[stage].device_type}")
     log = Log(job.rank, leader=new_rank == 0)  # job-wide lines now come from the planned rank 0
     watch = Watch(plan=plan, global_rank=new_rank, stage=stage, device=device, iterations=opts.watch_iterations,

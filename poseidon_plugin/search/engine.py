@@ -75,8 +75,9 @@ class SearchRun:
         self.deadline = INF if options.time_limit_s is None else self.clock() + options.time_limit_s
         # an exact search cut off by the clock spends the last BOUND_RESERVE of the limit on the
         # memory-aware bounds of the open shape groups (frontier-1024: ~800 groups, ~4 CPU s), not just
-        # LAZY_BOUNDS of them (real clock only: an injected one stops the search where the test says;
-        # default mode keeps all of its time for the plan)
+        # LAZY_BOUNDS of them, then searches on with what they leave (:meth:`resume`). By default on the
+        # real clock only (an injected one stops the search where the test says, unless the test asks for
+        # the reserve); default mode keeps all of its time for the plan
         self.bound_deadline = -INF
         if reserve is None:
             reserve = self.clock is time.monotonic and options.mode == "exact"
