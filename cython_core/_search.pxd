@@ -94,6 +94,12 @@ cdef class SplitSearch:
     cdef double* sl_b
     cdef double* sl_a
     cdef bint exact_counts
+    cdef int* as_val     # nt * pp: the assignment's values (scratch of _assign_capacity)
+    cdef int* as_owner   # pp
+    cdef int* as_used    # nt
+    cdef int* as_gain    # nt
+    cdef int* as_via_t   # nt
+    cdef int* as_via_r   # nt
     cdef int* work       # v (chunk layers scratch)
     cdef int* order      # nv (knapsack order scratch)
     cdef double* alpha   # nv
@@ -130,6 +136,7 @@ cdef class SplitSearch:
     cdef int _path_caps(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
     cdef bint _type_mass(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
     cdef int _type_capacity(self, int k, int* lb, int* cap, int* capt) noexcept nogil
+    cdef int _assign_capacity(self, int k, int* lb, int* cap, int* capt) noexcept nogil
     cdef double _knapsack(self, int k, int extra, int* lb, int* cap) noexcept nogil
     cdef int _type_allowed(self, int r, int t) noexcept nogil
     cdef void _node(self, int k, int left) noexcept nogil

@@ -45,6 +45,7 @@ TABLE_COLUMNS = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding
 
 
 cdef double PATH_SLACK = 1e-9
+cdef int AS_NEG = -(1 << 30)
 cdef long long CLOCK_EVERY = 1024
 
 
@@ -100,6 +101,7 @@ cdef class SplitSearch:
         self.narg = NULL
         self.sl_f = self.sl_b = self.sl_a = NULL
         self.best_types = self.best_layers = NULL
+        self.as_val = self.as_owner = self.as_used = self.as_gain = self.as_via_t = self.as_via_r = NULL
         if shape.pure_python:
             raise TypeError("the compiled search needs the compiled DAG kernel (shape built with "
                             "pure_python=False)")
@@ -211,6 +213,12 @@ cdef class SplitSearch:
         self.best_types = _ialloc(self.pp)
         self.best_layers = _ialloc(self.nv)
         self.cap_rank = _ialloc(self.nt * self.pp)
+        self.as_val = _ialloc(self.nt * self.pp)
+        self.as_owner = _ialloc(self.pp)
+        self.as_used = _ialloc(self.nt)
+        self.as_gain = _ialloc(self.nt)
+        self.as_via_t = _ialloc(self.nt)
+        self.as_via_r = _ialloc(self.nt)
         for t in range(self.nt):
             for r in range(self.pp):
                 self.cap_rank[t * self.pp + r] = self._rank_cap(t, r)
@@ -230,6 +238,7 @@ cdef class SplitSearch:
         free(self.nu1); free(self.nu2); free(self.narg); free(self.rsum); free(self.gam); free(self.xs); free(self.xall); free(self.rlb); free(self.gam0); free(self.zero_lb)
         free(self.g_slb); free(self.g_even); free(self.g_start); free(self.z_slb); free(self.z_even)
         free(self.efull); free(self.ordf); free(self.ordfn); free(self.kfull)
+        free(self.as_val); free(self.as_owner); free(self.as_used); free(self.as_gain); free(self.as_via_t); free(self.as_via_r)
 
     # --- memory ---------------------------------------------------------------------------------
 
@@ -892,6 +901,76 @@ cdef class SplitSearch:
                 return -1
             for y in range(n if n < nvals else nvals):
                 total += self.vals[y]
+        if self.exact_counts and k < pp:
+            # with exact counts, the best assignment (at most the sum above, where every type may
+            # count the same roomy ranks)
+            return self._assign_capacity(k, lb, cap, capt)
+        return total
+
+    cdef int _assign_capacity(self, int k, int* lb, int* cap, int* capt) noexcept nogil:
+        # see bounds.StructureBounds._assign_capacity: the best assignment of the remaining types
+        # to ranks k.. (exact counts), successive shortest paths as seeds.best_assignment
+        cdef int pp = self.pp, nt = self.nt, n = pp - k, r, t, a, b, rnd, step, g, best, at, ar, seen
+        cdef int total = 0
+        cdef bint changed
+        cdef int* val = self.as_val
+        cdef int* owner = self.as_owner
+        cdef int* used = self.as_used
+        cdef int* gain = self.as_gain
+        cdef int* via_t = self.as_via_t
+        cdef int* via_r = self.as_via_r
+        for t in range(nt):
+            used[t] = 0
+            for r in range(n):
+                val[t * pp + r] = self._rank_capacity(k + r, t, lb, cap, capt) if self.remaining[t] > 0 else -1
+                if val[t * pp + r] < 0:
+                    val[t * pp + r] = AS_NEG
+        for r in range(n):
+            owner[r] = -1
+        for step in range(n):
+            for t in range(nt):
+                gain[t] = 0 if used[t] < self.remaining[t] else AS_NEG
+                via_t[t] = -1
+            for rnd in range(nt):
+                changed = False
+                for r in range(n):
+                    a = owner[r]
+                    if a < 0 or val[a * pp + r] == AS_NEG:
+                        continue
+                    for b in range(nt):
+                        if b == a or gain[b] == AS_NEG or val[b * pp + r] == AS_NEG:
+                            continue
+                        g = gain[b] + val[b * pp + r] - val[a * pp + r]
+                        if g > gain[a]:
+                            gain[a] = g
+                            via_t[a] = b
+                            via_r[a] = r
+                            changed = True
+                if not changed:
+                    break
+            best = AS_NEG
+            at = -1
+            ar = -1
+            for r in range(n):
+                if owner[r] >= 0:
+                    continue
+                for t in range(nt):
+                    if gain[t] != AS_NEG and val[t * pp + r] != AS_NEG and gain[t] + val[t * pp + r] > best:
+                        best = gain[t] + val[t * pp + r]
+                        at = t
+                        ar = r
+            if at < 0:
+                return -1
+            owner[ar] = at
+            total += best
+            seen = 0
+            t = at
+            while via_t[t] >= 0 and seen <= n:
+                b = via_t[t]
+                owner[via_r[t]] = b
+                t = b
+                seen += 1
+            used[t] += 1
         return total
 
     cdef double _knapsack(self, int k, int extra, int* lb, int* cap) noexcept nogil:

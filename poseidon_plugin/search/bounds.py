@@ -106,7 +106,7 @@ def _last_short_time(capacity, num_layers: int, lo: float, hi: float, rel: float
 
 def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int,
                    num_layers: int, *, memory: bool = False, live=None, schedule: str | None = None,
-                   target: float | None = None) -> float:
+                   target: float | None = None, comm_model: str | None = None) -> float:
     """A lower bound on the iteration time of every plan of a shape group (``counts``: the most ranks
     of each type) or of a structure (``counts``: exact ranks per type); inf when ``pp`` ranks do not
     exist or cannot hold the model. Shape-free: the engine keeps it for every piece of the space it
@@ -182,7 +182,7 @@ def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int
         best = lo
     if live is not None:
         best = max(best, positional_bound(table, counts, micro_batches, pp, v, num_layers, live, best,
-                                          schedule, target))
+                                          schedule, target, comm_model))
     return best * (1.0 - 1e-9)
 
 
@@ -207,91 +207,322 @@ def drain_coefficients(schedule: str, pp: int, micro_batches: int) -> list[tuple
     return out
 
 
+# comm models whose 1F1B programs block on every p2p call (docs/SEARCH.md, "Fill and drain")
+BLOCKING_COMM_MODELS = ("megatron", "megatron-overlap")
+
+
+def interleaved_drain_counts(schedule: str, pp: int, micro_batches: int,
+                             v: int) -> list[tuple[list[int], list[int]]]:
+    """Per position ``r`` of a ``V > 1`` pipeline (``M`` a multiple of ``pp``), the forwards and
+    backwards per chunk ``(kf[c], kb[c])`` of rank ``r`` on its *fill and drain* path: micro-batch 0's
+    chunk-0 forwards down to ``r``; rank ``r``'s ops from its first up to its last forward (chunk
+    ``V - 1`` of the last micro-batch: every forward); that micro-batch's chunk ``V - 1`` forwards and
+    backwards on the later ranks and back; rank ``r``'s ops from ``B(chunk V - 1, M - 1)`` to its last
+    (``B(chunk 0, M - 1)``); the chunk-0 backwards of the last micro-batch back up to rank 0. So ``T >=
+    sum_{i<r} (F_i0 + B_i0) + sum_{i>r} (F_i,V-1 + B_i,V-1) + sum_c (kf[c] F_rc + kb[c] B_rc)``
+    (docs/SEARCH.md, "Fill and drain")."""
+    from .shapes import RankOps      # here: shapes imports the simulator, bounds stays light
+    out = []
+    # virtual micro-batch of (chunk 0, micro-batch M - 1): its backward runs chunk V - 1
+    p = (micro_batches // pp - 1) * pp * v + pp - 1
+    for r in range(pp):
+        ops = RankOps(schedule, pp, micro_batches, v, r)
+        j = ops.last_forward_index()
+        i = ops.backward_index(p)
+        f1, b1 = ops.counts(0, j + 1)
+        f2, b2 = ops.counts(i, len(ops))
+        out.append(([a + b for a, b in zip(f1, f2)], [a + b for a, b in zip(b1, b2)]))
+    return out
+
+
+def drain_path_terms(table, counts, pp: int, v: int, micro_batches: int, schedule: str,
+                     comm_model: str | None) -> list[float]:
+    """Per position ``r``, the least time the two fill-and-drain paths of :func:`drain_coefficients`
+    spend outside the stages' forwards and backwards: every link crossed twice (``2 (pp - 1)`` sends),
+    rank 0's gradient sync and optimizer step after its last backward, and with a blocking comm model
+    (megatron's 1F1B) the transfers rank ``r`` waits for between its own ops on the path: ``(M - 1)``
+    calls to each neighbour it has. Each send at least the cheapest link of the piece."""
+    active = [t for t in range(len(counts)) if min(counts[t], pp) > 0]
+    stride = getattr(table, "max_slots", 0)
+    sends = []
+    if stride and pp > 1:
+        if len(active) > 1:
+            sends += [table.send_cross_ms[t] for t in active]
+        sends += [table.send_same_ms[t * stride + j] for t in active for j in range(min(counts[t], pp) - 1)]
+    send = min(sends) if sends else 0.0
+    ar0 = 0.0
+    if stride:
+        # rank 0 is slot 0 of its type and holds at least V layers and the embedding
+        ar0 = min(_col(table, "optimizer_fixed_ms", t) + v * _col(table, "optimizer_ms", t)
+                  + ((v * table.allreduce_ms[t * stride] + table.embedding_allreduce_ms[t * stride])
+                     if table.has_allreduce[t * stride] else 0.0) for t in active)
+    out = []
+    for r in range(pp):
+        x = 2 * (pp - 1) * send + ar0
+        if comm_model in BLOCKING_COMM_MODELS and schedule == "1f1b":
+            x += (micro_batches - 1) * ((r > 0) + (r < pp - 1)) * send
+        out.append(x)
+    return out
+
+
+def _col(table, name: str, t: int) -> float:
+    """``table.<name>[t]``, 0 for a column a stand-in table of the tests leaves out."""
+    col = getattr(table, name, None)
+    return 0.0 if col is None else col[t]
+
+
+def _cheapest_placement(per_layer, tops, lows, num_layers: int) -> float | None:
+    """Least ``sum_i per_layer[i] x_i`` over ``lows[i] <= x_i <= sum(tops[i])`` with ``sum x_i =
+    num_layers`` (cheapest types first); None when the caps cannot hold the layers or the lows exceed them."""
+    cost, need = 0.0, num_layers
+    for i, lo in enumerate(lows):
+        if lo > sum(tops[i]):
+            return None
+        cost += lo * per_layer[i]
+        need -= lo
+    if need < 0:
+        return None
+    for i in sorted(range(len(per_layer)), key=lambda i: per_layer[i]):
+        take = min(need, sum(tops[i]) - lows[i])
+        cost += take * per_layer[i]
+        need -= take
+    return cost if need == 0 else None
+
+
 def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int, num_layers: int,
                      live, start: float = 0.0, schedule: str | None = None,
-                     target: float | None = None) -> float:
+                     target: float | None = None, comm_model: str | None = None) -> float:
     """The work bound with each pipeline position's own memory cap (``live[r]``: the schedule's peak
     live micro-batches at position ``r``, as the cost model's memory formula takes them); a lower
     bound on every plan's time, or ``start`` when it is not larger (docs/SEARCH.md "Anytime answers").
 
     A rank of type ``t`` at position ``r`` holding ``l`` layers needs at least ``l (s_t + live_r a_t /
-    V)`` bytes (its largest chunk holds ``>= l / V`` layers; embedding and head extras are left out),
-    so ``l <= cap_t(r)``; and bound path (b) of position ``r`` holds its ``M`` forwards and backwards
-    after the chunk-0 forward of micro-batch 0 and before the chunk-0 backward of the last one on every
-    earlier position (each chunk holds a layer), so ``r c_min + M (f_t + b_t) l <= T`` (``c_min``: the
-    least ``f + b`` of the piece's types) and, ``l`` being an integer, ``l <= k_t(r, T) = floor(w_t (T
-    - r c_min) / M)``. The ranks must hold every layer: the bound is the smallest ``T`` where the best
-    assignment of types to positions (at most ``n_t`` of type ``t``) holds them with ``h_t(r) =
-    min(cap_t(r), k_t(r, T))`` layers at position ``r`` (bisection: capacity is monotone in ``T``),
-    computed exactly (:func:`.seeds.best_assignment`) after two cheap upper bounds on it, ``sum_t (the
-    n_t largest min(cap_t(r), k_t(0, T)))`` and ``sum_r max_t h_t(r)``, did not settle it.
+    V)`` bytes (its largest chunk holds ``>= l / V`` layers), plus the embedding's state and
+    activations at position 0 and the output layer's state at the last one (its activations too with
+    ``V = 1``), so ``l <= cap_t(r)``; and bound path (b) of position ``r`` holds its ``M`` forwards and
+    backwards after the chunk-0 forward of micro-batch 0 and before the chunk-0 backward of the last one
+    on every earlier position (each chunk holds a layer), so ``r c_min + M (F + B) <= T`` with ``F + B >=
+    (f_t + b_t) l`` plus the position's extras (embedding at 0, head at the last, every chunk's step
+    cost; ``c_min``: the least ``f + b`` of the piece's types) and, ``l`` being an integer, ``l <=
+    k_t(r, T)``. Every rank holds at least ``V`` layers, so a type whose cap at a position is below
+    ``V`` cannot take it. The ranks must hold every layer: the bound is the smallest ``T`` where the best
+    assignment of types to positions (at most ``n_t`` of type ``t``; exactly, when the counts add up
+    to ``pp``) holds them with ``h_t(r) = min(cap_t(r), k_t(r, T))`` layers at position ``r``
+    (bisection: capacity is monotone in ``T``), computed exactly (:func:`.seeds.best_assignment`) after
+    two cheap upper bounds on it, ``sum_t (the n_t largest min(cap_t(r), k_t(0, T)))`` and ``sum_r
+    max_t h_t(r)``, did not settle it.
 
-    With ``schedule`` and ``V = 1`` also the fill and drain of the whole pipeline: ``T >= S + kf f_t l +
-    kb b_t l`` for both pairs of :func:`drain_coefficients` at position ``r``, where ``S``, one
-    micro-batch's work on every rank, is at least ``S_min``, the cheapest placement of the model (types
-    by ``f + b``, each up to its ``n_t`` roomiest memory caps), so ``h_t(r)`` is also at most
-    ``floor((T - S_min) / (kf f_t + kb b_t))``. With ``target``: a value just above it as soon as the
-    capacity there is short (the caller needs no more), else the bisection."""
-    from .seeds import best_assignment      # here: seeds imports the search modules that import this one
+    With ``schedule`` and ``V = 1`` also the fill and drain of the whole pipeline: ``T >= S + kf F_r +
+    kb B_r`` for both pairs of :func:`drain_coefficients` at position ``r``, where ``S`` is one
+    micro-batch's work on every rank (extras included). With ``Y = T - S`` (the room the drain leaves),
+    ``h_t(r)`` is also at most ``floor((Y - kf e^f_t(r) - kb e^b_t(r)) / (kf f_t + kb b_t))``
+    (``e``: the position's extras). ``S`` is at least ``S_min(Y)``, the cheapest placement of the model
+    when each type's layers fit in its ``n_t`` largest caps ``h_t(r)`` at ``Y`` (with exact counts each
+    of its ranks holds at least ``V``), plus the least extras; ``S_min`` does not rise with ``Y``, so
+    from ``Y_0 = T - S_min(inf)`` every plan of time ``<= T`` has ``Y <= Y_{k+1} = T - S_min(Y_k)``
+    (induction): the caps are taken at the limit of that decreasing sequence. With ``target``: a value
+    just above it as soon as the capacity there is short (the caller needs no more), else the
+    bisection."""
+    from .seeds import NEG, best_assignment      # here: seeds imports the search modules that import this one
     slack = 1.0 + 1e-9
+    m = micro_batches
+    active = [t for t in range(len(counts)) if min(counts[t], pp) > 0]     # the order of types
+    if not active:
+        return INF
+    exact = sum(min(counts[t], pp) for t in active) == pp
+    first_last = [r for r in (0, pp - 1)]
     types = []
-    for t in range(len(counts)):
+    for t in active:
         n = min(counts[t], pp)
-        if n <= 0:
-            continue
         s_t, a_t, use = table.layer_state_bytes[t], table.layer_activation_bytes[t] / v, table.usable_bytes[t]
-        caps = [min(num_layers, int(use / (s_t + live[r] * a_t) * slack)) if s_t + live[r] * a_t > 0
-                else num_layers for r in range(pp)]
+        caps = []
+        for r in range(pp):
+            fixed = 0.0           # bytes the position needs whatever its layers: embedding, head
+            if r == 0:
+                fixed += _col(table, "embedding_state_bytes", t) + live[r] * _col(table, "embedding_activation_bytes", t)
+            if r == pp - 1:
+                fixed += _col(table, "head_state_bytes", t)
+                if v == 1:
+                    fixed += live[r] * _col(table, "head_activation_bytes", t)
+            per = s_t + live[r] * a_t
+            caps.append(min(num_layers, int((use - fixed) / per * slack)) if per > 0 else num_layers)
         types.append((1.0 / (table.forward_ms[t] + table.backward_ms[t]), n, caps,
                       sorted(caps, reverse=True)[:n]))
-    if not types:
-        return INF
-    m = micro_batches
+    # per position and type: the extra forward and backward ms it pays whatever its layers
+    ext_f = [[v * _col(table, "step_forward_ms", t)
+              + (_col(table, "embedding_forward_ms", t) if r == 0 else 0.0)
+              + (_col(table, "head_forward_ms", t) if r == pp - 1 else 0.0) for t in active] for r in first_last]
+    ext_b = [[v * _col(table, "step_backward_ms", t)
+              + (_col(table, "embedding_backward_ms", t) if r == 0 else 0.0)
+              + (_col(table, "head_backward_ms", t) if r == pp - 1 else 0.0) for t in active] for r in first_last]
+
+    def extra_f(r: int, i: int) -> float:
+        return ext_f[0 if r == 0 else 1][i] if r in (0, pp - 1) else v * _col(table, "step_forward_ms", active[i])
+
+    def extra_b(r: int, i: int) -> float:
+        return ext_b[0 if r == 0 else 1][i] if r in (0, pp - 1) else v * _col(table, "step_backward_ms", active[i])
+
     # an earlier position's chunk-0 forward and backward on path (b) take at least this
-    c_min = min(table.forward_ms[t] + table.backward_ms[t] for t in range(len(counts)) if min(counts[t], pp) > 0)
+    c_min = min(table.forward_ms[t] + table.backward_ms[t] for t in active)
+    per_layer = [table.forward_ms[t] + table.backward_ms[t] for t in active]
     drain = None
     if schedule is not None and v == 1:
-        # S_min: the model's layers on the cheapest types first, each type within its n_t roomiest caps
-        # (every plan's S = sum_i (f_i + b_i) l_i is at least this)
-        active = [t for t in range(len(counts)) if min(counts[t], pp) > 0]     # the order of types
-        s_min, need = 0.0, num_layers
-        for t, (_w, _n, _c, top) in sorted(zip(active, types),
-                                           key=lambda x: table.forward_ms[x[0]] + table.backward_ms[x[0]]):
-            take = min(need, sum(top))
-            s_min += take * (table.forward_ms[t] + table.backward_ms[t])
-            need -= take
-        # per position, per type: the per-layer slope of the drain term (the larger pair)
+        # per position, per type: the drain pairs (kf, kb); the slope of the larger pair per layer
         coef = drain_coefficients(schedule, pp, m)
         slope = [[max(kf * table.forward_ms[t] + kb * table.backward_ms[t] for kf, kb in coef[r])
                   for t in active] for r in range(pp)]
-        drain = (s_min * (1.0 - 1e-12), slope, [min(row[i] for row in slope) for i in range(len(active))])
+        # the least extras every plan's S holds: the embedding, the head, each rank's step costs
+        steps = sorted(_col(table, "step_forward_ms", t) + _col(table, "step_backward_ms", t) for t in active)
+        if exact:
+            s_extra = sum(n * (_col(table, "step_forward_ms", t) + _col(table, "step_backward_ms", t))
+                          for t, (_w, n, _c, _s) in zip(active, types))
+        else:
+            s_extra = pp * steps[0]
+        s_extra += min(_col(table, "embedding_forward_ms", t) + _col(table, "embedding_backward_ms", t) for t in active)
+        s_extra += min(_col(table, "head_forward_ms", t) + _col(table, "head_backward_ms", t) for t in active)
+        drain = (coef, slope, [min(row[i] for row in slope) for i in range(len(active))], s_extra,
+                 drain_path_terms(table, counts, pp, v, m, schedule, comm_model))
+    ilv = None
+    if schedule is not None and v > 1 and pp > 1 and m % pp == 0:
+        # the fill and drain path of interleaved_drain_counts: rank r's own ops at their counts, each
+        # earlier rank's chunk 0 once (>= l_i / V layers), each later rank's chunk V - 1 once (>=
+        # (l_i - V + 1) / V): T >= S_L / V + g_rt(l_r) - (V - 1) / V U_rt + fixed_r, S_L = sum_i (f_i +
+        # b_i) l_i, U_rt at least sum_{i > r} (f_i + b_i) (the pp - 1 - r largest per-layer costs the
+        # other ranks can have)
+        counts_v = interleaved_drain_counts(schedule, pp, m, v)
+        terms = drain_path_terms(table, counts, pp, v, m, schedule, comm_model)
+        emb = min(_col(table, "embedding_forward_ms", t) + _col(table, "embedding_backward_ms", t) for t in active)
+        head = min(_col(table, "head_forward_ms", t) + _col(table, "head_backward_ms", t) for t in active)
+        # per-layer costs the ranks can have, largest first (exact counts: each type n_t times)
+        pool = sorted(((x, i) for i, ((_w, n, _c, _s), x) in enumerate(zip(types, per_layer))
+                       for _ in range(n if exact else pp)), reverse=True)
+        blocks = []         # per (r, i): (A, prefix sums a_0.. of one block of V layers, own fixed ms, R shift)
+        for r in range(pp):
+            kf, kb = counts_v[r]
+            fixed = terms[r] + (emb if r > 0 else 0.0) + (head if r < pp - 1 else 0.0)
+            row = []
+            for i, t in enumerate(active):
+                f, b, w = table.forward_ms[t], table.backward_ms[t], per_layer[i]
+                a = [kf[c] * f + kb[c] * b - w / v for c in range(v)]
+                own = sum(kf[c] * _col(table, "step_forward_ms", t) + kb[c] * _col(table, "step_backward_ms", t)
+                          for c in range(v))
+                if r == 0:
+                    own += kf[0] * _col(table, "embedding_forward_ms", t) + kb[0] * _col(table, "embedding_backward_ms", t)
+                if r == pp - 1:
+                    own += (kf[v - 1] * _col(table, "head_forward_ms", t)
+                            + kb[v - 1] * _col(table, "head_backward_ms", t))
+                # the pp - 1 - r largest costs of the others (one rank of type i is r itself)
+                others, need, skipped = 0.0, pp - 1 - r, False
+                for x, k in pool:
+                    if need == 0:
+                        break
+                    if k == i and not skipped and exact:
+                        skipped = True
+                        continue
+                    others += x
+                    need -= 1
+                shift = (v - 1) / v * others - fixed - own
+                row.append((sum(a), [sum(a[:c]) for c in range(v)], shift) if min(a) > 0.0 else None)
+            blocks.append(row)
+        ilv = blocks
+    lows = [n * v if exact else 0 for _w, n, _c, _s in types]
+
+    def ilv_cap(r: int, i: int, y: float) -> int:
+        """Most layers l with g_ri(l) <= the room: whole blocks of V layers, then chunk by chunk."""
+        got = ilv[r][i]
+        if got is None:
+            return num_layers
+        a_sum, prefix, shift = got
+        room = y + shift
+        if room < 0.0:
+            return -1
+        q = int(room / a_sum * slack)
+        s_ = 0
+        while s_ + 1 < v and q * a_sum + prefix[s_ + 1] <= room * slack:
+            s_ += 1
+        return q * v + s_
+
+    def caps_at(t_ms: float, y: float | None):
+        """h[r][i]: most layers position r holds on type i at time t_ms and drain room y (< v: cannot)."""
+        h = []
+        for r in range(pp):
+            row = []
+            for i, (w, _n, c, _s) in enumerate(types):
+                work = t_ms - r * c_min - m * (extra_f(r, i) + extra_b(r, i))
+                x = min(c[r], int(w * max(0.0, work) / m * slack))
+                if y is not None and ilv is not None:
+                    x = min(x, ilv_cap(r, i, y))
+                elif y is not None:
+                    # each drain pair: kf F + kb B <= y, with F, B the layers' time plus the extras
+                    t = active[i]
+                    for kf, kb in drain[0][r]:
+                        room = y - drain[4][r] - kf * extra_f(r, i) - kb * extra_b(r, i)
+                        sl = kf * table.forward_ms[t] + kb * table.backward_ms[t]
+                        if room < 0.0:
+                            x = -1
+                        elif sl > 0.0:
+                            x = min(x, int(room / sl * slack))
+                row.append(x)
+            h.append(row)
+        return h
+
+    def s_min(h) -> float | None:
+        """The cheapest one-micro-batch work of the model within the caps h (types by f + b, each
+        within its n_t largest caps), extras included; None when the caps cannot hold the model."""
+        tops = []
+        for i, (_w, n, _c, _s) in enumerate(types):
+            vals = sorted((row[i] for row in h if row[i] >= v), reverse=True)
+            if exact and len(vals) < n:
+                return None
+            tops.append(vals[:n])
+        got = _cheapest_placement(per_layer, tops, lows, num_layers)
+        if got is None:
+            return None
+        # V = 1: the whole one-micro-batch work S; interleaved: S_L / V (its path's share of the others)
+        return got + drain[3] if drain is not None else got / v
 
     def capacity(t_ms: float) -> float:
         # per type its n roomiest positions, each within the work of position 0 (k_t(0) >= k_t(r):
         # an upper bound on what the type's ranks hold, without sorting per T)
         ks = [int(w * t_ms / m * slack) for w, _n, _c, _top in types]
-        if drain is not None:
-            # the drain term at each type's least slope over the positions (an upper bound too)
-            room = t_ms - drain[0]
-            if room < 0.0:
+        y = None
+        h = None
+        if drain is not None or ilv is not None:
+            # the drain room: from T - S_min(caps without it) down its decreasing sequence
+            h = caps_at(t_ms, None)
+            s0 = s_min(h)
+            if s0 is None:
+                return 0
+            y = t_ms - s0
+            if y < 0.0:
                 return 0          # not even one micro-batch through every rank fits
-            ks = [k if y <= 0.0 else min(k, int(room / y * slack)) for k, y in zip(ks, drain[2])]
+            if drain is not None:
+                # the drain term at each type's least slope over the positions (an upper bound too)
+                ks = [k if sl <= 0.0 else min(k, int(y / sl * slack)) for k, sl in zip(ks, drain[2])]
         by_type = sum(sum(min(c, k) for c in top) for k, (_w, _n, _c, top) in zip(ks, types))
         if by_type < num_layers:
             return by_type
-        # h[r][i]: most layers position r holds on type i (memory, and its work after the fill)
-        h = [[min(c[r], int(w * max(0.0, t_ms - r * c_min) / m * slack)) for w, _n, c, _s in types]
-             for r in range(pp)]
-        if drain is not None:
-            room, slope = t_ms - drain[0], drain[1]
-            h = [[x if slope[r][i] <= 0.0 else min(x, int(room / slope[r][i] * slack))
-                  for i, x in enumerate(row)] for r, row in enumerate(h)]
+        if drain is not None or ilv is not None:
+            for _ in range(64):
+                h = caps_at(t_ms, y)
+                s1 = s_min(h)
+                if s1 is None:
+                    return 0
+                y1 = t_ms - s1
+                if y1 >= y:
+                    break
+                y = y1
+                if y < 0.0:
+                    return 0
+        else:
+            h = caps_at(t_ms, None)
         # every position at its own best type (integers): an upper bound on any assignment, cheap
-        if sum(max(row) for row in h) < num_layers:
+        if sum(max(max(row), 0) for row in h) < num_layers:
             return 0
-        # the best assignment of types to positions (at most n_t of type t), exactly: a transportation
-        # problem (seeds.best_assignment, successive shortest paths)
-        got = best_assignment([[row[i] for row in h] for i in range(len(types))],
+        # the best assignment of types to positions (at most n_t of type t; a type whose cap is below
+        # V cannot take the position), exactly: a transportation problem (seeds.best_assignment,
+        # successive shortest paths)
+        got = best_assignment([[row[i] if row[i] >= v else NEG for row in h] for i in range(len(types))],
                               [n for _w, n, _c, _s in types], pp)
         return 0 if got is None else got[0]
 
@@ -896,7 +1127,27 @@ class StructureBounds:
                 return -1             # fewer ranks can host the type than ranks of that type
             vals.sort(reverse=True)
             total += sum(vals[:n])
+        if exact and k < pp:
+            return self._assign_capacity(k, lb, cap, capt)
         return total
+
+    def _assign_capacity(self, k: int, lb, cap, capt) -> int:
+        """With exact counts: the most layers ranks ``k..pp-1`` hold when each takes one remaining type
+        and type ``t`` goes to exactly its ``remaining[t]`` of them (the best assignment, a transportation
+        problem solved exactly by :func:`.seeds.best_assignment`); -1 when no assignment exists. At most
+        the per-type sum above, where every type may count the same roomy ranks."""
+        from .seeds import NEG, best_assignment
+        pp, nt = self.pp, self.nt
+        value = [[NEG] * (pp - k) for _ in range(nt)]
+        for t in range(nt):
+            if self.remaining[t] <= 0:
+                continue
+            for r in range(k, pp):
+                s = self._rank_capacity(r, t, lb, cap, capt)
+                if s >= 0:
+                    value[t][r - k] = s
+        got = best_assignment(value, [max(0, x) for x in self.remaining], pp - k)
+        return -1 if got is None else got[0]
 
     def _knapsack(self, k: int, extra: int, alpha, lb, cap) -> float:
         """Cheapest cost of ``extra`` more layers over the undecided stages (fractional, by slope)."""

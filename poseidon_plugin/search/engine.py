@@ -214,7 +214,7 @@ class SearchRun:
             live = CostModel.peak_live(sg.schedule, sg.pp, g.micro_batches, sg.virtual_stages)
         return pipeline_bound(self.space.table(g), counts, g.micro_batches, sg.pp, sg.virtual_stages,
                               self.space.num_layers, memory=memory, live=live, schedule=sg.schedule,
-                              target=target)
+                              target=target, comm_model=self.options.comm_model)
 
     # --- phases -----------------------------------------------------------------------------
 

@@ -117,6 +117,11 @@ class RankOps:
     def last_forward_index(self) -> int:
         return self.forward_index(self.total - 1)
 
+    def backward_index(self, p: int) -> int:
+        """Index of the backward of virtual micro-batch ``p``."""
+        i = self.w + 2 * p + (0 if self.bfirst else 1)
+        return i if i < 2 * self.total - self.w else p + self.total
+
     def _chunk_count(self, n: int, c: int) -> int:
         """Virtual micro-batches ``k < n`` whose forward runs chunk ``c``."""
         if self.v == 1:

@@ -417,6 +417,9 @@ def test_rank_ops_arithmetic_equals_the_listed_ops():
             assert fast.last_forward_index() == ref.last_forward_index()
             for k in range(m * v):
                 assert fast.forward_index(k) == ref.forward_index(k)
+                # the backward of virtual micro-batch k (chunk V - 1 - c of the forward's (c, mb))
+                c, mb = fast._unit(k)
+                assert ref.ops[fast.backward_index(k)] == ("B", v - 1 - c, mb)
             for lo in range(0, n + 1, 3):
                 for hi in range(lo, n + 1, 2):
                     assert fast.counts(lo, hi) == ref.counts(lo, hi), (schedule, pp, m, v, r, lo, hi)
@@ -458,3 +461,61 @@ def test_fill_and_drain_terms_never_exceed_the_longest_path(comm_model, schedule
         longest = sim.iteration_time([1.0] * pp, [2.0] * pp, [0.0] * pp, [0.0] * pp)
         kf, kb = coef[pp - 1][1]
         assert 3.0 * pp + kf + 2.0 * kb == pytest.approx(longest, rel=1e-12)
+
+
+@pytest.mark.parametrize("comm_model", ["dag", "megatron"])
+@pytest.mark.parametrize("schedule", ["1f1b", "eager-1f1b", "gpipe"])
+@pytest.mark.parametrize("pp,m", [(1, 3), (2, 2), (3, 5), (4, 3), (5, 8)])
+def test_fill_and_drain_paths_hold_their_sends_sync_and_blocking_waits(comm_model, schedule, pp, m):
+    """bounds.drain_path_terms, checked per link: on random weights, both fill-and-drain paths of every
+    rank r also hold every link's send twice and rank 0's all-reduce, and under megatron's blocking 1F1B
+    the M - 1 transfers rank r waits for on each link to a neighbour; so S + kf F_r + kb B_r + 2 sum(sends)
+    + AR_0 (+ (M - 1) (send_{r-1} + send_r)) never exceeds the iteration time. The bound prices each send
+    at the piece's cheapest link, so this is the stronger statement."""
+    from poseidon_plugin.search.bounds import BLOCKING_COMM_MODELS, drain_coefficients
+    coef = drain_coefficients(schedule, pp, m)
+    sim = Simulator(schedule, pp, m, 1, comm_model)
+    rng = random.Random(pp * 1000 + m * 10 + len(schedule) + len(comm_model))
+    for _ in range(20):
+        fwd = [rng.uniform(0, 5) for _ in range(pp)]
+        bwd = [rng.uniform(0, 9) for _ in range(pp)]
+        send = [rng.uniform(0, 2) for _ in range(pp - 1)] + [0.0]     # V = 1: the last rank sends nothing
+        ar = [rng.uniform(0, 7) for _ in range(pp)]
+        longest = sim.iteration_time(fwd, bwd, send, ar)
+        s = sum(fwd) + sum(bwd)
+        for r in range(pp):
+            waits = 0.0
+            if comm_model in BLOCKING_COMM_MODELS and schedule == "1f1b":
+                waits = (m - 1) * ((send[r - 1] if r > 0 else 0.0) + (send[r] if r < pp - 1 else 0.0))
+            for kf, kb in coef[r]:
+                got = s + kf * fwd[r] + kb * bwd[r] + 2 * sum(send) + ar[0] + waits
+                assert got <= longest * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("comm_model", ["dag", "megatron", "megatron-overlap"])
+@pytest.mark.parametrize("pp,m,v", [(2, 2, 2), (2, 4, 2), (3, 6, 2), (4, 8, 2), (4, 4, 3), (3, 9, 3),
+                                    (5, 10, 2), (4, 16, 2)])
+def test_interleaved_fill_and_drain_path_never_exceeds_the_longest_path(comm_model, pp, m, v):
+    """bounds.interleaved_drain_counts: on random weights, for every rank r the earlier ranks' chunk-0
+    forward and backward, the later ranks' chunk V - 1, rank r's ops at its counts, every link crossed
+    twice and rank 0's all-reduce never exceed the iteration time (a path of every comm model's DAG);
+    rank r's counts hold all its M forwards per chunk and its last backward."""
+    from poseidon_plugin.search.bounds import interleaved_drain_counts
+    counts = interleaved_drain_counts("interleaved-1f1b", pp, m, v)
+    sim = Simulator("interleaved-1f1b", pp, m, v, comm_model)
+    rng = random.Random(pp * 1000 + m * 10 + v + len(comm_model))
+    for r in range(pp):
+        kf, kb = counts[r]
+        assert kf == [m] * v and kb[0] >= 1 and all(0 <= x <= m for x in kb)
+    for _ in range(30):
+        fwd = [rng.uniform(0, 5) for _ in range(pp * v)]      # rank * V + chunk
+        bwd = [rng.uniform(0, 9) for _ in range(pp * v)]
+        send = [rng.uniform(0, 2) for _ in range(pp)]
+        ar = [rng.uniform(0, 7) for _ in range(pp)]
+        longest = sim.iteration_time(fwd, bwd, send, ar)
+        for r in range(pp):
+            kf, kb = counts[r]
+            own = sum(kf[c] * fwd[r * v + c] + kb[c] * bwd[r * v + c] for c in range(v))
+            others = (sum(fwd[i * v] + bwd[i * v] for i in range(r))
+                      + sum(fwd[i * v + v - 1] + bwd[i * v + v - 1] for i in range(r + 1, pp)))
+            assert own + others + 2 * sum(send[:pp - 1]) + ar[0] <= longest * (1 + 1e-12)
