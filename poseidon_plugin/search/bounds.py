@@ -11,7 +11,10 @@ vector) and tightens the per-stage lower bounds ``lb`` and caps ``cap`` of the u
   :meth:`_others_cost`) and the stage caps they give (:meth:`_stage_caps`);
 * :meth:`StructureBounds._unknown_mins` / :meth:`_send_lb` -- the smallest weights an undecided rank
   can have (the DAG bound's fill, :meth:`~.splits.SplitSearch._fill`);
-* :func:`fluid_cut` -- the shape-free bound of a whole shape group.
+* :func:`fluid_cut` -- the shape-free bound of a whole shape group;
+* :func:`pipeline_bound` / :func:`positional_bound` -- the shape-free and per-position bounds of a
+  group or structure (anytime bounds, structure cuts), with the fill-and-drain paths of
+  :func:`drain_coefficients`, :func:`interleaved_drain_counts` and :func:`drain_path_terms`.
 
 ``cython_core/_search.pyx`` (``poseidon_plugin._core._search``) compiles the same methods (same operations, same order); the unit tests
 compare both field by field.
@@ -320,9 +323,12 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
     when each type's layers fit in its ``n_t`` largest caps ``h_t(r)`` at ``Y`` (with exact counts each
     of its ranks holds at least ``V``), plus the least extras; ``S_min`` does not rise with ``Y``, so
     from ``Y_0 = T - S_min(inf)`` every plan of time ``<= T`` has ``Y <= Y_{k+1} = T - S_min(Y_k)``
-    (induction): the caps are taken at the limit of that decreasing sequence. With ``target``: a value
-    just above it as soon as the capacity there is short (the caller needs no more), else the
-    bisection."""
+    (induction): the caps are taken at the limit of that decreasing sequence. Both paths also hold
+    the sends, rank 0's sync and, under a blocking ``comm_model``, the transfers the rank waits for
+    (:func:`drain_path_terms`). With ``schedule`` and ``V > 1`` the same with the interleaved path of
+    :func:`interleaved_drain_counts`, ``Y = T - S_L / V`` (``S_L``: the layers' work). With
+    ``target``: a value just above it as soon as the capacity there is short (the caller needs no
+    more), else the bisection."""
     from .seeds import NEG, best_assignment      # here: seeds imports the search modules that import this one
     slack = 1.0 + 1e-9
     m = micro_batches
@@ -330,7 +336,6 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
     if not active:
         return INF
     exact = sum(min(counts[t], pp) for t in active) == pp
-    first_last = [r for r in (0, pp - 1)]
     types = []
     for t in active:
         n = min(counts[t], pp)
@@ -348,19 +353,14 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
             caps.append(min(num_layers, int((use - fixed) / per * slack)) if per > 0 else num_layers)
         types.append((1.0 / (table.forward_ms[t] + table.backward_ms[t]), n, caps,
                       sorted(caps, reverse=True)[:n]))
-    # per position and type: the extra forward and backward ms it pays whatever its layers
-    ext_f = [[v * _col(table, "step_forward_ms", t)
-              + (_col(table, "embedding_forward_ms", t) if r == 0 else 0.0)
-              + (_col(table, "head_forward_ms", t) if r == pp - 1 else 0.0) for t in active] for r in first_last]
-    ext_b = [[v * _col(table, "step_backward_ms", t)
-              + (_col(table, "embedding_backward_ms", t) if r == 0 else 0.0)
-              + (_col(table, "head_backward_ms", t) if r == pp - 1 else 0.0) for t in active] for r in first_last]
-
-    def extra_f(r: int, i: int) -> float:
-        return ext_f[0 if r == 0 else 1][i] if r in (0, pp - 1) else v * _col(table, "step_forward_ms", active[i])
-
-    def extra_b(r: int, i: int) -> float:
-        return ext_b[0 if r == 0 else 1][i] if r in (0, pp - 1) else v * _col(table, "step_backward_ms", active[i])
+    # per position and type: the extra forward and backward ms it pays whatever its layers (every
+    # chunk's step, the embedding at position 0, the head at the last)
+    ext = [[(v * _col(table, "step_forward_ms", t)
+             + (_col(table, "embedding_forward_ms", t) if r == 0 else 0.0)
+             + (_col(table, "head_forward_ms", t) if r == pp - 1 else 0.0),
+             v * _col(table, "step_backward_ms", t)
+             + (_col(table, "embedding_backward_ms", t) if r == 0 else 0.0)
+             + (_col(table, "head_backward_ms", t) if r == pp - 1 else 0.0)) for t in active] for r in range(pp)]
 
     # an earlier position's chunk-0 forward and backward on path (b) take at least this
     c_min = min(table.forward_ms[t] + table.backward_ms[t] for t in active)
@@ -448,7 +448,8 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
         for r in range(pp):
             row = []
             for i, (w, _n, c, _s) in enumerate(types):
-                work = t_ms - r * c_min - m * (extra_f(r, i) + extra_b(r, i))
+                e_f, e_b = ext[r][i]
+                work = t_ms - r * c_min - m * (e_f + e_b)
                 x = min(c[r], int(w * max(0.0, work) / m * slack))
                 if y is not None and ilv is not None:
                     x = min(x, ilv_cap(r, i, y))
@@ -456,7 +457,7 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
                     # each drain pair: kf F + kb B <= y, with F, B the layers' time plus the extras
                     t = active[i]
                     for kf, kb in drain[0][r]:
-                        room = y - drain[4][r] - kf * extra_f(r, i) - kb * extra_b(r, i)
+                        room = y - drain[4][r] - kf * e_f - kb * e_b
                         sl = kf * table.forward_ms[t] + kb * table.backward_ms[t]
                         if room < 0.0:
                             x = -1

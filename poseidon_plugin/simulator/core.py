@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from array import array
 from dataclasses import dataclass
-from functools import lru_cache
+from collections import OrderedDict
 
 from ..backend import compiled
 from ..errors import InputError
@@ -34,11 +34,45 @@ def make_kernel(graph: Graph, pure_python: bool | None = None):
     return (cls or _pydag.DagKernel)(graph)
 
 
-@lru_cache(maxsize=256)
-def cached_graph(schedule: str, pp: int, micro_batches: int, virtual_stages: int,
+GRAPH_CACHE_NODES = 600_000
+"""Nodes the graph cache keeps at most (the most recent graph always stays): a frontier-scale megatron
+graph (1F1B, pp 32, M 256: 47,169 nodes) holds ~0.5 kB per node as Python objects, and a long search
+of a 1,024-device cluster builds dozens of them (the compiled kernels keep their own C arrays)."""
+
+
+class _GraphCache:
+    """``build_graph`` memoised per shape, least recently used first out once the cached graphs hold
+    more than :data:`GRAPH_CACHE_NODES` nodes: shapes recur constantly during a search, and without a
+    bound the cache grew past 1 GB on frontier-scale clusters."""
+
+    def __init__(self):
+        self._graphs: OrderedDict[tuple, Graph] = OrderedDict()
+        self._nodes = 0
+
+    def __call__(self, schedule: str, pp: int, micro_batches: int, virtual_stages: int,
                  comm_model: str) -> Graph:
-    """``build_graph`` memoised per shape: shapes recur constantly during a search."""
-    return build_graph(schedule, pp, micro_batches, virtual_stages, comm_model)
+        key = (schedule, pp, micro_batches, virtual_stages, comm_model)
+        graph = self._graphs.get(key)
+        if graph is not None:
+            self._graphs.move_to_end(key)
+            return graph
+        graph = build_graph(schedule, pp, micro_batches, virtual_stages, comm_model)
+        self._graphs[key] = graph
+        self._nodes += graph.n_nodes
+        while self._nodes > GRAPH_CACHE_NODES and len(self._graphs) > 1:
+            _key, old = self._graphs.popitem(last=False)
+            self._nodes -= old.n_nodes
+        return graph
+
+    def cache_clear(self) -> None:
+        self._graphs.clear()
+        self._nodes = 0
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+
+cached_graph = _GraphCache()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -312,24 +312,29 @@ def test_positional_bound_never_exceeds_the_relaxation_it_bounds(seed):
     assert got <= best * (1 + 1e-9)
 
 
-def test_fill_and_drain_terms_raise_the_positional_bound_somewhere():
-    """The fill and drain terms are not vacuous: on the random problems they raise the positional
-    bound of some V = 1 shape groups (each checked against the optimum above)."""
+def _raised_groups(interleaved: bool, stronger, weaker, comm_model: str = "dag") -> int:
+    """Shape groups of the random problems (V > 1 ones, or V = 1 ones) whose positional bound with the
+    keywords ``stronger(sg)`` exceeds the one with ``weaker(sg)`` by more than 0.1 %."""
     from poseidon_plugin.search.bounds import positional_bound
     raised = 0
     for seed in SEEDS:
         cm, schedules = random_problem(seed)
-        r = SearchRun(cm, SearchOptions(mode="exact", schedules=schedules))
+        r = SearchRun(cm, SearchOptions(mode="exact", schedules=schedules, comm_model=comm_model))
         for sg in r.space.shape_groups():
             g = sg.group
-            if sg.virtual_stages != 1:
+            if (sg.virtual_stages > 1) != interleaved:
                 continue
-            live = r.cm.peak_live(sg.schedule, sg.pp, g.micro_batches, 1)
-            args = (r.space.table(g), [min(n, sg.pp) for n in g.slots], g.micro_batches, sg.pp, 1,
-                    r.space.num_layers, live)
-            raised += positional_bound(*args, schedule=sg.schedule) > positional_bound(*args) * 1.001
-    assert raised > 0
+            live = r.cm.peak_live(sg.schedule, sg.pp, g.micro_batches, sg.virtual_stages)
+            args = (r.space.table(g), [min(n, sg.pp) for n in g.slots], g.micro_batches, sg.pp,
+                    sg.virtual_stages, r.space.num_layers, live)
+            raised += positional_bound(*args, **stronger(sg)) > positional_bound(*args, **weaker(sg)) * 1.001
+    return raised
 
+
+def test_fill_and_drain_terms_raise_the_positional_bound_somewhere():
+    """The fill and drain terms are not vacuous: on the random problems they raise the positional
+    bound of some V = 1 shape groups (each checked against the optimum above)."""
+    assert _raised_groups(False, lambda sg: {"schedule": sg.schedule}, lambda sg: {}) > 0
 
 
 def _cut_once(seed, pure_python, fraction):
@@ -373,37 +378,11 @@ def test_blocking_waits_raise_the_positional_bound_somewhere():
     """The transfers a rank waits for under megatron's blocking 1F1B are not vacuous: on the random
     problems they raise the positional bound of some V = 1 shape groups over the same bound without
     them (each checked against the megatron optimum above)."""
-    from poseidon_plugin.search.bounds import positional_bound
-    raised = 0
-    for seed in SEEDS:
-        cm, schedules = random_problem(seed)
-        r = SearchRun(cm, SearchOptions(mode="exact", schedules=schedules, comm_model="megatron"))
-        for sg in r.space.shape_groups():
-            g = sg.group
-            if sg.virtual_stages != 1:
-                continue
-            live = r.cm.peak_live(sg.schedule, sg.pp, g.micro_batches, 1)
-            args = (r.space.table(g), [min(n, sg.pp) for n in g.slots], g.micro_batches, sg.pp, 1,
-                    r.space.num_layers, live)
-            raised += (positional_bound(*args, schedule=sg.schedule, comm_model="megatron")
-                       > positional_bound(*args, schedule=sg.schedule) * 1.001)
-    assert raised > 0
+    assert _raised_groups(False, lambda sg: {"schedule": sg.schedule, "comm_model": "megatron"},
+                          lambda sg: {"schedule": sg.schedule}, "megatron") > 0
 
 
 def test_interleaved_fill_and_drain_raise_the_positional_bound_somewhere():
     """The interleaved fill and drain path is not vacuous: on the random problems it raises the
     positional bound of some V > 1 shape groups (each checked against the optimum above)."""
-    from poseidon_plugin.search.bounds import positional_bound
-    raised = 0
-    for seed in SEEDS:
-        cm, schedules = random_problem(seed)
-        r = SearchRun(cm, SearchOptions(mode="exact", schedules=schedules))
-        for sg in r.space.shape_groups():
-            g = sg.group
-            if sg.virtual_stages == 1:
-                continue
-            live = r.cm.peak_live(sg.schedule, sg.pp, g.micro_batches, sg.virtual_stages)
-            args = (r.space.table(g), [min(n, sg.pp) for n in g.slots], g.micro_batches, sg.pp,
-                    sg.virtual_stages, r.space.num_layers, live)
-            raised += positional_bound(*args, schedule=sg.schedule) > positional_bound(*args) * 1.001
-    assert raised > 0
+    assert _raised_groups(True, lambda sg: {"schedule": sg.schedule}, lambda sg: {}) > 0

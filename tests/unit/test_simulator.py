@@ -327,3 +327,22 @@ def test_peak_live_formula_equals_walking_the_ops():
                         shapes.append(("interleaved-1f1b", pp, mm, v))
     for sched, pp, m, v in shapes:
         assert peak_live_microbatches(sched, pp, m, v) == _peak_by_walking(sched, pp, m, v), (sched, pp, m, v)
+
+
+def test_graph_cache_keeps_at_most_its_node_budget(monkeypatch):
+    """cached_graph: the same shape returns the same graph while cached; past GRAPH_CACHE_NODES the
+    least recently used graphs leave (the newest always stays) and a shape asked for again is rebuilt
+    equal."""
+    from poseidon_plugin.simulator import core
+    cache = core._GraphCache()
+    first = cache("1f1b", 4, 8, 1, "dag")
+    assert cache("1f1b", 4, 8, 1, "dag") is first
+    monkeypatch.setattr(core, "GRAPH_CACHE_NODES", first.n_nodes + 1)
+    second = cache("1f1b", 4, 12, 1, "dag")           # over the budget: the older graph leaves
+    assert len(cache) == 1 and cache("1f1b", 4, 12, 1, "dag") is second
+    again = cache("1f1b", 4, 8, 1, "dag")
+    assert again is not first and again == first and len(cache) == 1
+    monkeypatch.setattr(core, "GRAPH_CACHE_NODES", 1)  # a graph larger than the budget still stays
+    assert cache("gpipe", 3, 6, 1, "megatron") is cache("gpipe", 3, 6, 1, "megatron")
+    cache.cache_clear()
+    assert len(cache) == 0
