@@ -27,6 +27,7 @@ from .bounds import fluid_cut, pipeline_bound
 from .counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES, PRUNED_BOUND,
                        PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH, PRUNED_RIDGE, SIM_CALLS)
 from .evaluate import greedy_split, plan_fits, simulate_plan, spread
+from .evaluate import polish as polish_plan
 from .leaderboard import Leaderboard
 from .options import SearchOptions, SearchResult, SearchStats, TimeLimitError
 from .seeds import assignment_seeds
@@ -37,6 +38,7 @@ from .splits import SplitSearch as PySplitSearch
 INF = math.inf
 WARMUP_SHAPES = 16
 SEED_SHAPES = 64
+POLISH_EVALS = 10_000         # neighbours one local search of a best plan tries, at most
 LAZY_BOUNDS = 32             # memory-aware group bounds computed per lower_bound() call, at most
                              # (the per-position form: up to ~0.15 s each at frontier scale) ...
 LAZY_S = 0.05                # ... and at most this many seconds of them
@@ -116,6 +118,7 @@ class SearchRun:
         self.shrink = 1.0 / (1.0 + self.gap)
         self.memory_blocked: list[tuple[float, str, float]] = []   # (need GB, type, usable GB)
         self._splitters: dict[tuple, Any] = {}   # seeded groups that passed their root check
+        self._plans: dict[tuple, tuple] = {}     # key -> (types, layers) of its best plan (for polish)
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -134,7 +137,32 @@ class SearchRun:
                            type_class=cls, gap=self.gap)
 
     def offer(self, sg: ShapeGroup, ms: float, types, layers) -> None:
-        self.board.offer(sg.key, ms, lambda: self.candidate(sg, types, layers))
+        if self.board.offer(sg.key, ms, lambda: self.candidate(sg, types, layers)):
+            self._plans[sg.key] = (tuple(types), tuple(layers))
+
+    def polish_best(self, index: dict[tuple, int] | None = None) -> None:
+        """:meth:`polish` the best plan so far (``index``: key -> position in ``self.sgs``)."""
+        if not self.board.best:
+            return
+        key = min(self.board.best, key=self.board.best_ms)
+        self.polish(next(sg for sg in self.sgs if sg.key == key) if index is None else self.sgs[index[key]])
+
+    def polish(self, sg: ShapeGroup) -> None:
+        """Local search (:func:`.evaluate.polish`) from the group's best plan; offers what it finds."""
+        got = self._plans.get(sg.key)
+        if got is None or self.out_of_time():
+            return
+        types, layers = got
+        pp, v = sg.pp, sg.virtual_stages
+        rank_layers = [sum(layers[c * pp + r] for c in range(v)) for r in range(pp)]
+        shape = self.shape(sg)
+        ms0 = self.board.best_ms(sg.key)
+        ms, types, rank_layers, sims = polish_plan(shape.new_params(), self.space.table(sg.group), shape, types,
+                                                   rank_layers, ms0, max_evals=POLISH_EVALS,
+                                                   stop=self.out_of_time)
+        self.sim_calls += sims
+        if ms < ms0:
+            self.offer(sg, ms, types, spread(rank_layers, pp, v))
 
     def threshold(self, key: tuple) -> float:
         """The leaderboard's threshold for ``key``, or the caller's cutoff where lower."""
@@ -448,6 +476,8 @@ class SearchRun:
         # the warm-up (paper §4.2.3) draws from the most promising groups still alive: every shape it
         # touches needs its DAG built, and random plans of hopeless shapes seed nothing useful
         self.warmup_done = self.warmup((alive or sgs)[:WARMUP_SHAPES])
+        # the best plan so far, improved by local search: a tighter threshold for every group
+        self.polish_best(index)
         seeded = {sg.key: self.board.best_ms(sg.key) for sg in head}
         head.sort(key=lambda sg: seeded[sg.key])
         sgs = head + sgs[SEED_SHAPES:]
@@ -491,6 +521,7 @@ class SearchRun:
         if self.clock is time.monotonic:
             self.split_deadline = self.deadline
         self.complete = True
+        self.polish_best()         # the tree may have found a better plan since
         return True
 
     def gap_text(self) -> str:

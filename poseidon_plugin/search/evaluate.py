@@ -8,7 +8,7 @@ route to a plan's time gives the same number.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..costmodel import slot_indices
 from ..stagecost import link_carries_data, send_index
@@ -104,3 +104,61 @@ def greedy_split(table: TypeTable, shape: ShapeData, types: Sequence[int], num_l
         lay[arg] += 1
         left -= 1
     return lay
+
+
+def _moves(types: list[int], lay: list[int], i: int, j: int, v: int):
+    """The neighbours of a plan that :func:`polish` tries for ranks ``i != j``: one layer from ``i``
+    to ``j``; for ``i < j`` of different types, their types swapped (layers kept) and both swapped;
+    rank ``i`` (type and layers) moved to position ``j``."""
+    if lay[i] > v:
+        l2 = lay[:]
+        l2[i] -= 1
+        l2[j] += 1
+        yield types, l2
+    if i < j and types[i] != types[j]:
+        t2 = types[:]
+        t2[i], t2[j] = t2[j], t2[i]
+        yield t2, lay
+        l2 = lay[:]
+        l2[i], l2[j] = l2[j], l2[i]
+        yield t2, l2
+    t2, l2 = types[:], lay[:]
+    t2.insert(j, t2.pop(i))
+    l2.insert(j, l2.pop(i))
+    if t2 != types:
+        yield t2, l2
+
+
+def polish(params, table: TypeTable, shape: ShapeData, types: Sequence[int], rank_layers: Sequence[int],
+           ms: float, *, max_evals: int, stop: Callable[[], bool] | None = None
+           ) -> tuple[float, list[int], list[int], int]:
+    """Local search from a complete plan of a structure (its ranks per type stay): first improvement
+    over the moves of :func:`_moves`, sweep after sweep until a sweep improves nothing, at most
+    ``max_evals`` neighbours (``stop``, looked at every 64: the clock). Returns ``(ms, types, layers
+    per rank, plans simulated)``. Its plans only offer incumbents: the search stays exact.
+
+    On frontier-1024 (TP 8 PP 32 DP 4 1F1B) it takes the best seed from 273,697 to 272,884 ms in one
+    sweep (~2,400 neighbours, ~0.5 s), where the tree search had reached 273,044 after 60 s."""
+    pp, v = shape.pp, shape.virtual_stages
+    types, lay = list(types), list(rank_layers)
+    evals = sims = 0
+    improved = True
+    while improved:
+        improved = False
+        for i in range(pp):
+            for j in range(pp):
+                if i == j:
+                    continue
+                for t2, l2 in _moves(types, lay, i, j, v):
+                    if evals >= max_evals or (stop is not None and evals % 64 == 0 and stop()):
+                        return ms, types, lay, sims
+                    evals += 1
+                    layers = spread(l2, pp, v)
+                    if not plan_fits(table, shape, t2, layers):
+                        continue
+                    x = simulate_plan(params, table, shape, t2, layers)
+                    sims += 1
+                    if x < ms:
+                        ms, types, lay, improved = x, t2, l2, True
+                        break         # the next pair's moves start from the new plan
+    return ms, types, lay, sims
