@@ -882,6 +882,10 @@ cdef class SplitSearch:
 
     cdef int _type_capacity(self, int k, int* lb, int* cap, int* capt) noexcept nogil:
         cdef int pp = self.pp, v = self.v, nt = self.nt, t, n, r, c, vs, ct, s, nvals, j, y, total = 0
+        if self.exact_counts and k < pp:
+            # with exact counts, the best assignment (at most the per-type sum below, where every
+            # type may count the same roomy ranks; -1 where that sum finds too few ranks for a type)
+            return self._assign_capacity(k, lb, cap, capt)
         for t in range(nt):
             n = self.remaining[t]
             if n <= 0:
@@ -901,10 +905,6 @@ cdef class SplitSearch:
                 return -1
             for y in range(n if n < nvals else nvals):
                 total += self.vals[y]
-        if self.exact_counts and k < pp:
-            # with exact counts, the best assignment (at most the sum above, where every type may
-            # count the same roomy ranks)
-            return self._assign_capacity(k, lb, cap, capt)
         return total
 
     cdef int _assign_capacity(self, int k, int* lb, int* cap, int* capt) noexcept nogil:

@@ -1114,6 +1114,10 @@ class StructureBounds:
         largest rank capacities); -1 when fewer ranks can host a type than ranks of it remain."""
         pp, nt = self.pp, self.nt
         exact = self.exact_counts
+        if exact and k < pp:
+            # the best assignment: at most the per-type sum below (where every type may count the
+            # same roomy ranks), and -1 wherever that sum finds too few ranks for a type
+            return self._assign_capacity(k, lb, cap, capt)
         total = 0
         for t in range(nt):
             n = self.remaining[t]
@@ -1128,8 +1132,6 @@ class StructureBounds:
                 return -1             # fewer ranks can host the type than ranks of that type
             vals.sort(reverse=True)
             total += sum(vals[:n])
-        if exact and k < pp:
-            return self._assign_capacity(k, lb, cap, capt)
         return total
 
     def _assign_capacity(self, k: int, lb, cap, capt) -> int:
