@@ -107,6 +107,7 @@ class SearchRun:
         self.floor = INF
         self.open_groups: list[tuple[float, bool, int]] = []   # heap: (bound, memory-aware, index)
         self.sgs: list[ShapeGroup] = []
+        self.index: dict[tuple, int] = {}   # key -> position in sgs
         self.group_done: list[bool] = []
         self.partial = INF          # bound of the structures of the current group not yet closed
         self.complete = True
@@ -140,12 +141,10 @@ class SearchRun:
         if self.board.offer(sg.key, ms, lambda: self.candidate(sg, types, layers)):
             self._plans[sg.key] = (tuple(types), tuple(layers))
 
-    def polish_best(self, index: dict[tuple, int] | None = None) -> None:
-        """:meth:`polish` the best plan so far (``index``: key -> position in ``self.sgs``)."""
-        if not self.board.best:
-            return
-        key = min(self.board.best, key=self.board.best_ms)
-        self.polish(next(sg for sg in self.sgs if sg.key == key) if index is None else self.sgs[index[key]])
+    def polish_best(self) -> None:
+        """:meth:`polish` the best plan so far."""
+        if self.board.best:
+            self.polish(self.sgs[self.index[min(self.board.best, key=self.board.best_ms)]])
 
     def polish(self, sg: ShapeGroup) -> None:
         """Local search (:func:`.evaluate.polish`) from the group's best plan; offers what it finds."""
@@ -445,7 +444,7 @@ class SearchRun:
         self.sgs = sgs
         self.open_groups = [(self.bound(sg, memory=False), False, i) for i, sg in enumerate(sgs)]
         heapq.heapify(self.open_groups)
-        index = {sg.key: i for i, sg in enumerate(sgs)}
+        index = self.index = {sg.key: i for i, sg in enumerate(sgs)}
         # greedy seeds of the most promising groups, then search those with the best seeds first:
         # a tight incumbent early is what makes the bounds cut
         head = sgs[:SEED_SHAPES]
@@ -477,7 +476,7 @@ class SearchRun:
         # touches needs its DAG built, and random plans of hopeless shapes seed nothing useful
         self.warmup_done = self.warmup((alive or sgs)[:WARMUP_SHAPES])
         # the best plan so far, improved by local search: a tighter threshold for every group
-        self.polish_best(index)
+        self.polish_best()
         seeded = {sg.key: self.board.best_ms(sg.key) for sg in head}
         head.sort(key=lambda sg: seeded[sg.key])
         sgs = head + sgs[SEED_SHAPES:]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 from array import array
-from dataclasses import dataclass
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from ..backend import compiled
 from ..errors import InputError
