@@ -901,8 +901,6 @@ cdef class SplitSearch:
                         j -= 1
                     self.vals[j] = s
                     nvals += 1
-            if self.exact_counts and nvals < n:
-                return -1
             for y in range(n if n < nvals else nvals):
                 total += self.vals[y]
         return total

@@ -365,23 +365,20 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
     # an earlier position's chunk-0 forward and backward on path (b) take at least this
     c_min = min(table.forward_ms[t] + table.backward_ms[t] for t in active)
     per_layer = [table.forward_ms[t] + table.backward_ms[t] for t in active]
-    drain = None
+    # the least embedding and head ms of the piece's types (each plan pays both once)
+    emb = min(_col(table, "embedding_forward_ms", t) + _col(table, "embedding_backward_ms", t) for t in active)
+    head = min(_col(table, "head_forward_ms", t) + _col(table, "head_backward_ms", t) for t in active)
+    terms = drain_path_terms(table, counts, pp, v, m, schedule, comm_model) if schedule is not None else None
+    drain = False             # V = 1: the pairs of drain_coefficients
     if schedule is not None and v == 1:
-        # per position, per type: the drain pairs (kf, kb); the slope of the larger pair per layer
+        drain = True
         coef = drain_coefficients(schedule, pp, m)
-        slope = [[max(kf * table.forward_ms[t] + kb * table.backward_ms[t] for kf, kb in coef[r])
-                  for t in active] for r in range(pp)]
+        # per type, its least per-layer slope over the positions (the larger pair of each)
+        min_slope = [min(max(kf * table.forward_ms[t] + kb * table.backward_ms[t] for kf, kb in coef[r])
+                         for r in range(pp)) for t in active]
         # the least extras every plan's S holds: the embedding, the head, each rank's step costs
-        steps = sorted(_col(table, "step_forward_ms", t) + _col(table, "step_backward_ms", t) for t in active)
-        if exact:
-            s_extra = sum(n * (_col(table, "step_forward_ms", t) + _col(table, "step_backward_ms", t))
-                          for t, (_w, n, _c, _s) in zip(active, types))
-        else:
-            s_extra = pp * steps[0]
-        s_extra += min(_col(table, "embedding_forward_ms", t) + _col(table, "embedding_backward_ms", t) for t in active)
-        s_extra += min(_col(table, "head_forward_ms", t) + _col(table, "head_backward_ms", t) for t in active)
-        drain = (coef, slope, [min(row[i] for row in slope) for i in range(len(active))], s_extra,
-                 drain_path_terms(table, counts, pp, v, m, schedule, comm_model))
+        steps = [_col(table, "step_forward_ms", t) + _col(table, "step_backward_ms", t) for t in active]
+        s_extra = (sum(n * x for (_w, n, _c, _s), x in zip(types, steps)) if exact else pp * min(steps)) + emb + head
     ilv = None
     if schedule is not None and v > 1 and pp > 1 and m % pp == 0:
         # the fill and drain path of interleaved_drain_counts: rank r's own ops at their counts, each
@@ -390,13 +387,10 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
         # b_i) l_i, U_rt at least sum_{i > r} (f_i + b_i) (the pp - 1 - r largest per-layer costs the
         # other ranks can have)
         counts_v = interleaved_drain_counts(schedule, pp, m, v)
-        terms = drain_path_terms(table, counts, pp, v, m, schedule, comm_model)
-        emb = min(_col(table, "embedding_forward_ms", t) + _col(table, "embedding_backward_ms", t) for t in active)
-        head = min(_col(table, "head_forward_ms", t) + _col(table, "head_backward_ms", t) for t in active)
         # per-layer costs the ranks can have, largest first (exact counts: each type n_t times)
         pool = sorted(((x, i) for i, ((_w, n, _c, _s), x) in enumerate(zip(types, per_layer))
                        for _ in range(n if exact else pp)), reverse=True)
-        blocks = []         # per (r, i): (A, prefix sums a_0.. of one block of V layers, own fixed ms, R shift)
+        blocks = []         # per (r, i): (A, prefix sums a_0.. of one block of V layers, room shift)
         for r in range(pp):
             kf, kb = counts_v[r]
             fixed = terms[r] + (emb if r > 0 else 0.0) + (head if r < pp - 1 else 0.0)
@@ -456,8 +450,8 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
                 elif y is not None:
                     # each drain pair: kf F + kb B <= y, with F, B the layers' time plus the extras
                     t = active[i]
-                    for kf, kb in drain[0][r]:
-                        room = y - drain[4][r] - kf * e_f - kb * e_b
+                    for kf, kb in coef[r]:
+                        room = y - terms[r] - kf * e_f - kb * e_b
                         sl = kf * table.forward_ms[t] + kb * table.backward_ms[t]
                         if room < 0.0:
                             x = -1
@@ -480,7 +474,7 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
         if got is None:
             return None
         # V = 1: the whole one-micro-batch work S; interleaved: S_L / V (its path's share of the others)
-        return got + drain[3] if drain is not None else got / v
+        return got + s_extra if drain else got / v
 
     def capacity(t_ms: float) -> float:
         # per type its n roomiest positions, each within the work of position 0 (k_t(0) >= k_t(r):
@@ -488,7 +482,7 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
         ks = [int(w * t_ms / m * slack) for w, _n, _c, _top in types]
         y = None
         h = None
-        if drain is not None or ilv is not None:
+        if drain or ilv is not None:
             # the drain room: from T - S_min(caps without it) down its decreasing sequence
             h = caps_at(t_ms, None)
             s0 = s_min(h)
@@ -497,13 +491,13 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
             y = t_ms - s0
             if y < 0.0:
                 return 0          # not even one micro-batch through every rank fits
-            if drain is not None:
+            if drain:
                 # the drain term at each type's least slope over the positions (an upper bound too)
-                ks = [k if sl <= 0.0 else min(k, int(y / sl * slack)) for k, sl in zip(ks, drain[2])]
+                ks = [k if sl <= 0.0 else min(k, int(y / sl * slack)) for k, sl in zip(ks, min_slope)]
         by_type = sum(sum(min(c, k) for c in top) for k, (_w, _n, _c, top) in zip(ks, types))
         if by_type < num_layers:
             return by_type
-        if drain is not None or ilv is not None:
+        if drain or ilv is not None:
             for _ in range(64):
                 h = caps_at(t_ms, y)
                 s1 = s_min(h)
@@ -1110,11 +1104,10 @@ class StructureBounds:
         return s
 
     def _type_capacity(self, k: int, lb, cap, capt) -> int:
-        """Most layers ranks ``k..pp-1`` can hold, each on one remaining type (per type its ``n``
-        largest rank capacities); -1 when fewer ranks can host a type than ranks of it remain."""
+        """Most layers ranks ``k..pp-1`` can hold, each on one remaining type: with exact counts the
+        best assignment (-1 when none exists), else per type its ``n`` largest rank capacities."""
         pp, nt = self.pp, self.nt
-        exact = self.exact_counts
-        if exact and k < pp:
+        if self.exact_counts and k < pp:
             # the best assignment: at most the per-type sum below (where every type may count the
             # same roomy ranks), and -1 wherever that sum finds too few ranks for a type
             return self._assign_capacity(k, lb, cap, capt)
@@ -1128,8 +1121,6 @@ class StructureBounds:
                 s = self._rank_capacity(r, t, lb, cap, capt)
                 if s >= 0:
                     vals.append(s)
-            if exact and len(vals) < n:
-                return -1             # fewer ranks can host the type than ranks of that type
             vals.sort(reverse=True)
             total += sum(vals[:n])
         return total

@@ -119,7 +119,6 @@ class SearchRun:
         self.shrink = 1.0 / (1.0 + self.gap)
         self.memory_blocked: list[tuple[float, str, float]] = []   # (need GB, type, usable GB)
         self._splitters: dict[tuple, Any] = {}   # seeded groups that passed their root check
-        self._plans: dict[tuple, tuple] = {}     # key -> (types, layers) of its best plan (for polish)
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -138,8 +137,7 @@ class SearchRun:
                            type_class=cls, gap=self.gap)
 
     def offer(self, sg: ShapeGroup, ms: float, types, layers) -> None:
-        if self.board.offer(sg.key, ms, lambda: self.candidate(sg, types, layers)):
-            self._plans[sg.key] = (tuple(types), tuple(layers))
+        self.board.offer(sg.key, ms, lambda: self.candidate(sg, types, layers))
 
     def polish_best(self) -> None:
         """:meth:`polish` the best plan so far."""
@@ -148,14 +146,15 @@ class SearchRun:
 
     def polish(self, sg: ShapeGroup) -> None:
         """Local search (:func:`.evaluate.polish`) from the group's best plan; offers what it finds."""
-        got = self._plans.get(sg.key)
+        got = self.board.best.get(sg.key)
         if got is None or self.out_of_time():
             return
-        types, layers = got
+        ms0, cand = got
+        types = [sg.group.names.index(name) for name in cand.stage_types]
+        layers = cand.layers
         pp, v = sg.pp, sg.virtual_stages
         rank_layers = [sum(layers[c * pp + r] for c in range(v)) for r in range(pp)]
         shape = self.shape(sg)
-        ms0 = self.board.best_ms(sg.key)
         ms, types, rank_layers, sims = polish_plan(shape.new_params(), self.space.table(sg.group), shape, types,
                                                    rank_layers, ms0, max_evals=POLISH_EVALS,
                                                    stop=self.out_of_time)
