@@ -7,7 +7,7 @@ file mirrors it function by function. The hot loop builds no Python objects: it 
 vector and calls the DAG kernel's ``run`` (poseidon_plugin._core._dag).
 """
 
-from libc.math cimport ceil, INFINITY
+from libc.math cimport ceil, fabs, INFINITY
 from libc.stdlib cimport free, malloc
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
@@ -45,6 +45,7 @@ TABLE_COLUMNS = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding
 
 
 cdef double PATH_SLACK = 1e-9
+cdef double FIT_SLACK = 1e-12     # see splits.py (bounds.FIT_SLACK)
 cdef int AS_NEG = -(1 << 30)
 cdef long long CLOCK_EVERY = 1024
 
@@ -639,10 +640,11 @@ cdef class SplitSearch:
         cdef int changed = 0, ns, i, t, ct, top, kf, kb, ka, d
         cdef int extra = left, e
         cdef double limit = self.tau * (1.0 + PATH_SLACK), base, a, a1, amax, m, slope, room, x, y
-        cdef double numer, lift, b1, b2, rmin, xmin, extra_t, rhs, g, gmax, gsum, own, lbo, gsum0
+        cdef double numer, lift, b1, b2, rmin, xmin, extra_t, rhs, gsum, own, lbo, gsum0, pn
         cdef int elb = 0
         cdef int n
         cdef int argr, s_lb, ct_sum, u, c2, vs2, ok
+        cdef bint fit
         cdef double* p = self.params
         self._fill(lb)
         ns = self._type_slopes()
@@ -809,8 +811,10 @@ cdef class SplitSearch:
                             own += n * (self.coef_f[cf + vs] * self.sl_f[i] + self.coef_b[cf + vs] * self.sl_b[i]
                                         + ka * self.sl_a[i])
                         if own < INFINITY:
-                            # the four placement bounds of splits.py, strongest first (the scan only
-                            # asks whether their maximum stays below rhs - own: order-free)
+                            # the four placement bounds of splits.py (the d layers fit when own plus
+                            # each stays below rhs: order-free), a pair at a time. Without its
+                            # rounding loss, a pair's mean-slope bound is at least both of the pair
+                            # (mu <= nu, gammas >= 0): when it fits, the pair fits, gammas unneeded
                             if lbo < 0.0:
                                 lbo = 0.0
                                 elb = 0
@@ -819,30 +823,31 @@ cdef class SplitSearch:
                                         lbo += self.rlb[c2]
                                         for c in range(v):
                                             elb += lb[c * pp + c2]
-                            y = -INFINITY
+                            fit = True
+                            pn = INFINITY
                             if v > 1:
-                                if gsum0 < 0.0:
-                                    gsum0 = self._gammas(q, k, self.zero_lb, self.efull, self.gam0, ns,
-                                                         self.z_slb, self.z_even, self.z_slb)
-                                y = self._phi(elb + extra - d, r, t, ns, self.nu1, self.nu2, self.narg, self.kfull) \
-                                    - (gsum0 - self.gam0[r]) - lbo
-                            if own + y < rhs:
-                                g = self._phi(elb + extra - d, r, t, ns, self.mu1, self.mu2, self.marg, self.kfull) - lbo
-                                if g > y:
-                                    y = g
-                            if v > 1 and own + y < rhs:
-                                if gsum < 0.0:
-                                    gsum = self._gammas(q, k, lb, self.ecap, self.gam, ns, self.g_slb,
-                                                        self.g_even, self.g_start)
-                                g = self._phi(extra - d, r, t, ns, self.nu1, self.nu2, self.narg, self.kroom) \
-                                    - (gsum - self.gam[r])
-                                if g > y:
-                                    y = g
-                            if own + y < rhs:
-                                g = self._phi(extra - d, r, t, ns, self.mu1, self.mu2, self.marg, self.kroom)
-                                if g > y:
-                                    y = g
-                            if own + y < rhs:
+                                pn = self._phi(elb + extra - d, r, t, ns, self.nu1, self.nu2, self.narg, self.kfull)
+                            if v == 1 or not own + (pn - lbo) < rhs - FIT_SLACK * (fabs(rhs) + fabs(own) + fabs(pn)):
+                                if v > 1:
+                                    if gsum0 < 0.0:
+                                        gsum0 = self._gammas(q, k, self.zero_lb, self.efull, self.gam0, ns,
+                                                             self.z_slb, self.z_even, self.z_slb)
+                                    fit = own + (pn - (gsum0 - self.gam0[r]) - lbo) < rhs
+                                fit = fit and own + (self._phi(elb + extra - d, r, t, ns, self.mu1, self.mu2,
+                                                               self.marg, self.kfull) - lbo) < rhs
+                            if fit:
+                                pn = INFINITY
+                                if v > 1:
+                                    pn = self._phi(extra - d, r, t, ns, self.nu1, self.nu2, self.narg, self.kroom)
+                                if v == 1 or not own + pn < rhs - FIT_SLACK * (fabs(rhs) + fabs(own) + fabs(pn)):
+                                    if v > 1:
+                                        if gsum < 0.0:
+                                            gsum = self._gammas(q, k, lb, self.ecap, self.gam, ns, self.g_slb,
+                                                                self.g_even, self.g_start)
+                                        fit = own + (pn - (gsum - self.gam[r])) < rhs
+                                    fit = fit and own + self._phi(extra - d, r, t, ns, self.mu1, self.mu2,
+                                                                  self.marg, self.kroom) < rhs
+                            if fit:
                                 break
                         d -= 1
                     if d < ct_sum - s_lb:

@@ -8,7 +8,7 @@ vector) and tightens the per-stage lower bounds ``lb`` and caps ``cap`` of the u
   type-aware capacity;
 * :meth:`StructureBounds._path_caps` -- per bound path: prices (:meth:`_path_prices`), the mass cut
   (:meth:`_path_cuts`), the owner rank's caps per type (:meth:`_owner_caps`, with the placement bounds of
-  :meth:`_others_cost`) and the stage caps they give (:meth:`_stage_caps`);
+  :meth:`_others_fit`) and the stage caps they give (:meth:`_stage_caps`);
 * :meth:`StructureBounds._unknown_mins` / :meth:`_send_lb` -- the smallest weights an undecided rank
   can have (the DAG bound's fill, :meth:`~.splits.SplitSearch._fill`);
 * :func:`fluid_cut` -- the shape-free bound of a whole shape group;
@@ -33,6 +33,9 @@ INF = math.inf
 # relative slack on the path bounds (sums in a different order than the kernel's): they prune only
 # when the bound exceeds tau by more than float noise; the DAG bound is compared exactly (monotone)
 PATH_SLACK = 1e-9
+# relative margin of the placement bounds' shortcut (StructureBounds._others_fit): a bound known to be
+# at most another (in exact arithmetic) is taken to fit only when the other fits by this much more
+FIT_SLACK = 1e-12
 PROPAGATION_ROUNDS = 3
 # a node that inherits its parent's bounds starts near a fixpoint: one round of the path bounds on top
 # of the parent's does nearly what two did from scratch (Setting 6 at 288 NPUs: 0.2 % more nodes,
@@ -950,7 +953,7 @@ class StructureBounds:
         The rank's ``d`` layers above its lower bounds cost, along the path, exactly their chunk-by-
         chunk slopes on the type (all its chunks share the type and the layers); the other
         ``extra - d`` layers at least the cheapest slope of another rank's stage (closed form, an upper
-        start for ``d``), and at least their cheapest placement by type (:meth:`_others_cost`). The
+        start for ``d``), and at least their cheapest placement by type (:meth:`_others_fit`). The
         cap is the largest ``d`` whose cost stays below the limit. Only the owner is capped: the other
         ranks' slopes on the path are small.
         """
@@ -1004,8 +1007,8 @@ class StructureBounds:
                         own = INF          # this count leaves a chunk below its lower bound
                         break
                     own += n * (paths.coef_f[cf + vs] * ft + paths.coef_b[cf + vs] * bt + ka * at)
-                if own < INF and own + self._others_cost(q, k, r, t, extra - d, own, rhs, K, pr,
-                                                          gam, gam0, lb, slopes) < rhs:
+                if own < INF and self._others_fit(q, k, r, t, extra - d, own, rhs, K, pr, gam, gam0,
+                                                  lb, slopes):
                     break
                 d -= 1
             if d < ct_sum - s_lb:
@@ -1019,48 +1022,59 @@ class StructureBounds:
                         capt[vs * nt + t] = ct
         return self._stage_caps(r, lb, cap, capt, slopes)
 
-    def _others_cost(self, q: int, k: int, r: int, t: int, e: int, own: float, rhs: float, K,
-                     pr: "PathPrices", gam, gam0, lb, slopes) -> float:
-        """A lower bound on the cost, along path ``q``, of the ``e`` layers above their lower bounds
-        that the undecided ranks other than ``r`` (on type ``t``) take; the largest of the placement
-        bounds, computed in this order and stopped once ``own`` plus one reaches ``rhs``:
+    def _others_fit(self, q: int, k: int, r: int, t: int, e: int, own: float, rhs: float, K,
+                    pr: "PathPrices", gam, gam0, lb, slopes) -> bool:
+        """Whether ``own`` plus each lower bound on the cost, along path ``q``, of the ``e`` layers
+        above their lower bounds that the undecided ranks other than ``r`` (on type ``t``) take stays
+        below ``rhs``. The placement bounds, in pairs (the answer is order-free):
 
         (i) each at the cheapest slope of a rank's stage, types in order up to their capacity ``K``;
         (ii) the same with a rank's mean chunk slope less its rounding loss (``V > 1``);
         (iii) the other ranks' whole layer counts, lower bounds included, placed the same way with
         whole capacities, less what ``base`` already priced of their lower bounds; (iv) (iii) with
         mean slopes (``V > 1``).
+
+        A pair's mean-slope bound without its rounding loss is at least both bounds of the pair (a
+        rank's cheapest chunk slope is at most its mean, the placement cost is monotone in the slopes,
+        and the losses are >= 0): when it fits with ``FIT_SLACK`` to spare for float noise, so does
+        the pair, and the losses (``_gammas``) are not computed. Either way the answer is the same.
         """
         pp, v = self.pp, self.v
-        y = self._phi(e, r, t, K, pr.mu1, pr.mu2, pr.marg, slopes)
-        if v > 1 and own + y < rhs:
-            if pr.gsum < 0.0:
-                pr.gsum = self._gammas(q, k, lb, self.ecap, gam, slopes)
-            g = self._phi(e, r, t, K, pr.nu1, pr.nu2, pr.narg, slopes) - (pr.gsum - gam[r])
-            if g > y:
-                y = g
-        if own + y < rhs:
+        if pr.lbo < 0.0:
             # all the other ranks' layers placed by type, their lower bounds too (base priced those
             # at each stage's cheapest type: take them out)
-            if pr.lbo < 0.0:
-                pr.lbo = 0.0
-                pr.elb = 0
-                for j in range(k, pp):
-                    if j != r:
-                        pr.lbo += pr.rlb[j]
-                        for c in range(v):
-                            pr.elb += lb[c * pp + j]
-            g = self._phi(pr.elb + e, r, t, self.kfull, pr.mu1, pr.mu2, pr.marg, slopes) - pr.lbo
-            if g > y:
-                y = g
-            if v > 1 and own + y < rhs:
+            pr.lbo = 0.0
+            pr.elb = 0
+            for j in range(k, pp):
+                if j != r:
+                    pr.lbo += pr.rlb[j]
+                    for c in range(v):
+                        pr.elb += lb[c * pp + j]
+        # (iv) and (iii)
+        fit = True
+        pn = INF
+        if v > 1:
+            pn = self._phi(pr.elb + e, r, t, self.kfull, pr.nu1, pr.nu2, pr.narg, slopes)
+        if v == 1 or not own + (pn - pr.lbo) < rhs - FIT_SLACK * (abs(rhs) + abs(own) + abs(pn)):
+            if v > 1:
                 if pr.gsum0 < 0.0:
                     pr.gsum0 = self._gammas(q, k, self.zero_lb, self.efull, gam0, slopes)
-                g = self._phi(pr.elb + e, r, t, self.kfull, pr.nu1, pr.nu2, pr.narg, slopes) \
-                    - (pr.gsum0 - gam0[r]) - pr.lbo
-                if g > y:
-                    y = g
-        return y
+                fit = own + (pn - (pr.gsum0 - gam0[r]) - pr.lbo) < rhs
+            fit = fit and own + (self._phi(pr.elb + e, r, t, self.kfull, pr.mu1, pr.mu2, pr.marg, slopes)
+                                 - pr.lbo) < rhs
+        if not fit:
+            return False
+        # (ii) and (i)
+        pn = INF
+        if v > 1:
+            pn = self._phi(e, r, t, K, pr.nu1, pr.nu2, pr.narg, slopes)
+        if v == 1 or not own + pn < rhs - FIT_SLACK * (abs(rhs) + abs(own) + abs(pn)):
+            if v > 1:
+                if pr.gsum < 0.0:
+                    pr.gsum = self._gammas(q, k, lb, self.ecap, gam, slopes)
+                fit = own + (pn - (pr.gsum - gam[r])) < rhs
+            fit = fit and own + self._phi(e, r, t, K, pr.mu1, pr.mu2, pr.marg, slopes) < rhs
+        return fit
 
     def _stage_caps(self, r: int, lb, cap, capt, slopes) -> int:
         """Each stage of rank ``r``: its cap is the largest over the types that can still take the

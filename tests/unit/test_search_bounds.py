@@ -519,3 +519,37 @@ def test_interleaved_fill_and_drain_path_never_exceeds_the_longest_path(comm_mod
             others = (sum(fwd[i * v] + bwd[i * v] for i in range(r))
                       + sum(fwd[i * v + v - 1] + bwd[i * v + v - 1] for i in range(r + 1, pp)))
             assert own + others + 2 * sum(send[:pp - 1]) + ar[0] <= longest * (1 + 1e-12)
+
+
+def test_placement_shortcut_never_changes_a_decision(monkeypatch):
+    """StructureBounds._others_fit skips a pair of placement bounds (and their rounding losses) when
+    the pair's mean-slope bound without its loss fits: the searches with and without the shortcut
+    give the same plans and counters, and the shortcut does skip loss computations."""
+    from poseidon_plugin.search import bounds as bounds_mod
+    calls = [0]
+    gammas = bounds_mod.StructureBounds._gammas
+
+    def counted(self, *args):
+        calls[0] += 1
+        return gammas(self, *args)
+
+    monkeypatch.setattr(bounds_mod.StructureBounds, "_gammas", counted)
+    seen = {True: 0, False: 0}
+    structures = 0
+    for seed in range(400):
+        table, shape, counts, num_layers = random_structure(9000 + seed, True)
+        if shape.virtual_stages == 1:
+            continue
+        structures += 1
+        cls = array("i", range(len(counts)))
+        results = {}
+        for shortcut in (True, False):
+            monkeypatch.setattr(bounds_mod, "FIT_SLACK", 1e-12 if shortcut else math.inf)
+            ss = PySplitSearch(table, shape, num_layers, ridge=False, blocks=False, type_class=cls)
+            before = calls[0]
+            results[shortcut] = [ss.run(counts, tau) for tau in (math.inf, 60.0, 20.0, 5.0)]
+            seen[shortcut] += calls[0] - before
+        for a, b in zip(results[True], results[False]):
+            assert (a.time_ms, a.types, a.layers, a.counters) == (b.time_ms, b.types, b.layers, b.counters)
+    assert structures >= 50
+    assert seen[True] < seen[False], seen
