@@ -122,12 +122,15 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready document (lists for tuples; a stage's ranks and devices as runs)."""
-        doc = _plain(self)
+        # the stages' ranks and devices go straight to runs: at 100k+ devices, plain lists of them
+        # first cost seconds
+        doc = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "stages"}
+        doc["stages"] = [{f.name: _plain(getattr(stage, f.name)) for f in dataclasses.fields(stage)
+                          if f.name not in ("ranks", "devices")}
+                         | {"ranks": _rank_runs(stage.ranks), "devices": _device_runs(stage.devices)}
+                         for stage in self.stages]
         doc["priced_for"] = dict(self.priced_for)
         doc["format"] = PLAN_FORMAT
-        for st, stage in zip(doc["stages"], self.stages):
-            st["ranks"] = _rank_runs(stage.ranks)
-            st["devices"] = _device_runs(stage.devices)
         return doc
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -242,8 +245,8 @@ def _validate(p: Plan) -> None:
         if len(s.devices) != size:
             raise InputError(f"{ws}: devices has {len(s.devices)} entries; need dp x tp = {size}")
         for d in s.devices:
-            if (not isinstance(d, tuple) or len(d) != 2
-                    or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in d)):
+            if (type(d) is not tuple or len(d) != 2 or type(d[0]) is not int or type(d[1]) is not int
+                    or d[0] < 0 or d[1] < 0):          # exact types: bool is not an int here
                 raise _bad(ws, "devices entry", d, "a [node, local] pair of integers >= 0")
             if d in seen:
                 raise InputError(f"{ws}: device {list(d)} is used by two ranks")

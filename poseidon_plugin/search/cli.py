@@ -181,6 +181,7 @@ def write_trace(cm, plan, path: str, comm_model: str | None = None) -> None:
 
 def run(args) -> int:
     """Search and print the plan."""
+    start = time.monotonic()           # --time-limit counts the loading too (100k+ device clusters)
     from ..plan import render_table
     from ..target import search_plan
     for flag, value in (("--global-batch-size", args.global_batch_size), ("--seq-length", args.seq_length),
@@ -192,6 +193,8 @@ def run(args) -> int:
     cm = build_cost_model(args, target)
     bar = ProgressBar(enabled=not args.no_progress)
     options = dataclasses.replace(options, progress=bar)
+    if options.time_limit_s is not None:
+        options = dataclasses.replace(options, time_limit_s=max(0.0, options.time_limit_s - (time.monotonic() - start)))
     try:
         result = search_plan(cm, target, options)
     finally:

@@ -270,7 +270,15 @@ class TypeDevices(Sequence):
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return tuple(self._at(j) for j in range(*i.indices(self._len)))
+            start, stop, step = i.indices(self._len)
+            if step != 1:
+                return tuple(self._at(j) for j in range(start, stop, step))
+            out = []            # run by run: a plan's stages slice 100k+ devices
+            for pos, index, node, per, size in self._runs:
+                for j in range(max(start, pos) - pos, min(stop, pos + size) - pos):
+                    n, local = divmod(j, per)
+                    out.append(Device(index=index + j, node=node + n, local=local, device_type=self._type))
+            return tuple(out)
         if i < 0:
             i += self._len
         if not 0 <= i < self._len:
