@@ -107,6 +107,10 @@ cdef class SplitSearch:
     cdef double* sb
     cdef double* sa
     cdef double mins[10]
+    cdef double* tmin    # nt * 9: per remaining type, the costs of MIN_NAMES[0:9] (free slots' smallest)
+    cdef double* fill_f  # pp: the per-layer forward, backward, all-reduce ms _fill priced each
+    cdef double* fill_b  #     undecided rank at (what _path_caps' lift takes out)
+    cdef double* fill_a
     cdef long long ctr[9]
     cdef double tau
     cdef double shrink
@@ -121,7 +125,7 @@ cdef class SplitSearch:
     cdef double _need(self, int t, int r, int* chunks) noexcept nogil
     cdef int _rank_cap(self, int t, int r) noexcept nogil
     cdef void _unknown_mins(self) noexcept nogil
-    cdef void _fill(self, int* lb) noexcept nogil
+    cdef void _fill(self, int* lb, int* capt) noexcept nogil
     cdef double _send_lb(self, int r, double unknown_min) noexcept nogil
     cdef bint _child_lower_bounds(self, int k, int rest, int s_cap, int* lb, int* cap, int* out) noexcept nogil
     cdef bint _propagate(self, int k, int left, int* lb, int* cap, int* capt, int* plb, int* pcap,

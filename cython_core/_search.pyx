@@ -193,6 +193,10 @@ cdef class SplitSearch:
         self.ordfn = _ialloc(self.nt)
         self.kfull = _ialloc(self.pp * self.nt * self.nt)
         self.rlb = _dcopy([0.0] * self.pp)
+        self.tmin = _dcopy([0.0] * (self.nt * 9))
+        self.fill_f = _dcopy([0.0] * self.pp)
+        self.fill_b = _dcopy([0.0] * self.pp)
+        self.fill_a = _dcopy([0.0] * self.pp)
         self.gam0 = _dcopy([0.0] * self.pp)
         self.g_slb = _ialloc(self.pp)
         self.g_even = _ialloc(self.pp)
@@ -242,6 +246,7 @@ cdef class SplitSearch:
         free(self.ecap); free(self.kroom); free(self.ordr); free(self.ordn); free(self.marg); free(self.ph_t)
         free(self.mu1); free(self.mu2); free(self.rmt); free(self.ph_mu)
         free(self.nu1); free(self.nu2); free(self.narg); free(self.rsum); free(self.gam); free(self.xs); free(self.xall); free(self.rlb); free(self.gam0); free(self.zero_lb)
+        free(self.tmin); free(self.fill_f); free(self.fill_b); free(self.fill_a)
         free(self.g_slb); free(self.g_even); free(self.g_start); free(self.z_slb); free(self.z_even)
         free(self.efull); free(self.ordf); free(self.ordfn); free(self.kfull)
         free(self.as_val); free(self.as_owner); free(self.as_used); free(self.as_gain); free(self.as_via_t); free(self.as_via_r)
@@ -289,6 +294,15 @@ cdef class SplitSearch:
         for t in range(self.nt):
             if self.remaining[t] <= 0:
                 continue
+            self.tmin[t * 9 + 0] = self.forward_ms[t]
+            self.tmin[t * 9 + 1] = self.backward_ms[t]
+            self.tmin[t * 9 + 2] = self.embedding_forward_ms[t]
+            self.tmin[t * 9 + 3] = self.embedding_backward_ms[t]
+            self.tmin[t * 9 + 4] = self.head_forward_ms[t]
+            self.tmin[t * 9 + 5] = self.head_backward_ms[t]
+            self.tmin[t * 9 + 6] = INFINITY
+            self.tmin[t * 9 + 7] = INFINITY
+            self.tmin[t * 9 + 8] = INFINITY
             if self.forward_ms[t] < self.mins[0]:
                 self.mins[0] = self.forward_ms[t]
             if self.backward_ms[t] < self.mins[1]:
@@ -308,12 +322,18 @@ cdef class SplitSearch:
                 x = self.allreduce_ms[i] if self.has_allreduce[i] else 0.0
                 if x < self.mins[6]:
                     self.mins[6] = x
+                if x < self.tmin[t * 9 + 6]:
+                    self.tmin[t * 9 + 6] = x
                 x = self.embedding_allreduce_ms[i] if self.has_allreduce[i] else 0.0
                 if x < self.mins[7]:
                     self.mins[7] = x
+                if x < self.tmin[t * 9 + 7]:
+                    self.tmin[t * 9 + 7] = x
                 x = self.head_allreduce_ms[i] if self.has_allreduce[i] else 0.0
                 if x < self.mins[8]:
                     self.mins[8] = x
+                if x < self.tmin[t * 9 + 8]:
+                    self.tmin[t * 9 + 8] = x
                 if j + 1 < self.counts[t] and self.send_same_ms[i] < self.mins[9]:
                     self.mins[9] = self.send_same_ms[i]
                 if j > 0 and self.send_wrap_ms[i] < self.mins[9]:
@@ -322,9 +342,13 @@ cdef class SplitSearch:
             if self.mins[i] == INFINITY:
                 self.mins[i] = 0.0
 
-    cdef void _fill(self, int* lb) noexcept nogil:
-        cdef int pp = self.pp, v = self.v, nv = self.nv, r, t, i, c, vs, n, hasar
+    cdef void _fill(self, int* lb, int* capt) noexcept nogil:
+        # capt: the node's per-type caps (NULL: none); an undecided rank is priced over the remaining
+        # types that can hold its lower bounds (see splits.SplitSearch._fill)
+        cdef int pp = self.pp, v = self.v, nv = self.nv, nt = self.nt, r, t, i, c, vs, n, hasar, x
         cdef double total_ar, fw, bw, arr, efw, ebw, ear, hfw, hbw, har, f, b, sfw, sbw, opt
+        cdef double* m
+        cdef bint fits
         cdef double* p = self.params
         self._unknown_mins()
         for r in range(pp):
@@ -358,6 +382,51 @@ cdef class SplitSearch:
                 hbw = self.mins[5]
                 ear = self.mins[7]
                 har = self.mins[8]
+                if capt != NULL:
+                    fw = bw = arr = efw = ebw = hfw = hbw = ear = har = INFINITY
+                    for x in range(nt):
+                        if self.remaining[x] <= 0:
+                            continue
+                        fits = True
+                        for c in range(v):
+                            vs = c * pp + r
+                            if capt[vs * nt + x] < lb[vs]:
+                                fits = False
+                                break
+                        if not fits:
+                            continue
+                        m = self.tmin + x * 9
+                        if m[0] < fw:
+                            fw = m[0]
+                        if m[1] < bw:
+                            bw = m[1]
+                        if m[2] < efw:
+                            efw = m[2]
+                        if m[3] < ebw:
+                            ebw = m[3]
+                        if m[4] < hfw:
+                            hfw = m[4]
+                        if m[5] < hbw:
+                            hbw = m[5]
+                        if m[6] < arr:
+                            arr = m[6]
+                        if m[7] < ear:
+                            ear = m[7]
+                        if m[8] < har:
+                            har = m[8]
+                    if fw == INFINITY:          # no type fits (the propagation cuts such nodes)
+                        fw = self.mins[0]
+                        bw = self.mins[1]
+                        arr = self.mins[6]
+                        efw = self.mins[2]
+                        ebw = self.mins[3]
+                        hfw = self.mins[4]
+                        hbw = self.mins[5]
+                        ear = self.mins[7]
+                        har = self.mins[8]
+                self.fill_f[r] = fw
+                self.fill_b[r] = bw
+                self.fill_a[r] = arr
             for c in range(v):
                 vs = c * pp + r
                 n = self.layers[vs] if self.layers[vs] else lb[vs]
@@ -651,7 +720,7 @@ cdef class SplitSearch:
         cdef int argr, s_lb, ct_sum, u, c2, vs2, ok
         cdef bint fit
         cdef double* p = self.params
-        self._fill(lb)
+        self._fill(lb, capt)
         ns = self._type_slopes()
         for r in range(k, pp):
             for c in range(v):
@@ -725,7 +794,7 @@ cdef class SplitSearch:
                         self.rsum[t] += x
                     self.alpha[vs] = a
                     self.rlb[r] += lb[vs] * a
-                    lift += lb[vs] * (a - (kf * self.mins[0] + kb * self.mins[1] + ka * self.mins[6]))
+                    lift += lb[vs] * (a - (kf * self.fill_f[r] + kb * self.fill_b[r] + ka * self.fill_a[r]))
                     if a < a1:
                         a1 = a
                     if a > amax:
@@ -1128,7 +1197,7 @@ cdef class SplitSearch:
             for c in range(v):
                 self.layers[c * pp + k] = (l + v - 1 - c) // v
             if k < pp - 1 and self._child_lower_bounds(k, left - l, s_cap, lb, cap, lb2):
-                self._fill(lb2)
+                self._fill(lb2, capt)
                 self.ctr[BOUND_EVALS] += 1
                 if self.kernel.run(self.params) >= self.tau:
                     self.ctr[PRUNED_BOUND] += 1
@@ -1136,7 +1205,7 @@ cdef class SplitSearch:
                     continue
                 val = 0.0
             else:
-                self._fill(lb)
+                self._fill(lb, capt)
                 if k == pp - 1:
                     self.ctr[SIM_CALLS] += 1
                 else:
@@ -1166,10 +1235,11 @@ cdef class SplitSearch:
         for c in range(v):
             self.layers[c * pp + k] = 0
 
-    def bound_params(self, counts, types, layers, lb):
+    def bound_params(self, counts, types, layers, lb, capt=None):
         """The DAG bound's parameter vector with the ranks ``types[r] >= 0`` decided (``layers`` per
-        virtual stage; 0: undecided, priced at ``lb``): what ``_fill`` writes. For the tests that
-        compare this twin with splits.SplitSearch.bound_params field by field."""
+        virtual stage; 0: undecided, priced at ``lb``, over the types whose per-type caps ``capt``
+        (``vs * nt + t``; None: none) hold it): what ``_fill`` writes. For the tests that compare
+        this twin with splits.SplitSearch.bound_params field by field."""
         cdef int t, r, i
         for t in range(self.nt):
             self.counts[t] = counts[t]
@@ -1186,7 +1256,10 @@ cdef class SplitSearch:
         for i in range(self.nv):
             self.layers[i] = layers[i]
             self.lbs[i] = lb[i]
-        self._fill(self.lbs)
+        if capt is not None:
+            for i in range(self.nv * self.nt):
+                self.capts[i] = capt[i]
+        self._fill(self.lbs, self.capts if capt is not None else NULL)
         for i in range(self.nv):
             self.layers[i] = 0
         return [self.params[i] for i in range(self.n_params)]

@@ -570,9 +570,14 @@ class StructureBounds:
         t_ = self.table
         big = INF
         m = [big] * N_MINS
+        # per remaining type, its own costs of MIN_NAMES[:MIN_SEND] (all-reduces: its free slots')
+        self.type_mins = tm = [None] * self.nt
         for t in range(self.nt):
             if self.remaining[t] <= 0:
                 continue
+            tm[t] = own = [t_.forward_ms[t], t_.backward_ms[t], t_.embedding_forward_ms[t],
+                           t_.embedding_backward_ms[t], t_.head_forward_ms[t], t_.head_backward_ms[t],
+                           big, big, big]
             for i, col in ((MIN_FORWARD, t_.forward_ms), (MIN_BACKWARD, t_.backward_ms),
                            (MIN_EMBEDDING_FORWARD, t_.embedding_forward_ms),
                            (MIN_EMBEDDING_BACKWARD, t_.embedding_backward_ms),
@@ -594,12 +599,32 @@ class StructureBounds:
                     m[MIN_EMBEDDING_ALLREDUCE] = ae
                 if ah < m[MIN_HEAD_ALLREDUCE]:
                     m[MIN_HEAD_ALLREDUCE] = ah
+                own[MIN_ALLREDUCE] = min(own[MIN_ALLREDUCE], ar)
+                own[MIN_EMBEDDING_ALLREDUCE] = min(own[MIN_EMBEDDING_ALLREDUCE], ae)
+                own[MIN_HEAD_ALLREDUCE] = min(own[MIN_HEAD_ALLREDUCE], ah)
                 # links out of slot j: to slot j+1 of its type, or the wrap to slot 0
                 if j + 1 < self.counts[t] and t_.send_same_ms[i] < m[MIN_SEND]:
                     m[MIN_SEND] = t_.send_same_ms[i]
                 if j > 0 and t_.send_wrap_ms[i] < m[MIN_SEND]:
                     m[MIN_SEND] = t_.send_wrap_ms[i]
         return [0.0 if x == big else x for x in m]
+
+    def _rank_mins(self, r: int, lb, capt, mins):
+        """Smallest costs (``MIN_*`` up to the all-reduces) of undecided rank ``r`` over the remaining
+        types whose per-type caps ``capt`` hold its lower bounds ``lb`` (every completion below tau
+        gives the rank such a type); ``mins`` (all remaining types) when ``capt`` is None or no type
+        fits (the propagation cuts such nodes)."""
+        if capt is None:
+            return mins
+        pp, v, nt = self.pp, self.v, self.nt
+        out = None
+        for x, own in enumerate(self.type_mins):
+            if own is None:
+                continue
+            if any(capt[(c * pp + r) * nt + x] < lb[c * pp + r] for c in range(v)):
+                continue
+            out = list(own) if out is None else [a if a < b else b for a, b in zip(out, own)]
+        return mins if out is None else out
 
     def _send_lb(self, r: int, unknown_min: float) -> float:
         """Transfer ms of link ``r -> r+1``: exact when both ends are decided, else a lower bound."""
@@ -844,7 +869,7 @@ class StructureBounds:
         """
         pp, v, nv, nt = self.pp, self.v, self.nv, self.nt
         paths = self.shape.paths
-        self._fill(lb)
+        self._fill(lb, capt)
         slopes = self._type_slopes()
         limit = self.tau * (1.0 + PATH_SLACK)
         extra = left
@@ -879,7 +904,6 @@ class StructureBounds:
         pp, v, nv, nt = self.pp, self.v, self.nv, self.nt
         p = self.params
         paths = self.shape.paths
-        m_f, m_b, m_ar = self.mins[MIN_FORWARD], self.mins[MIN_BACKWARD], self.mins[MIN_ALLREDUCE]
         cf = q * nv
         cr = q * pp
         base = 0.0
@@ -899,6 +923,7 @@ class StructureBounds:
         for r in range(k, pp):
             rmin = INF
             s_lb = 0
+            m_f, m_b, m_ar = self.fill_slopes[r]      # what the DAG fill priced its lb layers at
             for t, _ft, _bt, _at in slopes:
                 rmt[t] = INF
                 rsum[t] = 0.0
@@ -917,7 +942,7 @@ class StructureBounds:
                 alpha[vs] = a
                 rlb[r] += lb[vs] * a
                 # the stage's lb layers cost at least its cheapest type's slope, not the
-                # per-column minimum the DAG fill used
+                # per-column minimum the DAG fill used (over the types that fit the rank)
                 lift += lb[vs] * (a - (kf * m_f + kb * m_b + ka * m_ar))
                 if a < a1:
                     a1 = a

@@ -155,30 +155,35 @@ class SplitSearch(StructureBounds):
         if self._propagate(0, self.num_layers, self.lb[0], self.cap[0], self.capt[0]):
             self.best = 0.0
 
-    def _fill(self, lb) -> None:
+    def _fill(self, lb, capt=None) -> None:
         """Parameter vector: decided ranks exactly as :meth:`CostModel.stage_times` (the same
         :func:`~poseidon_plugin.stagecost.put_rank_times`), undecided ones at lower bounds: layers at
-        ``lb``, costs at the minimum over the types they may still take."""
+        ``lb``, costs at the minimum over the types they may still take: with the node's per-type
+        caps ``capt``, only the types that can hold the rank's lower bounds (:meth:`_rank_mins`)."""
         pp, v = self.pp, self.v
         tb, p, types, layers = self.table, self.params, self.types, self.layers
         mins = self._unknown_mins()
         self.mins = mins
+        self.fill_slopes = fs = [(0.0, 0.0, 0.0)] * pp
         for r in range(pp):
             t = types[r]
             if t >= 0:
                 tb.put_rank_times(p, pp, v, r, layers, lb, t, t * self.stride + self.slot[r])
             else:   # framework terms left out: still a lower bound (stagecost)
-                put_rank_times(p, pp, v, r, layers, lb, mins[MIN_FORWARD], mins[MIN_BACKWARD],
-                               mins[MIN_ALLREDUCE], mins[MIN_EMBEDDING_FORWARD],
-                               mins[MIN_EMBEDDING_BACKWARD], mins[MIN_EMBEDDING_ALLREDUCE],
-                               mins[MIN_HEAD_FORWARD], mins[MIN_HEAD_BACKWARD],
-                               mins[MIN_HEAD_ALLREDUCE], 1)
+                m = self._rank_mins(r, lb, capt, mins)
+                put_rank_times(p, pp, v, r, layers, lb, m[MIN_FORWARD], m[MIN_BACKWARD],
+                               m[MIN_ALLREDUCE], m[MIN_EMBEDDING_FORWARD],
+                               m[MIN_EMBEDDING_BACKWARD], m[MIN_EMBEDDING_ALLREDUCE],
+                               m[MIN_HEAD_FORWARD], m[MIN_HEAD_BACKWARD],
+                               m[MIN_HEAD_ALLREDUCE], 1)
+                fs[r] = (m[MIN_FORWARD], m[MIN_BACKWARD], m[MIN_ALLREDUCE])
             p[send_index(pp, v, r)] = self._send_lb(r, mins[MIN_SEND])
 
-    def bound_params(self, counts, types, layers, lb) -> list[float]:
+    def bound_params(self, counts, types, layers, lb, capt=None) -> list[float]:
         """The DAG bound's parameter vector with the ranks ``types[r] >= 0`` decided (``layers`` per
-        virtual stage; 0: undecided, priced at ``lb``): what :meth:`_fill` writes. The compiled twin
-        has the same method; tests compare the two field by field."""
+        virtual stage; 0: undecided, priced at ``lb``, over the types whose per-type caps ``capt``
+        (``vs * nt + t``; None: none) hold it): what :meth:`_fill` writes. The compiled twin has the
+        same method; tests compare the two field by field."""
         nt = self.nt
         self.counts, self.remaining, self.used = list(counts), list(counts), [0] * nt
         self.types, self.slot = [-1] * self.pp, [0] * self.pp
@@ -188,7 +193,7 @@ class SplitSearch(StructureBounds):
                 self.remaining[t] -= 1
                 self.used[t] += 1
         self.layers = list(layers)
-        self._fill(list(lb))
+        self._fill(list(lb), None if capt is None else list(capt))
         self.layers = [0] * self.nv
         return list(self.params)
 
@@ -303,7 +308,7 @@ class SplitSearch(StructureBounds):
             for c in range(v):
                 self.layers[c * pp + k] = chunk_layers(l, c, v)
             if k < pp - 1 and self._child_lower_bounds(k, left - l, s_cap, lb, cap, lb2):
-                self._fill(lb2)
+                self._fill(lb2, capt)
                 ctr[BOUND_EVALS] += 1
                 if self.kernel.longest(self.params) >= self.tau:
                     ctr[PRUNED_BOUND] += 1
@@ -311,7 +316,7 @@ class SplitSearch(StructureBounds):
                     continue
                 val = 0.0
             else:
-                self._fill(lb)
+                self._fill(lb, capt)
                 ctr[SIM_CALLS if k == pp - 1 else BOUND_EVALS] += 1
                 val = self.kernel.longest(self.params)
                 if val >= self.tau:

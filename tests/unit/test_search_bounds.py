@@ -553,3 +553,40 @@ def test_placement_shortcut_never_changes_a_decision(monkeypatch):
             assert (a.time_ms, a.types, a.layers, a.counters) == (b.time_ms, b.types, b.layers, b.counters)
     assert structures >= 50
     assert seen[True] < seen[False], seen
+
+
+def test_fill_over_the_fitting_types_is_tighter_and_below_every_fitting_completion():
+    """SplitSearch._fill with the node's per-type caps prices an undecided rank over the types whose
+    caps hold its lower bounds: never below the fill over all types, above it somewhere, and never
+    above a completion that gives each undecided rank such a type with at least its lower bounds."""
+    raised = checked = 0
+    for seed in range(300):
+        table, shape, counts, num_layers = random_structure(7000 + seed, True)
+        pp, v, nt = shape.pp, shape.virtual_stages, len(counts)
+        rng = random.Random(seed)
+        ss = PySplitSearch(table, shape, num_layers, ridge=False, blocks=False,
+                           type_class=array("i", range(nt)))
+        free = [t for t in range(nt) for _ in range(counts[t])]
+        rng.shuffle(free)
+        lb = [rng.randint(1, 3) for _ in range(pp * v)]
+        capt = [rng.randint(0, 4) for _ in range(pp * v * nt)]
+        undecided = [-1] * pp
+        plain = ss.bound_params(counts, undecided, [0] * (pp * v), lb)
+        tight = ss.bound_params(counts, undecided, [0] * (pp * v), lb, capt)
+        assert all(x <= y for x, y in zip(plain, tight))
+        raised += any(x < y for x, y in zip(plain, tight))
+        # a completion: each rank a type of the shuffled pool that fits it (if every rank has one)
+        types = []
+        for r in range(pp):
+            fit = [t for t in free if all(capt[(c * pp + r) * nt + t] >= lb[c * pp + r] for c in range(v))]
+            if not fit:
+                break
+            types.append(fit[0])
+            free.remove(fit[0])
+        if len(types) < pp:
+            continue
+        checked += 1
+        exact = ss.bound_params(counts, types, lb, lb)        # every rank decided, at its lower bounds
+        for i in range(1, 1 + 2 * pp * v):                   # forward and backward ms
+            assert tight[i] <= exact[i] + 1e-9, (seed, i)
+    assert raised > 0 and checked > 50, (raised, checked)
