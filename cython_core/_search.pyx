@@ -56,11 +56,6 @@ cdef double _monotonic() noexcept nogil:
     return ts.tv_sec + ts.tv_nsec * 1e-9
 cdef int PROPAGATION_ROUNDS = 3
 cdef int INHERITED_ROUNDS = 2       # with the parent's bounds (see search/bounds.py)
-cdef int PATH_TAIL = 3              # see search/bounds.py
-
-
-cdef inline int _path_tail(int pp) noexcept nogil:
-    return pp // PATH_TAIL if pp // PATH_TAIL > 1 else 1
 
 
 cdef double* _dcopy(object seq) except NULL:
@@ -535,7 +530,7 @@ cdef class SplitSearch:
                     if lb[vs] > cap[vs]:
                         self.ctr[PRUNED_PATH] += 1
                         return False
-            if self.tau == INFINITY or k >= pp - _path_tail(pp) or rnd == rounds - 1:
+            if self.tau == INFINITY or k == pp - 1 or rnd == rounds - 1:
                 break
             changed = self._path_caps(k, left, lb, cap, capt)
             if changed >= 0 and not self._type_mass(k, left, lb, cap, capt):

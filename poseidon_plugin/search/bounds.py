@@ -41,16 +41,6 @@ PROPAGATION_ROUNDS = 3
 # of the parent's does nearly what two did from scratch (Setting 6 at 288 NPUs: 0.2 % more nodes,
 # ~20 % less time); the roots (thousands of shape groups' checks) keep both rounds
 INHERITED_ROUNDS = 2
-# the last ranks' nodes run no path bounds (only the sum rules): their children are closed by the DAG
-# bound, which prices the few undecided ranks at their lower bounds nearly as the paths would.
-# Setting 6 at 288 NPUs (PP 16): the path bounds cut 2-7 % of the nodes at depths 11-14 and cost
-# most of their time; skipping the last PP // 3 ranks: 3 % more nodes, 1.95 -> 1.6 CPU s
-PATH_TAIL = 3
-
-
-def path_tail(pp: int) -> int:
-    """How many of the last ranks run no path bounds (at least the last, which has nothing to bound)."""
-    return max(1, pp // PATH_TAIL)
 
 # StructureBounds.mins: the smallest cost of each kind over the types an undecided rank may take
 # (the same indices in poseidon_plugin._core._search, which exports MIN_NAMES)
@@ -707,7 +697,7 @@ class StructureBounds:
                     if lb[vs] > cap[vs]:
                         ctr[PRUNED_PATH] += 1
                         return False
-            if tau == INF or k >= pp - path_tail(pp) or rnd == rounds - 1:
+            if tau == INF or k == pp - 1 or rnd == rounds - 1:
                 break
             changed = self._path_caps(k, left, lb, cap, capt)
             if changed >= 0 and not self._type_mass(k, left, lb, cap, capt):
