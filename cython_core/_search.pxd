@@ -125,6 +125,7 @@ cdef class SplitSearch:
     cdef double _need(self, int t, int r, int* chunks) noexcept nogil
     cdef int _rank_cap(self, int t, int r) noexcept nogil
     cdef void _unknown_mins(self) noexcept nogil
+    cdef bint _rank_mins(self, int r, int* lb, int* capt, double* out) noexcept nogil
     cdef void _fill(self, int* lb, int* capt) noexcept nogil
     cdef double _send_lb(self, int r, double unknown_min) noexcept nogil
     cdef bint _child_lower_bounds(self, int k, int rest, int s_cap, int* lb, int* cap, int* out) noexcept nogil

@@ -337,13 +337,35 @@ cdef class SplitSearch:
             if self.mins[i] == INFINITY:
                 self.mins[i] = 0.0
 
+    cdef bint _rank_mins(self, int r, int* lb, int* capt, double* out) noexcept nogil:
+        # see splits.SplitSearch._rank_mins: out[0:9] over the remaining types whose caps hold
+        # rank r's lower bounds; False when none does
+        cdef int pp = self.pp, nt = self.nt, x, c, i
+        cdef bint fits, found = False
+        cdef double* m
+        for x in range(nt):
+            if self.remaining[x] <= 0:
+                continue
+            fits = True
+            for c in range(self.v):
+                if capt[(c * pp + r) * nt + x] < lb[c * pp + r]:
+                    fits = False
+                    break
+            if not fits:
+                continue
+            m = self.tmin + x * 9
+            for i in range(9):
+                if not found or m[i] < out[i]:
+                    out[i] = m[i]
+            found = True
+        return found
+
     cdef void _fill(self, int* lb, int* capt) noexcept nogil:
         # capt: the node's per-type caps (NULL: none); an undecided rank is priced over the remaining
         # types that can hold its lower bounds (see splits.SplitSearch._fill)
-        cdef int pp = self.pp, v = self.v, nv = self.nv, nt = self.nt, r, t, i, c, vs, n, hasar, x
+        cdef int pp = self.pp, v = self.v, nv = self.nv, r, t, i, c, vs, n, hasar
         cdef double total_ar, fw, bw, arr, efw, ebw, ear, hfw, hbw, har, f, b, sfw, sbw, opt
-        cdef double* m
-        cdef bint fits
+        cdef double rm[9]
         cdef double* p = self.params
         self._unknown_mins()
         for r in range(pp):
@@ -377,48 +399,16 @@ cdef class SplitSearch:
                 hbw = self.mins[5]
                 ear = self.mins[7]
                 har = self.mins[8]
-                if capt != NULL:
-                    fw = bw = arr = efw = ebw = hfw = hbw = ear = har = INFINITY
-                    for x in range(nt):
-                        if self.remaining[x] <= 0:
-                            continue
-                        fits = True
-                        for c in range(v):
-                            vs = c * pp + r
-                            if capt[vs * nt + x] < lb[vs]:
-                                fits = False
-                                break
-                        if not fits:
-                            continue
-                        m = self.tmin + x * 9
-                        if m[0] < fw:
-                            fw = m[0]
-                        if m[1] < bw:
-                            bw = m[1]
-                        if m[2] < efw:
-                            efw = m[2]
-                        if m[3] < ebw:
-                            ebw = m[3]
-                        if m[4] < hfw:
-                            hfw = m[4]
-                        if m[5] < hbw:
-                            hbw = m[5]
-                        if m[6] < arr:
-                            arr = m[6]
-                        if m[7] < ear:
-                            ear = m[7]
-                        if m[8] < har:
-                            har = m[8]
-                    if fw == INFINITY:          # no type fits (the propagation cuts such nodes)
-                        fw = self.mins[0]
-                        bw = self.mins[1]
-                        arr = self.mins[6]
-                        efw = self.mins[2]
-                        ebw = self.mins[3]
-                        hfw = self.mins[4]
-                        hbw = self.mins[5]
-                        ear = self.mins[7]
-                        har = self.mins[8]
+                if capt != NULL and self._rank_mins(r, lb, capt, rm):
+                    fw = rm[0]
+                    bw = rm[1]
+                    efw = rm[2]
+                    ebw = rm[3]
+                    hfw = rm[4]
+                    hbw = rm[5]
+                    arr = rm[6]
+                    ear = rm[7]
+                    har = rm[8]
                 self.fill_f[r] = fw
                 self.fill_b[r] = bw
                 self.fill_a[r] = arr

@@ -194,7 +194,8 @@ def run(args) -> int:
     bar = ProgressBar(enabled=not args.no_progress)
     options = dataclasses.replace(options, progress=bar)
     if options.time_limit_s is not None:
-        options = dataclasses.replace(options, time_limit_s=max(0.0, options.time_limit_s - (time.monotonic() - start)))
+        left = options.time_limit_s - (time.monotonic() - start)
+        options = dataclasses.replace(options, time_limit_s=max(0.0, left))
     try:
         result = search_plan(cm, target, options)
     finally:
