@@ -2,8 +2,9 @@
 # Other Cython modules (the search loop) cimport DagKernel and call run() without the GIL.
 
 ctypedef struct Node2:
-    # a node with at most two predecessors (the common case): finish = w + max(0, f[a] + wa, f[b] + wb);
+    # node v with at most two predecessors (the common case): finish = w + max(0, f[a] + wa, f[b] + wb);
     # a missing predecessor points at the dummy node n_nodes (finish 0) with weight index 0
+    int v
     int a
     int b
     int wa
@@ -27,6 +28,9 @@ cdef class DagKernel:
     cdef int* sinks
     cdef double* finish
     cdef Node2* nodes2     # packed two-predecessor form, NULL when some node has more predecessors
+    cdef int n_packed      # its length: the nodes not folded into their successor
+    cdef int* fold_u       # per node: the predecessor it is folded onto (-1: not folded) ...
+    cdef int* fold_w       # ... and the one weight index of its edge and itself
 
     # Longest path for the parameter vector params[0:n_params]; params[0] must be 0.
     cdef double run(self, const double* params) noexcept nogil

@@ -22,6 +22,7 @@ cdef class DagKernel:
         self.weight = self.ptr = self.src = self.ew = self.sinks = NULL
         self.finish = NULL
         self.nodes2 = NULL
+        self.fold_u = self.fold_w = NULL
         self.n_nodes = graph.n_nodes
         self.n_edges = graph.n_edges
         self.n_sinks = len(graph.sinks)
@@ -41,32 +42,85 @@ cdef class DagKernel:
         self._pack()
 
     cdef _pack(self):
-        cdef int v, k, e
-        for v in range(self.n_nodes):
+        # The packed form: nodes with at most two predecessors, in topological order. A node v with
+        # one predecessor u, one successor x over a weight-0 edge, and one nonzero weight (its own or
+        # its edge's) is folded into x: x reads f[u] + w instead of f[v] + 0, the same float sum
+        # (f[v] = f[u] + w exactly: the other weight is params[0] = 0 and, every parameter being a
+        # time >= 0, the dummy's 0 never wins). The Megatron p2p graphs have thousands of such
+        # nodes (posts and waits); finish_times fills the folded ones in after a run.
+        cdef int v, k, e, u, w, s, n = self.n_nodes
+        cdef int* succ_n = NULL
+        cdef int* succ_e = NULL
+        cdef bint* is_sink = NULL
+        for v in range(n):
             if self.ptr[v + 1] - self.ptr[v] > 2:
                 return
-        self.nodes2 = <Node2*> malloc((self.n_nodes if self.n_nodes > 0 else 1) * sizeof(Node2))
-        if self.nodes2 == NULL:
-            raise MemoryError()
-        for v in range(self.n_nodes):
-            self.nodes2[v].a = self.n_nodes
-            self.nodes2[v].b = self.n_nodes
-            self.nodes2[v].wa = 0
-            self.nodes2[v].wb = 0
-            self.nodes2[v].w = self.weight[v]
-            k = 0
-            for e in range(self.ptr[v], self.ptr[v + 1]):
-                if k == 0:
-                    self.nodes2[v].a = self.src[e]
-                    self.nodes2[v].wa = self.ew[e]
+        self.fold_u = <int*> malloc((n if n > 0 else 1) * sizeof(int))
+        self.fold_w = <int*> malloc((n if n > 0 else 1) * sizeof(int))
+        self.nodes2 = <Node2*> malloc((n if n > 0 else 1) * sizeof(Node2))
+        succ_n = <int*> malloc((n if n > 0 else 1) * sizeof(int))
+        succ_e = <int*> malloc((n if n > 0 else 1) * sizeof(int))
+        is_sink = <bint*> malloc((n if n > 0 else 1) * sizeof(bint))
+        try:
+            if self.nodes2 == NULL or self.fold_u == NULL or self.fold_w == NULL or succ_n == NULL \
+                    or succ_e == NULL or is_sink == NULL:
+                raise MemoryError()
+            for v in range(n):
+                succ_n[v] = 0
+                is_sink[v] = False
+                self.fold_u[v] = -1
+            for v in range(self.n_sinks):
+                is_sink[self.sinks[v]] = True
+            for v in range(n):
+                for e in range(self.ptr[v], self.ptr[v + 1]):
+                    succ_n[self.src[e]] += 1
+                    succ_e[self.src[e]] = e
+            for v in range(n):
+                if self.ptr[v + 1] - self.ptr[v] != 1 or succ_n[v] != 1 or is_sink[v] \
+                        or self.ew[succ_e[v]] != 0:
+                    continue
+                e = self.ptr[v]
+                u = self.src[e]
+                if self.fold_u[u] >= 0:      # u is folded itself: its weight and v's would be two
+                    continue
+                if self.ew[e] == 0:
+                    w = self.weight[v]
+                elif self.weight[v] == 0:
+                    w = self.ew[e]
                 else:
-                    self.nodes2[v].b = self.src[e]
-                    self.nodes2[v].wb = self.ew[e]
+                    continue
+                self.fold_u[v] = u
+                self.fold_w[v] = w
+            k = 0
+            for v in range(n):
+                if self.fold_u[v] >= 0:
+                    continue
+                self.nodes2[k].v = v
+                self.nodes2[k].a = n
+                self.nodes2[k].b = n
+                self.nodes2[k].wa = 0
+                self.nodes2[k].wb = 0
+                self.nodes2[k].w = self.weight[v]
+                for e in range(self.ptr[v], self.ptr[v + 1]):
+                    s = self.src[e]
+                    w = self.ew[e]
+                    if self.fold_u[s] >= 0:  # a folded predecessor (over a weight-0 edge)
+                        w = self.fold_w[s]
+                        s = self.fold_u[s]
+                    if e == self.ptr[v]:
+                        self.nodes2[k].a = s
+                        self.nodes2[k].wa = w
+                    else:
+                        self.nodes2[k].b = s
+                        self.nodes2[k].wb = w
                 k += 1
+            self.n_packed = k
+        finally:
+            free(succ_n); free(succ_e); free(is_sink)
 
     def __dealloc__(self):
         free(self.weight); free(self.ptr); free(self.src); free(self.ew); free(self.sinks)
-        free(self.finish); free(self.nodes2)
+        free(self.finish); free(self.nodes2); free(self.fold_u); free(self.fold_w)
 
     cdef double run(self, const double* params) noexcept nogil:
         cdef int v, e, e_end
@@ -79,12 +133,12 @@ cdef class DagKernel:
         cdef const Node2* nd = self.nodes2
         cdef double ta, tb
         if nd != NULL:
-            for v in range(self.n_nodes):
+            for v in range(self.n_packed):
                 ta = finish[nd[v].a] + params[nd[v].wa]
                 tb = finish[nd[v].b] + params[nd[v].wb]
                 if tb > ta:
                     ta = tb
-                finish[v] = ta + params[nd[v].w]
+                finish[nd[v].v] = ta + params[nd[v].w]
             return self._max_sink()
         e = 0
         for v in range(self.n_nodes):
@@ -115,8 +169,19 @@ cdef class DagKernel:
 
     def finish_times(self, double[::1] params not None):
         """Finish time of every node (topological order)."""
+        cdef int v
         self.longest(params)
+        if self.nodes2 != NULL:
+            for v in range(self.n_nodes):      # the folded nodes (see _pack), in order
+                if self.fold_u[v] >= 0:
+                    self.finish[v] = self.finish[self.fold_u[v]] + params[self.fold_w[v]]
         return [self.finish[v] for v in range(self.n_nodes)]
+
+    @property
+    def packed_nodes(self):
+        """Nodes the packed loop evaluates (the others are folded into their successor; -1: no
+        packed form)."""
+        return self.n_packed if self.nodes2 != NULL else -1
 
     def fill(self, double[::1] params not None, forward_ms, backward_ms, send_ms, allreduce_ms):
         """Write stage times into ``params`` following the ParamLayout (lengths already validated)."""

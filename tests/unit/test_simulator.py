@@ -346,3 +346,30 @@ def test_graph_cache_keeps_at_most_its_node_budget(monkeypatch):
     assert cache("gpipe", 3, 6, 1, "megatron") is cache("gpipe", 3, 6, 1, "megatron")
     cache.cache_clear()
     assert len(cache) == 0
+
+
+@pytest.mark.parametrize("comm_model", ["dag", "megatron", "megatron-overlap"])
+@pytest.mark.parametrize("schedule,pp,m,v", [("1f1b", 4, 8, 1), ("1f1b", 3, 7, 1), ("gpipe", 3, 4, 1),
+                                             ("interleaved-1f1b", 4, 8, 2), ("interleaved-1f1b", 3, 6, 3)])
+def test_compiled_kernel_folds_nodes_and_gives_the_same_finish_times(comm_model, schedule, pp, m, v):
+    """The compiled kernel's packed form folds a node with one predecessor and one successor into that
+    successor (_dag.pyx _pack): the Megatron p2p graphs lose many nodes, and the longest path and every
+    node's finish time stay bit for bit those of the pure twin."""
+    from poseidon_plugin.simulator import kernel_name
+    from poseidon_plugin.simulator._pydag import DagKernel as PyKernel
+    from poseidon_plugin.simulator.core import cached_graph
+
+    if kernel_name() != "compiled":
+        pytest.skip("POSEIDON_PURE_PYTHON is set or the compiled core is not built")
+    from array import array
+
+    from poseidon_plugin._core._dag import DagKernel
+    g = cached_graph(schedule, pp, m, v, comm_model)
+    a, b = DagKernel(g), PyKernel(g)
+    if comm_model != "dag":
+        assert 0 < a.packed_nodes < g.n_nodes
+    rng = random.Random(f"{comm_model}-{schedule}-{pp}-{m}-{v}")
+    for _ in range(20):
+        params = array("d", [0.0] + [rng.choice([0.0, rng.uniform(0, 5)]) for _ in range(a.n_params - 1)])
+        assert a.longest(params) == b.longest(params)
+        assert a.finish_times(params) == b.finish_times(params)
