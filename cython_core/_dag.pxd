@@ -32,7 +32,8 @@ cdef class DagKernel:
     cdef int* fold_u       # per node: the predecessor it is folded onto (-1: not folded) ...
     cdef int* fold_w       # ... and the one weight index of its edge and itself
 
-    # Longest path for the parameter vector params[0:n_params]; params[0] must be 0.
+    # Longest path for the parameter vector params[0:n_params]; params[0] must be 0 and every entry
+    # a time >= 0 (the packed form relies on it, see _pack).
     cdef double run(self, const double* params) noexcept nogil
     cdef double _max_sink(self) noexcept nogil
     cdef _pack(self)
