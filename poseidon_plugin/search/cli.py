@@ -194,8 +194,9 @@ def run(args) -> int:
     bar = ProgressBar(enabled=not args.no_progress)
     options = dataclasses.replace(options, progress=bar)
     if options.time_limit_s is not None:
+        # what is left of it (a sliver when loading took it all: the search still returns a plan)
         left = options.time_limit_s - (time.monotonic() - start)
-        options = dataclasses.replace(options, time_limit_s=max(0.0, left))
+        options = dataclasses.replace(options, time_limit_s=max(1e-3, left))
     try:
         result = search_plan(cm, target, options)
     finally:

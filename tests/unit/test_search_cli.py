@@ -139,3 +139,15 @@ def test_min_pp_above_max_pp_is_rejected():
 
     with pytest.raises(InputError, match="--min-pp 4 is larger than --max-pp 2"):
         validate_options(SearchOptions(min_pipeline_stages=4, max_pipeline_stages=2))
+
+
+def test_cli_time_limit_counts_the_loading_and_still_returns_a_plan(capsys):
+    """`poseidon plan --time-limit T` counts from the command's start: a limit the loading alone uses
+    up leaves the search a sliver, and the command still prints a plan (not an invalid-limit error)."""
+    rc = main(["plan", "--cluster", "paper-setting-1", "--model", "llama3-8b", "--schedules", "1f1b",
+               "--time-limit", "1e-7", "--json", "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    doc = json.loads(captured.out)
+    assert Plan.from_dict(doc).predicted_iteration_ms > 0
+    assert doc["search_stats"]["complete"] is False
