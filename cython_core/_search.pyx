@@ -298,41 +298,26 @@ cdef class SplitSearch:
             self.tmin[t * 9 + 6] = INFINITY
             self.tmin[t * 9 + 7] = INFINITY
             self.tmin[t * 9 + 8] = INFINITY
-            if self.forward_ms[t] < self.mins[0]:
-                self.mins[0] = self.forward_ms[t]
-            if self.backward_ms[t] < self.mins[1]:
-                self.mins[1] = self.backward_ms[t]
-            if self.embedding_forward_ms[t] < self.mins[2]:
-                self.mins[2] = self.embedding_forward_ms[t]
-            if self.embedding_backward_ms[t] < self.mins[3]:
-                self.mins[3] = self.embedding_backward_ms[t]
-            if self.head_forward_ms[t] < self.mins[4]:
-                self.mins[4] = self.head_forward_ms[t]
-            if self.head_backward_ms[t] < self.mins[5]:
-                self.mins[5] = self.head_backward_ms[t]
             if self.send_cross_ms[t] < self.mins[9]:
                 self.mins[9] = self.send_cross_ms[t]
             for j in range(self.used[t], self.counts[t]):
                 i = t * self.stride + j
                 x = self.allreduce_ms[i] if self.has_allreduce[i] else 0.0
-                if x < self.mins[6]:
-                    self.mins[6] = x
                 if x < self.tmin[t * 9 + 6]:
                     self.tmin[t * 9 + 6] = x
                 x = self.embedding_allreduce_ms[i] if self.has_allreduce[i] else 0.0
-                if x < self.mins[7]:
-                    self.mins[7] = x
                 if x < self.tmin[t * 9 + 7]:
                     self.tmin[t * 9 + 7] = x
                 x = self.head_allreduce_ms[i] if self.has_allreduce[i] else 0.0
-                if x < self.mins[8]:
-                    self.mins[8] = x
                 if x < self.tmin[t * 9 + 8]:
                     self.tmin[t * 9 + 8] = x
                 if j + 1 < self.counts[t] and self.send_same_ms[i] < self.mins[9]:
                     self.mins[9] = self.send_same_ms[i]
                 if j > 0 and self.send_wrap_ms[i] < self.mins[9]:
                     self.mins[9] = self.send_wrap_ms[i]
+            for i in range(9):          # the minima over all types are those of the types' own
+                if self.tmin[t * 9 + i] < self.mins[i]:
+                    self.mins[i] = self.tmin[t * 9 + i]
         for i in range(N_MINS):
             if self.mins[i] == INFINITY:
                 self.mins[i] = 0.0

@@ -560,7 +560,8 @@ class StructureBounds:
         t_ = self.table
         big = INF
         m = [big] * N_MINS
-        # per remaining type, its own costs of MIN_NAMES[:MIN_SEND] (all-reduces: its free slots')
+        # per remaining type, its own costs of MIN_NAMES[:MIN_SEND] (all-reduces: its free slots');
+        # the minima over all of them are theirs, the transfers' are over the links still possible
         self.type_mins = tm = [None] * self.nt
         for t in range(self.nt):
             if self.remaining[t] <= 0:
@@ -568,35 +569,25 @@ class StructureBounds:
             tm[t] = own = [t_.forward_ms[t], t_.backward_ms[t], t_.embedding_forward_ms[t],
                            t_.embedding_backward_ms[t], t_.head_forward_ms[t], t_.head_backward_ms[t],
                            big, big, big]
-            for i, col in ((MIN_FORWARD, t_.forward_ms), (MIN_BACKWARD, t_.backward_ms),
-                           (MIN_EMBEDDING_FORWARD, t_.embedding_forward_ms),
-                           (MIN_EMBEDDING_BACKWARD, t_.embedding_backward_ms),
-                           (MIN_HEAD_FORWARD, t_.head_forward_ms),
-                           (MIN_HEAD_BACKWARD, t_.head_backward_ms)):
-                if col[t] < m[i]:
-                    m[i] = col[t]
             if t_.send_cross_ms[t] < m[MIN_SEND]:
                 m[MIN_SEND] = t_.send_cross_ms[t]
             for j in range(self.used[t], self.counts[t]):
                 i = t * self.stride + j
                 has = t_.has_allreduce[i]
-                ar = t_.allreduce_ms[i] if has else 0.0
-                ae = t_.embedding_allreduce_ms[i] if has else 0.0
-                ah = t_.head_allreduce_ms[i] if has else 0.0
-                if ar < m[MIN_ALLREDUCE]:
-                    m[MIN_ALLREDUCE] = ar
-                if ae < m[MIN_EMBEDDING_ALLREDUCE]:
-                    m[MIN_EMBEDDING_ALLREDUCE] = ae
-                if ah < m[MIN_HEAD_ALLREDUCE]:
-                    m[MIN_HEAD_ALLREDUCE] = ah
-                own[MIN_ALLREDUCE] = min(own[MIN_ALLREDUCE], ar)
-                own[MIN_EMBEDDING_ALLREDUCE] = min(own[MIN_EMBEDDING_ALLREDUCE], ae)
-                own[MIN_HEAD_ALLREDUCE] = min(own[MIN_HEAD_ALLREDUCE], ah)
+                for k, col in ((MIN_ALLREDUCE, t_.allreduce_ms),
+                               (MIN_EMBEDDING_ALLREDUCE, t_.embedding_allreduce_ms),
+                               (MIN_HEAD_ALLREDUCE, t_.head_allreduce_ms)):
+                    x = col[i] if has else 0.0
+                    if x < own[k]:
+                        own[k] = x
                 # links out of slot j: to slot j+1 of its type, or the wrap to slot 0
                 if j + 1 < self.counts[t] and t_.send_same_ms[i] < m[MIN_SEND]:
                     m[MIN_SEND] = t_.send_same_ms[i]
                 if j > 0 and t_.send_wrap_ms[i] < m[MIN_SEND]:
                     m[MIN_SEND] = t_.send_wrap_ms[i]
+            for k in range(MIN_SEND):
+                if own[k] < m[k]:
+                    m[k] = own[k]
         return [0.0 if x == big else x for x in m]
 
     def _rank_mins(self, r: int, lb, capt, mins):
