@@ -260,12 +260,16 @@ class TypeDevices(Sequence):
     def __len__(self) -> int:
         return self._len
 
+    def _device(self, run: tuple, j: int) -> Device:
+        """Device ``j`` of a run (its position within it)."""
+        _pos, index, node, per, _size = run
+        n, local = divmod(j, per)
+        return Device(index=index + j, node=node + n, local=local, device_type=self._type)
+
     def _at(self, i: int) -> Device:
-        for pos, index, node, per, size in self._runs:
-            if i < pos + size:
-                n, local = divmod(i - pos, per)
-                return Device(index=index + i - pos, node=node + n, local=local,
-                              device_type=self._type)
+        for run in self._runs:
+            if i < run[0] + run[4]:
+                return self._device(run, i - run[0])
         raise IndexError(i)
 
     def __getitem__(self, i):
@@ -273,12 +277,9 @@ class TypeDevices(Sequence):
             start, stop, step = i.indices(self._len)
             if step != 1:
                 return tuple(self._at(j) for j in range(start, stop, step))
-            out = []            # run by run: a plan's stages slice 100k+ devices
-            for pos, index, node, per, size in self._runs:
-                for j in range(max(start, pos) - pos, min(stop, pos + size) - pos):
-                    n, local = divmod(j, per)
-                    out.append(Device(index=index + j, node=node + n, local=local, device_type=self._type))
-            return tuple(out)
+            # run by run (no search for the run per device): a plan's stages slice 100k+ devices
+            return tuple(self._device(run, j) for run in self._runs
+                         for j in range(max(start, run[0]) - run[0], min(stop, run[0] + run[4]) - run[0]))
         if i < 0:
             i += self._len
         if not 0 <= i < self._len:
