@@ -45,7 +45,7 @@ TABLE_COLUMNS = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding
 
 
 cdef double PATH_SLACK = 1e-9
-cdef double FIT_SLACK = 1e-12     # see splits.py (bounds.FIT_SLACK)
+cdef double FIT_SLACK = 1e-12     # see search/bounds.py FIT_SLACK
 cdef int AS_NEG = -(1 << 30)
 cdef long long CLOCK_EVERY = 1024
 
