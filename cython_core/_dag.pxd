@@ -31,9 +31,11 @@ cdef class DagKernel:
     cdef int n_packed      # its length: the nodes not folded into their successor
     cdef int* fold_u       # per node: the predecessor it is folded onto (-1: not folded) ...
     cdef int* fold_w       # ... and the one weight index of its edge and itself
+    cdef int* pk_of        # per node: its index in nodes2 (folded nodes: unset)
 
     # Longest path for the parameter vector params[0:n_params]; params[0] must be 0 and every entry
     # a time >= 0 (the packed form relies on it, see _pack).
     cdef double run(self, const double* params) noexcept nogil
     cdef double _max_sink(self) noexcept nogil
+    cdef void critical(self, const double* params, int* cnt) noexcept nogil
     cdef _pack(self)

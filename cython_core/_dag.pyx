@@ -22,7 +22,7 @@ cdef class DagKernel:
         self.weight = self.ptr = self.src = self.ew = self.sinks = NULL
         self.finish = NULL
         self.nodes2 = NULL
-        self.fold_u = self.fold_w = NULL
+        self.fold_u = self.fold_w = self.pk_of = NULL
         self.n_nodes = graph.n_nodes
         self.n_edges = graph.n_edges
         self.n_sinks = len(graph.sinks)
@@ -58,11 +58,12 @@ cdef class DagKernel:
         self.fold_u = <int*> malloc((n if n > 0 else 1) * sizeof(int))
         self.fold_w = <int*> malloc((n if n > 0 else 1) * sizeof(int))
         self.nodes2 = <Node2*> malloc((n if n > 0 else 1) * sizeof(Node2))
+        self.pk_of = <int*> malloc((n if n > 0 else 1) * sizeof(int))
         succ_n = <int*> malloc((n if n > 0 else 1) * sizeof(int))
         succ_e = <int*> malloc((n if n > 0 else 1) * sizeof(int))
         is_sink = <bint*> malloc((n if n > 0 else 1) * sizeof(bint))
         try:
-            if self.nodes2 == NULL or self.fold_u == NULL or self.fold_w == NULL or succ_n == NULL \
+            if self.nodes2 == NULL or self.pk_of == NULL or self.fold_u == NULL or self.fold_w == NULL or succ_n == NULL \
                     or succ_e == NULL or is_sink == NULL:
                 raise MemoryError()
             for v in range(n):
@@ -96,6 +97,7 @@ cdef class DagKernel:
                 if self.fold_u[v] >= 0:
                     continue
                 self.nodes2[k].v = v
+                self.pk_of[v] = k
                 self.nodes2[k].a = n
                 self.nodes2[k].b = n
                 self.nodes2[k].wa = 0
@@ -120,7 +122,7 @@ cdef class DagKernel:
 
     def __dealloc__(self):
         free(self.weight); free(self.ptr); free(self.src); free(self.ew); free(self.sinks)
-        free(self.finish); free(self.nodes2); free(self.fold_u); free(self.fold_w)
+        free(self.finish); free(self.nodes2); free(self.fold_u); free(self.fold_w); free(self.pk_of)
 
     cdef double run(self, const double* params) noexcept nogil:
         cdef int v, e, e_end
@@ -161,6 +163,50 @@ cdef class DagKernel:
                 best = t
         return best
 
+    cdef void critical(self, const double* params, int* cnt) noexcept nogil:
+        # After run(params): how often each parameter index weighs on one longest path (into
+        # cnt[0:n_params]; index 0 not counted), walking back from the first latest sink along the
+        # first predecessor that gave each finish time (the pure twin's walk over the unpacked graph
+        # meets the same nodes: a folded node adds its one weight on the edge it was folded into)
+        cdef int v, e, k, u, best_e, i
+        cdef double best, t, ta, tb
+        cdef const Node2* nd = self.nodes2
+        for i in range(self.n_params):
+            cnt[i] = 0
+        v = -1
+        best = 0.0
+        for i in range(self.n_sinks):
+            t = self.finish[self.sinks[i]]
+            if v < 0 or t > best:
+                best = t
+                v = self.sinks[i]
+        while v >= 0 and v < self.n_nodes:
+            if nd != NULL:
+                k = self.pk_of[v]
+                cnt[nd[k].w] += 1
+                ta = self.finish[nd[k].a] + params[nd[k].wa]
+                tb = self.finish[nd[k].b] + params[nd[k].wb]
+                if tb > ta:
+                    cnt[nd[k].wb] += 1
+                    v = nd[k].b
+                else:
+                    cnt[nd[k].wa] += 1
+                    v = nd[k].a
+            else:
+                cnt[self.weight[v]] += 1
+                best = -1.0
+                best_e = -1
+                for e in range(self.ptr[v], self.ptr[v + 1]):
+                    t = self.finish[self.src[e]] + params[self.ew[e]]
+                    if t > best:
+                        best = t
+                        best_e = e
+                if best_e < 0:
+                    break
+                cnt[self.ew[best_e]] += 1
+                v = self.src[best_e]
+        cnt[0] = 0
+
     def longest(self, double[::1] params not None):
         """Iteration time for the parameter vector ``params`` (array('d') or any float64 buffer)."""
         if params.shape[0] < self.n_params:
@@ -176,6 +222,17 @@ cdef class DagKernel:
                 if self.fold_u[v] >= 0:
                     self.finish[v] = self.finish[self.fold_u[v]] + params[self.fold_w[v]]
         return [self.finish[v] for v in range(self.n_nodes)]
+
+    def critical_counts(self, double[::1] params not None):
+        """After ``longest(params)``: see ``critical`` (the pure twin's ``critical``)."""
+        cdef int* cnt = <int*> malloc((self.n_params if self.n_params > 0 else 1) * sizeof(int))
+        if cnt == NULL:
+            raise MemoryError()
+        try:
+            self.critical(&params[0], cnt)
+            return [cnt[i] for i in range(self.n_params)]
+        finally:
+            free(cnt)
 
     @property
     def packed_nodes(self):

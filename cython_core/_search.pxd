@@ -7,7 +7,8 @@ cdef class SplitSearch:
     cdef DagKernel kernel
     cdef object table_ref, shape_ref, type_class_ref
     cdef int nt, pp, v, nv, stride, num_layers, n_params, n_paths
-    cdef bint ridge, blocks
+    cdef bint ridge, blocks, backward
+    cdef int ub          # the undecided ranks are [k, ub) at a node (see _node)
     cdef double* params
     # type table (per type) and slot arrays (per type * stride + slot)
     cdef double* forward_ms
@@ -49,7 +50,12 @@ cdef class SplitSearch:
     # search state
     cdef int* counts
     cdef int* remaining
-    cdef int* used
+    cdef int* used       # per type: its ranks decided in pipeline order (their slots 0..used-1)
+    cdef double* lam
+    cdef int* pcnt
+    cdef int* lcnt
+    cdef double* crt
+    cdef int* hi         # per type: its slots hi.. belong to ranks decided from the end
     cdef int* types
     cdef int* slot
     cdef int* layers
@@ -128,7 +134,7 @@ cdef class SplitSearch:
     cdef bint _rank_mins(self, int r, int* lb, int* capt, double* out) noexcept nogil
     cdef void _fill(self, int* lb, int* capt) noexcept nogil
     cdef double _send_lb(self, int r, double unknown_min) noexcept nogil
-    cdef bint _child_lower_bounds(self, int k, int rest, int s_cap, int* lb, int* cap, int* out) noexcept nogil
+    cdef bint _child_lower_bounds(self, int a, int b, int rest, int s_cap, int* lb, int* cap, int* out) noexcept nogil
     cdef bint _propagate(self, int k, int left, int* lb, int* cap, int* capt, int* plb, int* pcap,
                          int* pcapt) noexcept nogil
     cdef int _type_slopes(self) noexcept nogil
@@ -139,11 +145,14 @@ cdef class SplitSearch:
     cdef double _gammas(self, int q, int k, int* lb, int* room_of, double* gam, int ns, int* slb,
                         int* even, int* start) noexcept nogil
     cdef int _path_caps(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
+    cdef double _count_gain(self, int a, int b, int* lb, int* cap, int* capt, int extra) noexcept nogil
+    cdef int _lb_sum(self, int a, int b, int* lb) noexcept nogil
     cdef bint _type_mass(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
     cdef int _type_capacity(self, int k, int* lb, int* cap, int* capt) noexcept nogil
     cdef int _assign_capacity(self, int k, int* lb, int* cap, int* capt) noexcept nogil
     cdef double _knapsack(self, int k, int extra, int* lb, int* cap) noexcept nogil
     cdef int _type_allowed(self, int r, int t) noexcept nogil
     cdef void _node(self, int k, int left) noexcept nogil
-    cdef void _children(self, int k, int left, int t, int* lb, int* cap, int* capt) noexcept nogil
+    cdef void _children(self, int k, int r, int a, int b, int left, int t, int* lb, int* cap,
+                        int* capt) noexcept nogil
     cdef void _root_check(self) noexcept nogil

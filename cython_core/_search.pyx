@@ -79,7 +79,7 @@ cdef class SplitSearch:
     """Exact (or ridge-pruned) search of one structure; see poseidon_plugin.search.splits."""
 
     def __cinit__(self, table, shape, int num_layers, *, bint ridge, bint blocks, type_class,
-                  double gap=0.0):
+                  double gap=0.0, bint backward=False):
         cdef int t, r, c
         self.params = NULL
         self.forward_ms = self.backward_ms = self.embedding_forward_ms = self.embedding_backward_ms = self.head_forward_ms = self.head_backward_ms = NULL
@@ -89,7 +89,7 @@ cdef class SplitSearch:
         self.has_allreduce = self.type_class = self.live = self.cap_rank = NULL
         self.coef_f = self.coef_b = self.coef_s = self.coef_ar = NULL
         self.term_ptr = self.term_idx = self.term_coef = self.owner = NULL
-        self.counts = self.remaining = self.used = self.types = self.slot = self.layers = NULL
+        self.counts = self.remaining = self.used = self.hi = self.types = self.slot = self.layers = NULL
         self.last = self.down = self.lbs = self.caps = self.work = self.order = NULL
         self.alpha = self.sf = self.sb = self.sa = NULL
         self.capts = self.vals = self.sl_t = NULL
@@ -115,6 +115,9 @@ cdef class SplitSearch:
         self.stride = table.max_slots
         self.num_layers = num_layers
         self.ridge, self.blocks = ridge, blocks
+        # decide ranks from the last one (exact search only: the ridge and block rules follow the
+        # pipeline order)
+        self.backward = backward and not ridge and not blocks
         self.shrink = 1.0 / (1.0 + gap)
         self.n_params = shape.n_params
         self.params = _dcopy(shape.new_params())   # comm-model extras at their defaults
@@ -157,6 +160,11 @@ cdef class SplitSearch:
         self.counts = _ialloc(self.nt)
         self.remaining = _ialloc(self.nt)
         self.used = _ialloc(self.nt)
+        self.hi = _ialloc(self.nt)
+        self.lam = _dcopy([0.0] * self.nt)
+        self.pcnt = _ialloc(self.n_params)
+        self.lcnt = _ialloc(self.nt)
+        self.crt = _dcopy([0.0] * (self.pp * self.nt))
         self.types = _ialloc(self.pp)
         self.slot = _ialloc(self.pp)
         self.layers = _ialloc(self.nv)
@@ -235,7 +243,7 @@ cdef class SplitSearch:
         free(self.head_state_bytes); free(self.head_activation_bytes); free(self.usable_bytes); free(self.allreduce_ms); free(self.embedding_allreduce_ms); free(self.head_allreduce_ms)
         free(self.send_same_ms); free(self.send_wrap_ms); free(self.has_allreduce); free(self.type_class); free(self.live); free(self.cap_rank)
         free(self.coef_f); free(self.coef_b); free(self.coef_s); free(self.coef_ar); free(self.term_ptr); free(self.term_idx); free(self.term_coef); free(self.owner); free(self.counts); free(self.remaining)
-        free(self.used); free(self.types); free(self.slot); free(self.layers); free(self.last); free(self.down); free(self.capped)
+        free(self.used); free(self.hi); free(self.lam); free(self.lcnt); free(self.crt); free(self.pcnt); free(self.types); free(self.slot); free(self.layers); free(self.last); free(self.down); free(self.capped)
         free(self.lbs); free(self.capts); free(self.vals); free(self.sl_t); free(self.sl_f); free(self.sl_b); free(self.sl_a); free(self.caps); free(self.work); free(self.order); free(self.alpha); free(self.sf)
         free(self.sb); free(self.sa); free(self.best_types); free(self.best_layers)
         free(self.ecap); free(self.kroom); free(self.ordr); free(self.ordn); free(self.marg); free(self.ph_t)
@@ -300,7 +308,7 @@ cdef class SplitSearch:
             self.tmin[t * 9 + 8] = INFINITY
             if self.send_cross_ms[t] < self.mins[9]:
                 self.mins[9] = self.send_cross_ms[t]
-            for j in range(self.used[t], self.counts[t]):
+            for j in range(self.used[t], self.hi[t]):
                 i = t * self.stride + j
                 x = self.allreduce_ms[i] if self.has_allreduce[i] else 0.0
                 if x < self.tmin[t * 9 + 6]:
@@ -438,7 +446,8 @@ cdef class SplitSearch:
             return self.send_wrap_ms[i] if n == 0 else self.send_same_ms[i]
         best = INFINITY
         if self.remaining[t] > 0:
-            best = self.send_same_ms[i]
+            # n == 0 only when ranks are decided from the end: the wrap to the type's slot 0
+            best = self.send_wrap_ms[i] if n == 0 else self.send_same_ms[i]
         other = False
         for x in range(self.nt):
             if x != t and self.remaining[x] > 0:
@@ -453,7 +462,7 @@ cdef class SplitSearch:
         # plb/pcap/pcapt: the parent node's bounds, where ranks k.. start from (NULL: none)
         cdef int pp = self.pp, v = self.v, nt = self.nt, vs, r, x, c, best, rnd, s_cap, s_lb, nl, nc
         cdef int changed, cr, i, ct, rounds
-        for r in range(k, pp):
+        for r in range(k, self.ub):
             best = -1
             for x in range(nt):
                 cr = self.cap_rank[x * pp + r] if self.remaining[x] > 0 else -1
@@ -486,14 +495,14 @@ cdef class SplitSearch:
         for rnd in range(rounds):
             s_cap = 0
             s_lb = 0
-            for r in range(k, pp):
+            for r in range(k, self.ub):
                 for c in range(v):
                     s_cap += cap[c * pp + r]
                     s_lb += lb[c * pp + r]
             if s_cap < left or s_lb > left:
                 self.ctr[PRUNED_PATH] += 1
                 return False
-            for r in range(k, pp):
+            for r in range(k, self.ub):
                 for c in range(v):
                     vs = c * pp + r
                     nl = left - (s_cap - cap[vs])
@@ -505,7 +514,7 @@ cdef class SplitSearch:
                     if lb[vs] > cap[vs]:
                         self.ctr[PRUNED_PATH] += 1
                         return False
-            if self.tau == INFINITY or k == pp - 1 or rnd == rounds - 1:
+            if self.tau == INFINITY or k == self.ub - 1 or rnd == rounds - 1:
                 break
             changed = self._path_caps(k, left, lb, cap, capt)
             if changed >= 0 and not self._type_mass(k, left, lb, cap, capt):
@@ -525,7 +534,7 @@ cdef class SplitSearch:
             if self.remaining[t] <= 0:
                 continue
             ar = INFINITY
-            for j in range(self.used[t], self.counts[t]):
+            for j in range(self.used[t], self.hi[t]):
                 i = t * self.stride + j
                 x = self.allreduce_ms[i] if self.has_allreduce[i] else 0.0
                 if x < ar:
@@ -547,7 +556,7 @@ cdef class SplitSearch:
             t = self.sl_t[i]
             self.ordn[t] = 0
             self.ordfn[t] = 0
-            for r in range(k, pp):
+            for r in range(k, self.ub):
                 s = self._rank_capacity(r, t, lb, cap, capt)
                 if s >= 0:
                     s_lb = 0
@@ -569,7 +578,7 @@ cdef class SplitSearch:
                         j -= 1
                     self.ordr[t * pp + j] = r
                     self.ordn[t] += 1
-        for r in range(k, pp):
+        for r in range(k, self.ub):
             for i2 in range(ns):
                 t2 = self.sl_t[i2]
                 for i in range(ns):
@@ -642,7 +651,7 @@ cdef class SplitSearch:
         # spread like a rank's layers, and s_lb mod V (the same for every path: _path_caps sets them)
         cdef int pp = self.pp, v = self.v, nt = self.nt, r, i, t, c, j, s_lb, top, x
         cdef double gsum = 0.0, gmax, g, beta, acc, w
-        for r in range(k, pp):
+        for r in range(k, self.ub):
             s_lb = slb[r]
             gmax = 0.0
             for i in range(ns):
@@ -692,11 +701,11 @@ cdef class SplitSearch:
         cdef double* p = self.params
         self._fill(lb, capt)
         ns = self._type_slopes()
-        for r in range(k, pp):
+        for r in range(k, self.ub):
             for c in range(v):
                 extra -= lb[c * pp + r]
         self._type_room(k, lb, cap, capt, ns)
-        for r in range(k, pp):            # per rank, for _gammas (the same for every path)
+        for r in range(k, self.ub):            # per rank, for _gammas (the same for every path)
             s_lb = 0
             for c in range(v):
                 s_lb += lb[c * pp + r]
@@ -709,7 +718,7 @@ cdef class SplitSearch:
         for q in range(self.n_paths):
             cf = q * nv
             cr = q * pp
-            if self.owner[q] < k:
+            if self.owner[q] < k or self.owner[q] >= self.ub:
                 continue
             base = 0.0
             for e in range(self.term_ptr[q], self.term_ptr[q + 1]):
@@ -729,7 +738,7 @@ cdef class SplitSearch:
                 self.nu2[t] = INFINITY
                 self.narg[t] = -1
             gsum = -1.0             # the gammas of this path: computed when first needed
-            for r in range(k, pp):
+            for r in range(k, self.ub):
                 rmin = INFINITY
                 self.rlb[r] = 0.0
                 s_lb = 0
@@ -804,7 +813,7 @@ cdef class SplitSearch:
             r = self.owner[q]
             lbo = -1.0
             gsum0 = -1.0
-            if r >= k:
+            if r >= k and r < self.ub:
                 m = b2 if r == argr else b1
                 numer = limit - base - m * extra
                 ka = self.coef_ar[cr + r]
@@ -862,7 +871,7 @@ cdef class SplitSearch:
                             if lbo < 0.0:
                                 lbo = 0.0
                                 elb = 0
-                                for c2 in range(k, pp):
+                                for c2 in range(k, self.ub):
                                     if c2 != r:
                                         lbo += self.rlb[c2]
                                         for c in range(v):
@@ -926,12 +935,101 @@ cdef class SplitSearch:
                         changed = 1
         return changed
 
+    cdef double _count_gain(self, int a, int b, int* lb, int* cap, int* capt, int extra) noexcept nogil:
+        # After a DAG bound run: along its longest path (kernel.critical), how much more the
+        # undecided ranks [a, b) cost at least than the fill priced them when the remaining types go
+        # to exactly their counts (a Lagrangian bound of that assignment, multipliers the per-type
+        # mean gains); every completion below tau is at least the bound plus this
+        cdef int pp = self.pp, v = self.v, nt = self.nt, nv = self.nv, r, c, i, vs, t, nf, nb, na, s_lb
+        cdef double x, m1, ll = 0.0, y
+        cdef bint fits
+        cdef int* cnt = self.pcnt
+        cdef int n = 0, j, take
+        self.kernel.critical(self.params, cnt)
+        for t in range(nt):
+            self.lam[t] = 0.0
+            self.lcnt[t] = 0
+        for r in range(a, b):
+            na = cnt[1 + 2 * nv + pp + r]
+            s_lb = 0
+            for c in range(v):
+                s_lb += lb[c * pp + r]
+            for t in range(nt):
+                self.crt[r * nt + t] = INFINITY
+                if self.remaining[t] <= 0:
+                    continue
+                x = na * s_lb * (self.tmin[t * 9 + 6] - self.fill_a[r])
+                fits = True
+                for c in range(v):
+                    vs = c * pp + r
+                    if capt[vs * nt + t] < lb[vs]:
+                        fits = False
+                        break
+                    nf = cnt[1 + r * v + c]
+                    nb = cnt[1 + nv + r * v + c]
+                    x += lb[vs] * (nf * (self.tmin[t * 9] - self.fill_f[r])
+                                   + nb * (self.tmin[t * 9 + 1] - self.fill_b[r]))
+                if fits:
+                    self.crt[r * nt + t] = x
+                    self.lam[t] += x
+                    self.lcnt[t] += 1
+            # the extra layers: each costs, along the path, at least its stage's slope on the
+            # cheapest type that fits the rank
+            for c in range(v):
+                vs = c * pp + r
+                y = INFINITY
+                for t in range(nt):
+                    if self.crt[r * nt + t] == INFINITY:
+                        continue
+                    x = (cnt[1 + r * v + c] * self.tmin[t * 9] + cnt[1 + nv + r * v + c] * self.tmin[t * 9 + 1]
+                         + na * self.tmin[t * 9 + 6])
+                    if x < y:
+                        y = x
+                self.alpha[vs] = y if y < INFINITY else 0.0
+                j = n
+                while j > 0 and self.alpha[self.order[j - 1]] > self.alpha[vs]:
+                    self.order[j] = self.order[j - 1]
+                    j -= 1
+                self.order[j] = vs
+                n += 1
+        for j in range(n):
+            if extra <= 0:
+                break
+            vs = self.order[j]
+            take = cap[vs] - lb[vs]
+            if take > extra:
+                take = extra
+            if take > 0:
+                ll += take * self.alpha[vs]
+                extra -= take
+        for t in range(nt):
+            if self.lcnt[t] > 0:
+                self.lam[t] /= self.lcnt[t]
+        for r in range(a, b):
+            m1 = INFINITY
+            for t in range(nt):
+                x = self.crt[r * nt + t] - self.lam[t]
+                if x < m1:
+                    m1 = x
+            ll += m1
+        for t in range(nt):
+            if self.remaining[t] > 0:
+                ll += self.lam[t] * self.remaining[t]
+        return ll if ll > 0.0 else 0.0   # (the extra part alone is >= 0)
+
+    cdef int _lb_sum(self, int a, int b, int* lb) noexcept nogil:
+        cdef int r, c, s = 0
+        for r in range(a, b):
+            for c in range(self.v):
+                s += lb[c * self.pp + r]
+        return s
+
     cdef bint _type_mass(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil:
         return self._type_capacity(k, lb, cap, capt) >= left
 
     cdef int _type_capacity(self, int k, int* lb, int* cap, int* capt) noexcept nogil:
         cdef int pp = self.pp, v = self.v, nt = self.nt, t, n, r, c, vs, ct, s, nvals, j, y, total = 0
-        if self.exact_counts and k < pp:
+        if self.exact_counts and k < self.ub:
             # with exact counts, the best assignment (at most the per-type sum below, where every
             # type may count the same roomy ranks; -1 where that sum finds too few ranks for a type)
             return self._assign_capacity(k, lb, cap, capt)
@@ -940,7 +1038,7 @@ cdef class SplitSearch:
             if n <= 0:
                 continue
             nvals = 0
-            for r in range(k, pp):
+            for r in range(k, self.ub):
                 s = self._rank_capacity(r, t, lb, cap, capt)
                 if s >= 0:
                     # insertion into a descending list
@@ -957,7 +1055,7 @@ cdef class SplitSearch:
     cdef int _assign_capacity(self, int k, int* lb, int* cap, int* capt) noexcept nogil:
         # see bounds.StructureBounds._assign_capacity: the best assignment of the remaining types
         # to ranks k.. (exact counts), successive shortest paths as seeds.best_assignment
-        cdef int pp = self.pp, nt = self.nt, n = pp - k, r, t, a, b, rnd, step, g, best, at, ar, seen
+        cdef int pp = self.pp, nt = self.nt, n = self.ub - k, r, t, a, b, rnd, step, g, best, at, ar, seen
         cdef int total = 0
         cdef bint changed
         cdef int* val = self.as_val
@@ -1024,7 +1122,7 @@ cdef class SplitSearch:
         # stable insertion sort by slope, in the generation order of splits.py (rank, then chunk)
         cdef int n = 0, vs, j, take, x, r, c, pp = self.pp
         cdef double cost = 0.0
-        for r in range(k, pp):
+        for r in range(k, self.ub):
             for c in range(self.v):
                 vs = c * pp + r
                 j = n
@@ -1054,9 +1152,9 @@ cdef class SplitSearch:
             prev = self.types[r - 1]
             if prev != t and (self.remaining[prev] > 0 or self.used[t] > 0):
                 return PRUNED_ORDER
-        if self.used[t] == 0:
+        if self.remaining[t] == self.counts[t]:
             for x in range(t):
-                if (self.type_class[x] == self.type_class[t] and self.used[x] == 0
+                if (self.type_class[x] == self.type_class[t] and self.remaining[x] == self.counts[x]
                         and self.counts[x] == self.counts[t]):
                     return PRUNED_ORDER
         return 0
@@ -1067,7 +1165,9 @@ cdef class SplitSearch:
             self.best = 0.0
 
     cdef void _node(self, int k, int left) noexcept nogil:
-        cdef int t, why
+        # depth k decides rank r: k in pipeline order, or pp - 1 - k from the end (backward); the
+        # undecided ranks are [a, b)
+        cdef int t, why, r, a, b
         cdef bint ok
         cdef int* lb = self.lbs + k * self.nv
         cdef int* cap = self.caps + k * self.nv
@@ -1078,48 +1178,68 @@ cdef class SplitSearch:
                 self.ctr[NODES] == self.max_nodes:
             self.aborted = True
             return
-        if k == 0:
-            ok = self._propagate(k, left, lb, cap, self.capts, NULL, NULL, NULL)
+        if self.backward:
+            r = self.pp - 1 - k
+            a = 0
+            b = self.pp - k
         else:
-            ok = self._propagate(k, left, lb, cap, self.capts + k * self.nv * self.nt, lb - self.nv,
+            r = k
+            a = k
+            b = self.pp
+        self.ub = b
+        if k == 0:
+            ok = self._propagate(a, left, lb, cap, self.capts, NULL, NULL, NULL)
+        else:
+            ok = self._propagate(a, left, lb, cap, self.capts + k * self.nv * self.nt, lb - self.nv,
                                  cap - self.nv, self.capts + (k - 1) * self.nv * self.nt)
         if not ok:
             return
         for t in range(self.nt):
-            why = self._type_allowed(k, t)
+            why = self._type_allowed(r, t)
             if why:
                 if why > 0:
                     self.ctr[why] += 1
                 continue
-            self.types[k] = t
-            self.slot[k] = self.used[t]
+            self.types[r] = t
+            if self.backward:
+                self.hi[t] -= 1
+                self.slot[r] = self.hi[t]
+            else:
+                self.slot[r] = self.used[t]
+                self.used[t] += 1
             self.remaining[t] -= 1
-            self.used[t] += 1
-            self._children(k, left, t, lb, cap, self.capts + k * self.nv * self.nt)
-            self.types[k] = -1
+            self._children(k, r, a, b, left, t, lb, cap, self.capts + k * self.nv * self.nt)
+            self.types[r] = -1
             self.remaining[t] += 1
-            self.used[t] -= 1
+            if self.backward:
+                self.hi[t] += 1
+            else:
+                self.used[t] -= 1
 
-    cdef bint _child_lower_bounds(self, int k, int rest, int s_cap, int* lb, int* cap, int* out) noexcept nogil:
-        # see splits.SplitSearch._child_lower_bounds
+    cdef bint _child_lower_bounds(self, int a, int b, int rest, int s_cap, int* lb, int* cap, int* out) noexcept nogil:
+        # see splits.SplitSearch._child_lower_bounds: the stages of ranks [a, b) hold rest layers
         cdef int vs, x
         cdef bint raised = False
         for vs in range(self.nv):
             out[vs] = lb[vs]
-            if vs % self.pp > k:
+            if a <= vs % self.pp < b:
                 x = rest - (s_cap - cap[vs])
                 if x > lb[vs]:
                     out[vs] = x
                     raised = True
         return raised
 
-    cdef void _children(self, int k, int left, int t, int* lb, int* cap, int* capt) noexcept nogil:
+    cdef void _children(self, int k, int r, int a, int b, int left, int t, int* lb, int* cap,
+                        int* capt) noexcept nogil:
+        # depth k, rank r, undecided ranks [a, b); the child's are [ca, cb)
         cdef int pp = self.pp, v = self.v, nv = self.nv, lo = v, hi = self.num_layers, mem, last, down, capped
-        cdef int l, x, y, c, vs, ct, room, s_cap
+        cdef int l, x, y, c, vs, ct, room, s_cap, ca, cb
         cdef int* lb2
         cdef double val
+        ca = a + 1 if r == a else a
+        cb = b if r == a else b - 1
         for c in range(v):
-            vs = c * pp + k
+            vs = c * pp + r
             x = v * lb[vs] - v + 1 + c
             if x > lo:
                 lo = x
@@ -1128,13 +1248,15 @@ cdef class SplitSearch:
             if x < hi:
                 hi = x
         if k < pp - 1:
-            room = self._type_capacity(k + 1, lb, cap, capt)
+            self.ub = cb
+            room = self._type_capacity(ca, lb, cap, capt)
+            self.ub = b
             if room < 0:
                 self.ctr[PRUNED_PATH] += 1
                 return
             if left - room > lo:
                 lo = left - room
-        mem = self.cap_rank[t * pp + k]
+        mem = self.cap_rank[t * pp + r]
         if mem < hi:
             x = lo - 1
             if mem > x:
@@ -1159,17 +1281,19 @@ cdef class SplitSearch:
         s_cap = 0
         if k < pp - 1:
             for vs in range(nv):
-                if vs % pp > k:
+                if ca <= vs % pp < cb:
                     s_cap += cap[vs]
         lb2 = lb + nv            # the child's lower bounds, scratch: its propagation overwrites them
         l = lo
         while l <= hi and not self.aborted:
             for c in range(v):
-                self.layers[c * pp + k] = (l + v - 1 - c) // v
-            if k < pp - 1 and self._child_lower_bounds(k, left - l, s_cap, lb, cap, lb2):
+                self.layers[c * pp + r] = (l + v - 1 - c) // v
+            if k < pp - 1 and self._child_lower_bounds(ca, cb, left - l, s_cap, lb, cap, lb2):
                 self._fill(lb2, capt)
                 self.ctr[BOUND_EVALS] += 1
-                if self.kernel.run(self.params) >= self.tau:
+                val = self.kernel.run(self.params)
+                if val >= self.tau or val + self._count_gain(
+                        ca, cb, lb2, cap, capt, left - l - self._lb_sum(ca, cb, lb2)) >= self.tau * (1.0 + PATH_SLACK):
                     self.ctr[PRUNED_BOUND] += 1
                     l += 1
                     continue
@@ -1184,6 +1308,11 @@ cdef class SplitSearch:
                 if val >= self.tau:
                     self.ctr[PRUNED_BOUND] += hi - l + 1
                     break
+                if k < pp - 1 and val + self._count_gain(ca, cb, lb, cap, capt, left - l - self._lb_sum(
+                        ca, cb, lb)) >= self.tau * (1.0 + PATH_SLACK):
+                    self.ctr[PRUNED_BOUND] += 1     # this count only: the gain is not monotone in it
+                    l += 1
+                    continue
             if k == pp - 1:
                 self.ctr[IMPROVED] += 1
                 self.best = val
@@ -1198,12 +1327,13 @@ cdef class SplitSearch:
                 self.down[t] = 1 if (down or (last > 0 and l < last)) else 0
                 self.capped[t] = 1 if l == mem else 0
                 self._node(k + 1, left - l)
+                self.ub = b
                 self.last[t] = last
                 self.down[t] = down
                 self.capped[t] = capped
             l += 1
         for c in range(v):
-            self.layers[c * pp + k] = 0
+            self.layers[c * pp + r] = 0
 
     def bound_params(self, counts, types, layers, lb, capt=None):
         """The DAG bound's parameter vector with the ranks ``types[r] >= 0`` decided (``layers`` per
@@ -1215,6 +1345,8 @@ cdef class SplitSearch:
             self.counts[t] = counts[t]
             self.remaining[t] = counts[t]
             self.used[t] = 0
+            self.hi[t] = counts[t]
+        self.ub = self.pp
         for r in range(self.pp):
             t = types[r]
             self.types[r] = t
@@ -1243,7 +1375,9 @@ cdef class SplitSearch:
             self.counts[t] = counts[t]
             self.remaining[t] = counts[t]
             self.used[t] = 0
+            self.hi[t] = counts[t]
             total += counts[t]
+        self.ub = self.pp
         for i in range(self.pp):
             self.types[i] = -1
             self.slot[i] = 0

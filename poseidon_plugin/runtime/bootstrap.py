@@ -406,6 +406,7 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, p
     if opts.dry_run:
         log.job_line("dry run: stopping before training")
         log.job_line("overhead: " + phases.summary())
+        phases.liveness.stop()
         dist.destroy_process_group()
         return None
 
@@ -424,6 +425,7 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, p
     me = world.ranks[job.rank]
     if new_rank is None:
         log.rank_line(f"{me.device_type} device is not used by the plan; leaving")
+        phases.liveness.stop()
         return None
     stage = placement.stage_of(plan, new_rank)
     if devices.emulated is not None:  # emulated links and DP sync need the plan's placement

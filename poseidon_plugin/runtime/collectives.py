@@ -97,6 +97,7 @@ class Liveness:
         self.rank, self.world_size, self.beat_s, self.silent_s = rank, world_size, beat_s, silent_s
         self.host = socket.gethostname()
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self._client = None
         tcp = store
         while hasattr(tcp, "underlying_store"):  # torchrun and the process group each add a PrefixStore
@@ -113,12 +114,17 @@ class Liveness:
         if self._client is not None:
             self._client.set(WHO_KEY.format(self.rank), json.dumps({"host": self.host, "pid": os.getpid()}))
             self._client.set(BEAT_KEY.format(self.rank), repr(time.time()))
-            threading.Thread(target=self._beat, name="poseidon-liveness", daemon=True).start()
+            self._thread = threading.Thread(target=self._beat, name="poseidon-liveness", daemon=True)
+            self._thread.start()
         return self
 
     def stop(self) -> None:
-        """Stop beating (the training script's own failures are torchrun's to report)."""
+        """Stop beating (the training script's own failures are torchrun's to report), and wait for
+        the beat in flight: a process that exits while its thread is inside the store client's C++
+        call can abort ("terminate called without an active exception")."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(2.0, 2 * self.beat_s))
 
     def _beat(self) -> None:
         while not self._stop.wait(self.beat_s):

@@ -571,7 +571,7 @@ class StructureBounds:
                            big, big, big]
             if t_.send_cross_ms[t] < m[MIN_SEND]:
                 m[MIN_SEND] = t_.send_cross_ms[t]
-            for j in range(self.used[t], self.counts[t]):
+            for j in range(self.used[t], self.hi[t]):
                 i = t * self.stride + j
                 has = t_.has_allreduce[i]
                 for k, col in ((MIN_ALLREDUCE, t_.allreduce_ms),
@@ -623,7 +623,8 @@ class StructureBounds:
             return tb.send_wrap_ms[i] if n == 0 else tb.send_same_ms[i]
         best = INF
         if self.remaining[t] > 0:
-            best = tb.send_same_ms[i]
+            # n == 0 only when ranks are decided from the end: the wrap to the type's slot 0
+            best = tb.send_wrap_ms[i] if n == 0 else tb.send_same_ms[i]
         if any(self.remaining[x] > 0 for x in range(self.nt) if x != t):
             if tb.send_cross_ms[t] < best:
                 best = tb.send_cross_ms[t]
@@ -638,7 +639,7 @@ class StructureBounds:
         """
         pp, v, nt = self.pp, self.v, self.nt
         ctr = self.ctr
-        for r in range(k, pp):
+        for r in range(k, self.ub):
             best = -1
             for x in range(nt):
                 cr = self.cap_rank[x * pp + r] if self.remaining[x] > 0 else -1
@@ -669,14 +670,14 @@ class StructureBounds:
         rounds = PROPAGATION_ROUNDS if parent is None else INHERITED_ROUNDS
         for rnd in range(rounds):
             s_cap = s_lb = 0
-            for r in range(k, pp):
+            for r in range(k, self.ub):
                 for c in range(v):
                     s_cap += cap[c * pp + r]
                     s_lb += lb[c * pp + r]
             if s_cap < left or s_lb > left:
                 ctr[PRUNED_PATH] += 1
                 return False
-            for r in range(k, pp):
+            for r in range(k, self.ub):
                 for c in range(v):
                     vs = c * pp + r
                     nl = left - (s_cap - cap[vs])
@@ -688,7 +689,7 @@ class StructureBounds:
                     if lb[vs] > cap[vs]:
                         ctr[PRUNED_PATH] += 1
                         return False
-            if tau == INF or k == pp - 1 or rnd == rounds - 1:
+            if tau == INF or k == self.ub - 1 or rnd == rounds - 1:
                 break
             changed = self._path_caps(k, left, lb, cap, capt)
             if changed >= 0 and not self._type_mass(k, left, lb, cap, capt):
@@ -708,7 +709,7 @@ class StructureBounds:
             if self.remaining[t] <= 0:
                 continue
             ar = INF
-            for j in range(self.used[t], self.counts[t]):
+            for j in range(self.used[t], self.hi[t]):
                 i = t * self.stride + j
                 x = tb.allreduce_ms[i] if tb.has_allreduce[i] else 0.0
                 if x < ar:
@@ -725,7 +726,7 @@ class StructureBounds:
         efull = self.efull = [-1] * (pp * nt)
         order, order_full = [], []
         for t, _ft, _bt, _at in slopes:
-            for r in range(k, pp):
+            for r in range(k, self.ub):
                 s = self._rank_capacity(r, t, lb, cap, capt)
                 if s >= 0:
                     s_lb = 0
@@ -734,9 +735,9 @@ class StructureBounds:
                     ecap[r * nt + t] = s - s_lb
                     efull[r * nt + t] = s
             # ranks by room on t, largest first (ties: lower rank first)
-            order.append(sorted((r for r in range(k, pp) if ecap[r * nt + t] >= 0),
+            order.append(sorted((r for r in range(k, self.ub) if ecap[r * nt + t] >= 0),
                                 key=lambda r, t=t: -ecap[r * nt + t]))
-            order_full.append(sorted((r for r in range(k, pp) if efull[r * nt + t] >= 0),
+            order_full.append(sorted((r for r in range(k, self.ub) if efull[r * nt + t] >= 0),
                                      key=lambda r, t=t: -efull[r * nt + t]))
         def top_sum(ranks, vals, t: int, r: int, n: int) -> int:
             total = got = 0
@@ -750,7 +751,7 @@ class StructureBounds:
 
         K = [0] * (pp * nt * nt)
         self.kfull = kfull = [0] * (pp * nt * nt)   # the same with whole capacities
-        for r in range(k, pp):
+        for r in range(k, self.ub):
             for t2, _f2, _b2, _a2 in slopes:
                 for i, (t, _ft, _bt, _at) in enumerate(slopes):
                     n = self.remaining[t] - (1 if t == t2 else 0)
@@ -793,7 +794,7 @@ class StructureBounds:
         pp, v, nt = self.pp, self.v, self.nt
         gsum = 0.0
         xs = [0.0] * v
-        for r in range(k, pp):
+        for r in range(k, self.ub):
             s_lb = 0
             for c in range(v):
                 s_lb += lb[c * pp + r]
@@ -854,7 +855,7 @@ class StructureBounds:
         slopes = self._type_slopes()
         limit = self.tau * (1.0 + PATH_SLACK)
         extra = left
-        for r in range(k, pp):
+        for r in range(k, self.ub):
             for c in range(v):
                 extra -= lb[c * pp + r]
         K = self._type_room(k, lb, cap, capt, slopes)
@@ -864,7 +865,7 @@ class StructureBounds:
         rsum = [0.0] * nt
         gam, gam0 = [0.0] * pp, [0.0] * pp     # per rank, see _gammas (above lb / whole count)
         for q in range(paths.count):
-            if paths.owner[q] < k:
+            if paths.owner[q] < k or paths.owner[q] >= self.ub:
                 continue        # the owner is decided: no caps (below); the DAG bound covers its cut
             pr = self._path_prices(q, k, lb, slopes, alpha, rmt, rsum)
             if self._path_cuts(k, extra, limit, pr, alpha, lb, cap):
@@ -901,7 +902,7 @@ class StructureBounds:
         # layers cost at least beta d - gamma (chunk c gets at least (l - c) / V of its l layers)
         nu1, nu2, narg = [INF] * nt, [INF] * nt, [-1] * nt
         rlb = [0.0] * pp              # per rank: its lb layers along the path, as priced in base
-        for r in range(k, pp):
+        for r in range(k, self.ub):
             rmin = INF
             s_lb = 0
             m_f, m_b, m_ar = self.fill_slopes[r]      # what the DAG fill priced its lb layers at
@@ -1061,7 +1062,7 @@ class StructureBounds:
             # at each stage's cheapest type: take them out)
             pr.lbo = 0.0
             pr.elb = 0
-            for j in range(k, pp):
+            for j in range(k, self.ub):
                 if j != r:
                     pr.lbo += pr.rlb[j]
                     for c in range(v):
@@ -1116,6 +1117,83 @@ class StructureBounds:
                 changed = 1
         return changed
 
+    def _count_gain(self, a: int, b: int, lb, cap, capt, extra: int) -> float:
+        """After a DAG bound run: how much more, along one of its longest paths, every completion
+        below tau costs than the fill priced the undecided ranks ``[a, b)`` (docs/SEARCH.md, "The gain
+        along the bound's longest path"). Their lower-bound layers: each rank on a remaining type that
+        fits it (``capt``), each type on exactly its remaining ranks, bounded by the Lagrangian
+        relaxation of that assignment with the per-type mean costs as multipliers (any multipliers
+        give a valid bound); the ``extra`` layers above the lower bounds: the cheapest placement at
+        each stage's least slope along the path over those types (fractional, up to the caps)."""
+        pp, v, nt, nv = self.pp, self.v, self.nt, self.nv
+        cnt = self.kernel.critical_counts(self.params)
+        tm = self.type_mins
+        lam, lcnt = [0.0] * nt, [0] * nt
+        crt = {}
+        alpha, order = {}, []
+        ll = 0.0
+        for r in range(a, b):
+            na = cnt[1 + 2 * nv + pp + r]
+            s_lb = 0
+            for c in range(v):
+                s_lb += lb[c * pp + r]
+            m_f, m_b, m_a = self.fill_slopes[r]
+            for t in range(nt):
+                crt[r, t] = INF
+                if self.remaining[t] <= 0:
+                    continue
+                x = na * s_lb * (tm[t][MIN_ALLREDUCE] - m_a)
+                fits = True
+                for c in range(v):
+                    vs = c * pp + r
+                    if capt[vs * nt + t] < lb[vs]:
+                        fits = False
+                        break
+                    nf, nb = cnt[1 + r * v + c], cnt[1 + nv + r * v + c]
+                    x += lb[vs] * (nf * (tm[t][MIN_FORWARD] - m_f) + nb * (tm[t][MIN_BACKWARD] - m_b))
+                if fits:
+                    crt[r, t] = x
+                    lam[t] += x
+                    lcnt[t] += 1
+            for c in range(v):
+                vs = c * pp + r
+                y = INF
+                for t in range(nt):
+                    if crt[r, t] == INF:
+                        continue
+                    x = (cnt[1 + r * v + c] * tm[t][MIN_FORWARD] + cnt[1 + nv + r * v + c] * tm[t][MIN_BACKWARD]
+                         + na * tm[t][MIN_ALLREDUCE])
+                    if x < y:
+                        y = x
+                alpha[vs] = y if y < INF else 0.0
+                j = len(order)      # stable insertion by slope, as the compiled twin
+                while j > 0 and alpha[order[j - 1]] > alpha[vs]:
+                    j -= 1
+                order.insert(j, vs)
+        for vs in order:
+            if extra <= 0:
+                break
+            take = cap[vs] - lb[vs]
+            if take > extra:
+                take = extra
+            if take > 0:
+                ll += take * alpha[vs]
+                extra -= take
+        for t in range(nt):
+            if lcnt[t] > 0:
+                lam[t] /= lcnt[t]
+        for r in range(a, b):
+            m1 = INF
+            for t in range(nt):
+                x = crt[r, t] - lam[t]
+                if x < m1:
+                    m1 = x
+            ll += m1
+        for t in range(nt):
+            if self.remaining[t] > 0:
+                ll += lam[t] * self.remaining[t]
+        return ll if ll > 0.0 else 0.0
+
     def _type_mass(self, k: int, left: int, lb, cap, capt) -> bool:
         """The undecided ranks, each on one remaining type, must be able to hold ``left`` layers."""
         return self._type_capacity(k, lb, cap, capt) >= left
@@ -1137,7 +1215,7 @@ class StructureBounds:
         """Most layers ranks ``k..pp-1`` can hold, each on one remaining type: with exact counts the
         best assignment (-1 when none exists), else per type its ``n`` largest rank capacities."""
         pp, nt = self.pp, self.nt
-        if self.exact_counts and k < pp:
+        if self.exact_counts and k < self.ub:
             # the best assignment: at most the per-type sum below (where every type may count the
             # same roomy ranks), and -1 wherever that sum finds too few ranks for a type
             return self._assign_capacity(k, lb, cap, capt)
@@ -1147,7 +1225,7 @@ class StructureBounds:
             if n <= 0:
                 continue
             vals = []
-            for r in range(k, pp):
+            for r in range(k, self.ub):
                 s = self._rank_capacity(r, t, lb, cap, capt)
                 if s >= 0:
                     vals.append(s)
@@ -1162,21 +1240,21 @@ class StructureBounds:
         the per-type sum above, where every type may count the same roomy ranks."""
         from .seeds import NEG, best_assignment
         pp, nt = self.pp, self.nt
-        value = [[NEG] * (pp - k) for _ in range(nt)]
+        value = [[NEG] * (self.ub - k) for _ in range(nt)]
         for t in range(nt):
             if self.remaining[t] <= 0:
                 continue
-            for r in range(k, pp):
+            for r in range(k, self.ub):
                 s = self._rank_capacity(r, t, lb, cap, capt)
                 if s >= 0:
                     value[t][r - k] = s
-        got = best_assignment(value, [max(0, x) for x in self.remaining], pp - k)
+        got = best_assignment(value, [max(0, x) for x in self.remaining], self.ub - k)
         return -1 if got is None else got[0]
 
     def _knapsack(self, k: int, extra: int, alpha, lb, cap) -> float:
         """Cheapest cost of ``extra`` more layers over the undecided stages (fractional, by slope)."""
         pp, v = self.pp, self.v
-        order = sorted((c * pp + r for r in range(k, pp) for c in range(v)), key=lambda vs: alpha[vs])
+        order = sorted((c * pp + r for r in range(k, self.ub) for c in range(v)), key=lambda vs: alpha[vs])
         cost = 0.0
         for vs in order:
             take = cap[vs] - lb[vs]

@@ -111,6 +111,7 @@ class SearchRun:
         self.group_done: list[bool] = []
         self.partial = INF          # bound of the structures of the current group not yet closed
         self.complete = True
+        self.proven = False             # not complete, but the open pieces' bounds reach the best plan
         self.ridge = options.mode == "default"
         self.blocks = options.mode == "default" and options.type_blocks
         self.gap = options.gap
@@ -129,12 +130,15 @@ class SearchRun:
         g = sg.group
         table, shape = self.space.table(g), self.shape(sg)
         cls = self.space.type_classes(g)
+        # one chunk per rank: decide the ranks from the last one (docs/SEARCH.md, "Branching order";
+        # the splitters keep the pipeline order where the ridge or block rules apply)
+        backward = sg.virtual_stages == 1
         if self.pure:
             return PySplitSearch(table, shape, self.space.num_layers, ridge=self.ridge,
-                                 blocks=self.blocks, type_class=cls, gap=self.gap)
+                                 blocks=self.blocks, type_class=cls, gap=self.gap, backward=backward)
         from poseidon_plugin._core._search import SplitSearch
         return SplitSearch(table, shape, self.space.num_layers, ridge=self.ridge, blocks=self.blocks,
-                           type_class=cls, gap=self.gap)
+                           type_class=cls, gap=self.gap, backward=backward)
 
     def offer(self, sg: ShapeGroup, ms: float, types, layers) -> None:
         self.board.offer(sg.key, ms, lambda: self.candidate(sg, types, layers))
@@ -375,10 +379,6 @@ class SearchRun:
                 self.pruned_shapes += 1
                 self.partial = INF
             return
-        # a seed may build the shape's DAG (~1.7 s at frontier scale): not past the deadline, unless
-        # there is no plan at all yet
-        if sg.key not in self.board.best and (not self.out_of_time() or not self.board.best):
-            self.seed(sg)
         vectors = self.space.count_vectors(sg)
         tb = self.space.table(g)
         vectors.sort(key=lambda vec: -sum(n / (tb.forward_ms[t] + tb.backward_ms[t]) for t, n in enumerate(vec)))
@@ -386,6 +386,7 @@ class SearchRun:
         # structures the cheap bound does not cut
         bounds = [self.bound(sg, vec, positional=False) for vec in vectors]
         strong = [False] * len(vectors)     # bounds[i] is the memory-aware form
+        seeded = False
         # resumed after the clock cut it (:meth:`resume`): the structures before are closed already
         for i in range(self.resume_at.pop(key, 0), len(vectors)):
             vec = vectors[i]
@@ -403,6 +404,18 @@ class SearchRun:
                 self.pruned_structures += 1
                 self.close(tau)
                 continue
+            if not seeded:
+                # the group's seeds, once a structure needs its tree: a seed may build the shape's
+                # DAG (~1.7 s at frontier scale), and where every structure's bound reaches tau no
+                # seed of the group can beat it. Not past the deadline, unless there is no plan yet
+                seeded = True
+                if key not in self.board.best and (not self.out_of_time() or not self.board.best):
+                    self.seed(sg)
+                    tau = self.threshold(key) * self.shrink
+                    if bounds[i] >= tau:
+                        self.pruned_structures += 1
+                        self.close(tau)
+                        continue
             res = splitter.run(vec, tau, deadline=self.split_deadline, max_nodes=self.node_budget or 0)
             self.add(res.counters)
             if res.counters[NODES] <= 1 and res.counters[IMPROVED] == 0:
@@ -512,6 +525,11 @@ class SearchRun:
             return False
         lb = self.lower_bound()
         left = self.bound_deadline - self.clock()
+        if lb >= self.board.best_ms_all() and not self.board.exact_alternatives:
+            # the bounds of the open pieces reach the best plan: it is the proven optimum, though
+            # some pieces were not searched (the runners-up are not proven either way)
+            self.proven = True
+            return False
         if left < RESUME_MIN_S or lb >= self.board.best_ms_all():
             return False
         self.resumes += 1
@@ -543,7 +561,8 @@ class SearchRun:
                   "memory": c[PRUNED_MEMORY], "ridge": c[PRUNED_RIDGE], "order": c[PRUNED_ORDER]}
         return SearchStats(
             mode=self.options.mode, kernel="pure-python" if self.pure else "compiled",
-            wall_s=time.perf_counter() - self.t0, complete=self.complete, structures=self.structures,
+            wall_s=time.perf_counter() - self.t0, complete=self.complete or self.proven,
+            structures=self.structures,
             shapes=len(self.shapes), warmup_samples=getattr(self, "warmup_done", 0),
             simulator_calls=self.sim_calls + c[SIM_CALLS], bound_evaluations=c[BOUND_EVALS],
             nodes=c[NODES], pruned=pruned, comm_model=self.options.comm_model,

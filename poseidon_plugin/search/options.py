@@ -179,7 +179,8 @@ class SearchStats:
     mode: str
     kernel: str                     # "compiled" | "pure-python"
     wall_s: float
-    complete: bool                  # false: stopped by the time limit (result not proven optimal)
+    complete: bool                  # true: proven optimal (searched to the end, or the bounds of the
+                                    # pieces the time limit left open reach the best plan)
     structures: int                 # (tp, mbs, dp, schedule, V, pp, ranks per type) considered
     shapes: int                     # distinct DAG shapes built
     warmup_samples: int

@@ -32,7 +32,7 @@ from array import array
 from dataclasses import dataclass
 
 from ..stagecost import put_rank_times, rank_memory, send_index
-from .bounds import (MIN_ALLREDUCE, MIN_BACKWARD, MIN_EMBEDDING_ALLREDUCE, MIN_EMBEDDING_BACKWARD,
+from .bounds import (PATH_SLACK, MIN_ALLREDUCE, MIN_BACKWARD, MIN_EMBEDDING_ALLREDUCE, MIN_EMBEDDING_BACKWARD,
                      MIN_EMBEDDING_FORWARD, MIN_FORWARD, MIN_HEAD_ALLREDUCE, MIN_HEAD_BACKWARD,
                      MIN_HEAD_FORWARD, MIN_SEND, StructureBounds, chunk_layers)
 from .counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES, PRUNED_BOUND,
@@ -72,9 +72,12 @@ class SplitSearch(StructureBounds):
     """
 
     def __init__(self, table: TypeTable, shape: ShapeData, num_layers: int, *, ridge: bool,
-                 blocks: bool, type_class: array, gap: float = 0.0):
+                 blocks: bool, type_class: array, gap: float = 0.0, backward: bool = False):
         self.table, self.shape, self.num_layers = table, shape, num_layers
         self.ridge, self.blocks = ridge, blocks
+        # decide the ranks from the last one (the ridge and block rules follow the pipeline order)
+        self.backward = backward and not ridge and not blocks
+        self.ub = shape.pp                               # the undecided ranks are [k, ub) at a node
         # relative optimality gap: a plan must beat best / (1 + gap) to be worth searching for
         self.shrink = 1.0 / (1.0 + gap)
         self.type_class = type_class                     # identical types share a class id
@@ -119,7 +122,9 @@ class SplitSearch(StructureBounds):
         pp, nv, nt = self.pp, self.nv, self.nt
         self.counts = list(counts)
         self.remaining = list(counts)
-        self.used = [0] * nt
+        self.used = [0] * nt        # per type: its ranks decided in pipeline order (slots 0..used-1)
+        self.hi = list(counts)      # per type: its slots hi.. belong to ranks decided from the end
+        self.ub = pp
         self.types = [-1] * pp
         self.slot = [0] * pp
         self.layers = [0] * nv
@@ -186,6 +191,7 @@ class SplitSearch(StructureBounds):
         same method; tests compare the two field by field."""
         nt = self.nt
         self.counts, self.remaining, self.used = list(counts), list(counts), [0] * nt
+        self.hi, self.ub = list(counts), self.pp
         self.types, self.slot = [-1] * self.pp, [0] * self.pp
         for r, t in enumerate(types):
             if t >= 0:
@@ -197,6 +203,14 @@ class SplitSearch(StructureBounds):
         self.layers = [0] * self.nv
         return list(self.params)
 
+    def _lb_sum(self, a: int, b: int, lb) -> int:
+        """Layers of the ranks ``[a, b)`` at their lower bounds."""
+        s = 0
+        for r in range(a, b):
+            for c in range(self.v):
+                s += lb[c * self.pp + r]
+        return s
+
     def _type_allowed(self, r: int, t: int) -> int:
         """0 if rank ``r`` may take type ``t`` now; else the counter that rejects it."""
         if self.remaining[t] <= 0:
@@ -205,16 +219,19 @@ class SplitSearch(StructureBounds):
             prev = self.types[r - 1]
             if prev != t and (self.remaining[prev] > 0 or self.used[t] > 0):
                 return PRUNED_ORDER
-        if self.used[t] == 0:
+        if self.remaining[t] == self.counts[t]:
             # symmetry: among interchangeable types with equal counts, first uses go in index order
+            # (in the order ranks are decided)
             for x in range(t):
-                if (self.type_class[x] == self.type_class[t] and self.used[x] == 0
+                if (self.type_class[x] == self.type_class[t] and self.remaining[x] == self.counts[x]
                         and self.counts[x] == self.counts[t]):
                     return PRUNED_ORDER
         return 0
 
     def _node(self, k: int, left: int) -> None:
-        """Decide rank ``k`` (type and layers) with ``left`` layers for ranks ``k..pp-1``."""
+        """Decide the rank of depth ``k`` (type and layers) with ``left`` layers for the undecided ranks:
+        rank ``k`` of ``[k, pp)`` in pipeline order, or rank ``pp - 1 - k`` of ``[0, pp - k)`` from
+        the end (``backward``)."""
         ctr = self.ctr
         if self.aborted:
             return
@@ -223,46 +240,60 @@ class SplitSearch(StructureBounds):
                 ctr[NODES] == self.max_nodes:
             self.aborted = True
             return
+        if self.backward:
+            r, a, b = self.pp - 1 - k, 0, self.pp - k
+        else:
+            r, a, b = k, k, self.pp
+        self.ub = b
         lb, cap = self.lb[k], self.cap[k]
         parent = (self.lb[k - 1], self.cap[k - 1], self.capt[k - 1]) if k > 0 else None
-        if not self._propagate(k, left, lb, cap, self.capt[k], parent):
+        if not self._propagate(a, left, lb, cap, self.capt[k], parent):
             return
         for t in range(self.nt):
-            why = self._type_allowed(k, t)
+            why = self._type_allowed(r, t)
             if why:
                 if why > 0:
                     ctr[why] += 1
                 continue
-            self.types[k] = t
-            self.slot[k] = self.used[t]
+            self.types[r] = t
+            if self.backward:
+                self.hi[t] -= 1
+                self.slot[r] = self.hi[t]
+            else:
+                self.slot[r] = self.used[t]
+                self.used[t] += 1
             self.remaining[t] -= 1
-            self.used[t] += 1
-            self._children(k, left, t, lb, cap, self.capt[k])
-            self.types[k] = -1
+            self._children(k, r, a, b, left, t, lb, cap, self.capt[k])
+            self.types[r] = -1
             self.remaining[t] += 1
-            self.used[t] -= 1
+            if self.backward:
+                self.hi[t] += 1
+            else:
+                self.used[t] -= 1
 
-    def _child_lower_bounds(self, k: int, rest: int, s_cap: int, lb, cap, out) -> bool:
-        """Lower bounds of the stages after rank ``k`` when they hold ``rest`` layers (``s_cap``: the sum
-        of their caps): ``lb`` raised by the sum rule, into ``out``; whether any rose."""
+    def _child_lower_bounds(self, a: int, b: int, rest: int, s_cap: int, lb, cap, out) -> bool:
+        """Lower bounds of the stages of ranks ``[a, b)`` when they hold ``rest`` layers (``s_cap``: the
+        sum of their caps): ``lb`` raised by the sum rule, into ``out``; whether any rose."""
         pp = self.pp
         raised = False
         for vs in range(self.nv):
             out[vs] = lb[vs]
-            if vs % pp > k:
+            if a <= vs % pp < b:
                 x = rest - (s_cap - cap[vs])
                 if x > lb[vs]:
                     out[vs] = x
                     raised = True
         return raised
 
-    def _children(self, k: int, left: int, t: int, lb, cap, capt) -> None:
-        """Try rank ``k`` on type ``t`` with increasing layer counts."""
+    def _children(self, k: int, r: int, a: int, b: int, left: int, t: int, lb, cap, capt) -> None:
+        """Try rank ``r`` (depth ``k``, undecided ranks ``[a, b)``) on type ``t`` with increasing layer
+        counts; the child's undecided ranks are ``[ca, cb)``."""
         pp, v = self.pp, self.v
         ctr = self.ctr
+        ca, cb = (a + 1, b) if r == a else (a, b - 1)
         lo, hi = v, self.num_layers
         for c in range(v):                 # chunk c of l layers is within [lb, cap] of its stage
-            vs = c * pp + k
+            vs = c * pp + r
             x = v * lb[vs] - v + 1 + c
             if x > lo:
                 lo = x
@@ -273,13 +304,15 @@ class SplitSearch(StructureBounds):
         if k < pp - 1:
             # the later ranks hold at most this many (the node's caps, counts after this choice):
             # rank k takes the rest
-            room = self._type_capacity(k + 1, lb, cap, capt)
+            self.ub = cb
+            room = self._type_capacity(ca, lb, cap, capt)
+            self.ub = b
             if room < 0:
                 ctr[PRUNED_PATH] += 1
                 return
             if left - room > lo:
                 lo = left - room
-        mem = self.cap_rank[t * pp + k]
+        mem = self.cap_rank[t * pp + r]
         if mem < hi:
             ctr[PRUNED_MEMORY] += hi - max(mem, lo - 1)
             hi = mem
@@ -300,17 +333,19 @@ class SplitSearch(StructureBounds):
         s_cap = 0
         if k < pp - 1:
             for vs in range(self.nv):
-                if vs % pp > k:
+                if ca <= vs % pp < cb:
                     s_cap += cap[vs]
         lb2 = self.lb[k + 1]          # the child's lower bounds, scratch: its propagation overwrites them
         l = lo
         while l <= hi and not self.aborted:
             for c in range(v):
-                self.layers[c * pp + k] = chunk_layers(l, c, v)
-            if k < pp - 1 and self._child_lower_bounds(k, left - l, s_cap, lb, cap, lb2):
+                self.layers[c * pp + r] = chunk_layers(l, c, v)
+            if k < pp - 1 and self._child_lower_bounds(ca, cb, left - l, s_cap, lb, cap, lb2):
                 self._fill(lb2, capt)
                 ctr[BOUND_EVALS] += 1
-                if self.kernel.longest(self.params) >= self.tau:
+                val = self.kernel.longest(self.params)
+                if val >= self.tau or val + self._count_gain(
+                        ca, cb, lb2, cap, capt, left - l - self._lb_sum(ca, cb, lb2)) >= self.tau * (1.0 + PATH_SLACK):
                     ctr[PRUNED_BOUND] += 1
                     l += 1
                     continue
@@ -322,6 +357,11 @@ class SplitSearch(StructureBounds):
                 if val >= self.tau:
                     ctr[PRUNED_BOUND] += hi - l + 1
                     break
+                if k < pp - 1 and val + self._count_gain(ca, cb, lb, cap, capt, left - l - self._lb_sum(
+                        ca, cb, lb)) >= self.tau * (1.0 + PATH_SLACK):
+                    ctr[PRUNED_BOUND] += 1      # this count only: the gain is not monotone in it
+                    l += 1
+                    continue
             if k == pp - 1:
                 ctr[IMPROVED] += 1
                 self.best = val
@@ -333,10 +373,11 @@ class SplitSearch(StructureBounds):
                 self.down[t] = 1 if (down or (last > 0 and l < last)) else 0
                 self.capped[t] = 1 if l == mem else 0
                 self._node(k + 1, left - l)
+                self.ub = b
                 self.last[t], self.down[t], self.capped[t] = last, down, capped
             l += 1
         for c in range(v):
-            self.layers[c * pp + k] = 0
+            self.layers[c * pp + r] = 0
 
 
 __all__ = ["BOUND_EVALS", "COUNTER_NAMES", "IMPROVED", "N_COUNTERS", "NODES", "PRUNED_BOUND",

@@ -19,6 +19,7 @@ class DagKernel:
         self._sinks = list(graph.sinks)
         self._pp = graph.shape.pp
         self._nv = graph.shape.pp * graph.shape.virtual_stages
+        self._finish = None
 
     def finish_times(self, params) -> list:
         """Finish time of every node (topological order) for the parameter vector ``params``."""
@@ -31,6 +32,7 @@ class DagKernel:
                 if t > best:
                     best = t
             finish[v] = best + params[weight[v]]
+        self._finish = finish
         return finish
 
     def longest(self, params) -> float:
@@ -41,6 +43,30 @@ class DagKernel:
             if finish[s] > best:
                 best = finish[s]
         return best
+
+    def critical_counts(self, params) -> list[int]:
+        """After :meth:`longest` on ``params``: how often each parameter index weighs on one longest
+        path, walking back from the first latest sink along the first predecessor that gave each
+        finish time (the compiled twin walks its packed form the same way; index 0 is not counted)."""
+        finish, weight, ptr, src, ew = self._finish, self._weight, self._ptr, self._src, self._ew
+        cnt = [0] * self.n_params
+        v, best = -1, 0.0
+        for s in self._sinks:
+            if v < 0 or finish[s] > best:
+                v, best = s, finish[s]
+        while v >= 0:
+            cnt[weight[v]] += 1
+            best, best_e = -1.0, -1
+            for e in range(ptr[v], ptr[v + 1]):
+                t = finish[src[e]] + params[ew[e]]
+                if t > best:
+                    best, best_e = t, e
+            if best_e < 0:
+                break
+            cnt[ew[best_e]] += 1
+            v = src[best_e]
+        cnt[0] = 0
+        return cnt
 
     def fill(self, params, forward_ms, backward_ms, send_ms, allreduce_ms) -> None:
         """Write stage times into ``params`` following the ParamLayout (lengths already validated)."""

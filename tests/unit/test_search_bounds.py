@@ -281,7 +281,7 @@ def _child_bound_case(seed: int) -> int | None:
             for c in range(v):
                 ss.layers[c * pp + k] = (l + v - 1 - c) // v
             out = [0] * (pp * v)
-            if ss._child_lower_bounds(k, left - l, s_cap, lb, cap, out):
+            if ss._child_lower_bounds(k + 1, pp, left - l, s_cap, lb, cap, out):
                 ss._fill(out)
                 raised = ss.kernel.longest(ss.params)
                 assert raised <= best
@@ -590,3 +590,110 @@ def test_fill_over_the_fitting_types_is_tighter_and_below_every_fitting_completi
         for i in range(1, 1 + 2 * pp * v):                   # forward and backward ms
             assert tight[i] <= exact[i] + 1e-9, (seed, i)
     assert raised > 0 and checked > 50, (raised, checked)
+
+
+def _decide_from_end(ss, counts, types, layers, b, pp, v):
+    """Search state with ranks b..pp-1 decided as in (types, layers), as the backward order decides
+    them (slots from the top of each type); the undecided ranks are [0, b). Returns the layers left."""
+    ss.remaining, ss.used, ss.hi = list(counts), [0] * len(counts), list(counts)
+    ss.types, ss.layers = [-1] * pp, [0] * (pp * v)
+    ss.ub = b
+    for r in range(pp - 1, b - 1, -1):
+        t = types[r]
+        ss.hi[t] -= 1
+        ss.types[r], ss.slot[r] = t, ss.hi[t]
+        ss.remaining[t] -= 1
+        for c in range(v):
+            ss.layers[c * pp + r] = layers[c * pp + r]
+    return ss.num_layers - sum(ss.layers)
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_bounds_from_the_end_and_the_path_gain_never_exceed_a_completion(seed):
+    """Ranks decided from the end (the backward order) or in pipeline order, at random depths of random
+    structures, tau just above the best completion: the propagation over the undecided ranks keeps
+    every completion that beats tau within [lb, cap] and its type caps, and the DAG bound plus the gain
+    along its longest path (``_count_gain``: the remaining types at their counts, the extra layers at
+    their least slope on that path) is at most the best completion."""
+    case = _searched_structure(seed)
+    if case is None:
+        pytest.skip("no plan, or one rank")
+    plans, counts, pp, v, nt, rng, ss = case
+    for _ in range(6):
+        _t, types, layers = rng.choice(plans)
+        backward = rng.random() < 0.6
+        if backward:
+            b = rng.randrange(1, pp + 1)            # ranks b.. decided
+            a = 0
+            keep = range(b, pp)
+            left = _decide_from_end(ss, counts, types, layers, b, pp, v)
+        else:
+            a = rng.randrange(pp)                   # ranks ..a-1 decided
+            b = pp
+            keep = range(a)
+            ss.ub = pp
+            ss.hi = list(counts)
+            left = _decide(ss, counts, types, layers, a, pp, v)
+        completions = [p for p in plans if all(p[1][r] == types[r] for r in keep)
+                       and all(p[2][c * pp + r] == layers[c * pp + r] for r in keep for c in range(v))]
+        best = min(p[0] for p in completions)
+        tau = best * (1 + 1e-9) + 1e-12
+        ss.tau = tau
+        lb, cap, capt = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v * nt)
+        assert ss._propagate(a, left, lb, cap, capt)
+        for t_ms, typ, lay in completions:
+            if t_ms < tau:
+                for r in range(a, b):
+                    for c in range(v):
+                        vs = c * pp + r
+                        assert lb[vs] <= lay[vs] <= cap[vs]
+                        assert lay[vs] <= capt[vs * nt + typ[r]]
+        ss._fill(lb, capt)
+        val = ss.kernel.longest(ss.params)
+        gain = ss._count_gain(a, b, lb, cap, capt, left - ss._lb_sum(a, b, lb))
+        assert gain >= 0.0
+        assert val + gain <= best * (1 + 1e-9)
+
+
+def test_path_gain_cuts_nodes_the_dag_bound_keeps():
+    """On random structures the gain along the bound's longest path cuts some children the DAG bound
+    alone keeps (it is not vacuous), and the searches still find the same optimum."""
+    from poseidon_plugin.search import splits
+    cut = 0
+    for seed in range(60):
+        case = _searched_structure(seed)
+        if case is None:
+            continue
+        plans, counts, pp, v, nt, _rng, ss = case
+        with_gain = ss.run(counts, math.inf)
+        plain = PySplitSearch(ss.table, ss.shape, ss.num_layers, ridge=False, blocks=False,
+                              type_class=array("i", range(nt)))
+        plain._count_gain = lambda *a: 0.0
+        without = plain.run(counts, math.inf)
+        assert with_gain.time_ms == without.time_ms == min(p[0] for p in plans)
+        cut += without.counters[splits.NODES] - with_gain.counters[splits.NODES]
+    assert cut > 0
+
+
+@pytest.mark.parametrize("comm_model", ["dag", "megatron", "megatron-overlap"])
+@pytest.mark.parametrize("schedule,pp,m,v", [("1f1b", 3, 5, 1), ("gpipe", 4, 3, 1), ("eager-1f1b", 2, 4, 1),
+                                             ("interleaved-1f1b", 2, 4, 2), ("interleaved-1f1b", 3, 6, 2)])
+def test_critical_counts_are_a_longest_path_in_both_kernels(comm_model, schedule, pp, m, v):
+    """``critical_counts`` after a run: the parameters it counts sum to the longest path, and the
+    compiled kernel (packed, folded nodes) counts exactly what the pure twin counts on the unpacked
+    graph."""
+    from poseidon_plugin.simulator.core import cached_graph, make_kernel
+    if comm_model == "megatron-overlap" and v == 1:
+        pytest.skip("overlap is for interleaved schedules")
+    graph = cached_graph(schedule, pp, m, v, comm_model)
+    kernels = [make_kernel(graph, True)] + ([] if PURE_FORCED else [make_kernel(graph, False)])
+    rng = random.Random(pp * 100 + m)
+    for _ in range(20):
+        params = array("d", [0.0] + [rng.uniform(0.0, 3.0) for _ in range(kernels[0].n_params - 1)])
+        got = []
+        for kern in kernels:
+            longest = kern.longest(params)
+            cnt = kern.critical_counts(params)
+            assert sum(c * x for c, x in zip(cnt, params)) == pytest.approx(longest, rel=1e-12)
+            got.append(cnt)
+        assert all(g == got[0] for g in got)
