@@ -2,8 +2,8 @@
 
 A structure fixes ``(tp, mbs, dp)`` (one :class:`~.tables.TypeTable`), the shape ``(schedule, pp, M, V)``
 (one :class:`~.shapes.ShapeData`) and how many pipeline ranks use each device type. The search then
-decides, rank by rank in pipeline order, each rank's device type and layers, and simulates every
-complete plan that can still beat the threshold ``tau``. With ``V`` chunks per rank, a rank's layers
+decides, rank by rank (in pipeline order, or from the last rank with ``backward``), each rank's device
+type and layers, and simulates every complete plan that can still beat the threshold ``tau``. With ``V`` chunks per rank, a rank's layers
 are spread over its chunks as evenly as possible, earlier chunks first (``chunk_layers``): virtual
 stage ``vs = chunk x pp + rank`` holds ``(l + V - 1 - chunk) // V`` of the rank's ``l`` layers.
 
@@ -17,7 +17,8 @@ the same order, same counters. docs/SEARCH.md explains the bounds and why each p
 * **stage-level DAG bound** (exact-safe, the paper's Theorem 1 made tighter): the simulator's own DAG
   with every undecided stage at its smallest possible weights is a lower bound of every completion, by
   monotonicity of the longest path; children are tried in increasing layer count, so the first child
-  whose bound reaches ``tau`` cuts all larger ones;
+  whose bound reaches ``tau`` cuts all larger ones; a bound below ``tau`` is raised by what every
+  completion adds along its longest path (``_count_gain``), which cuts that child only;
 * **ridge** (default mode only, Theorem 2 with its Lemmas 5-6): per device type the ranks' layer
   counts rise then fall, and rise only where the earlier rank is at its memory cap;
 * **order rules**: device types with identical costs are interchangeable (exact-safe symmetry breaking);
