@@ -941,10 +941,10 @@ cdef class SplitSearch:
         # to exactly their counts (a Lagrangian bound of that assignment, multipliers the per-type
         # mean gains); every completion below tau is at least the bound plus this
         cdef int pp = self.pp, v = self.v, nt = self.nt, nv = self.nv, r, c, i, vs, t, nf, nb, na, s_lb
-        cdef double x, m1, ll = 0.0, y
+        cdef double x, m1, ll, y
         cdef bint fits
         cdef int* cnt = self.pcnt
-        cdef int n = 0, j, take
+        cdef int j
         self.kernel.critical(self.params, cnt)
         for t in range(nt):
             self.lam[t] = 0.0
@@ -986,22 +986,10 @@ cdef class SplitSearch:
                     if x < y:
                         y = x
                 self.alpha[vs] = y if y < INFINITY else 0.0
-                j = n
-                while j > 0 and self.alpha[self.order[j - 1]] > self.alpha[vs]:
-                    self.order[j] = self.order[j - 1]
-                    j -= 1
-                self.order[j] = vs
-                n += 1
-        for j in range(n):
-            if extra <= 0:
-                break
-            vs = self.order[j]
-            take = cap[vs] - lb[vs]
-            if take > extra:
-                take = extra
-            if take > 0:
-                ll += take * self.alpha[vs]
-                extra -= take
+        j = self.ub                  # the cheapest placement of the extra layers over [a, b)
+        self.ub = b
+        ll = self._knapsack(a, extra, lb, cap)
+        self.ub = j
         for t in range(nt):
             if self.lcnt[t] > 0:
                 self.lam[t] /= self.lcnt[t]

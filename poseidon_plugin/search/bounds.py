@@ -1130,8 +1130,7 @@ class StructureBounds:
         tm = self.type_mins
         lam, lcnt = [0.0] * nt, [0] * nt
         crt = {}
-        alpha, order = {}, []
-        ll = 0.0
+        alpha = [0.0] * nv
         for r in range(a, b):
             na = cnt[1 + 2 * nv + pp + r]
             s_lb = 0
@@ -1166,19 +1165,9 @@ class StructureBounds:
                     if x < y:
                         y = x
                 alpha[vs] = y if y < INF else 0.0
-                j = len(order)      # stable insertion by slope, as the compiled twin
-                while j > 0 and alpha[order[j - 1]] > alpha[vs]:
-                    j -= 1
-                order.insert(j, vs)
-        for vs in order:
-            if extra <= 0:
-                break
-            take = cap[vs] - lb[vs]
-            if take > extra:
-                take = extra
-            if take > 0:
-                ll += take * alpha[vs]
-                extra -= take
+        ub, self.ub = self.ub, b        # the cheapest placement of the extra layers over [a, b)
+        ll = self._knapsack(a, extra, alpha, lb, cap)
+        self.ub = ub
         for t in range(nt):
             if lcnt[t] > 0:
                 lam[t] /= lcnt[t]
