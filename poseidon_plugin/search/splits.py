@@ -5,7 +5,8 @@ A structure fixes ``(tp, mbs, dp)`` (one :class:`~.tables.TypeTable`), the shape
 decides, rank by rank (in pipeline order, or from the last rank with ``backward``), each rank's device
 type and layers, and simulates every complete plan that can still beat the threshold ``tau``. With
 ``V`` chunks per rank, a rank's layers are spread over its chunks as evenly as possible, earlier
-chunks first (``chunk_layers``): virtual stage ``vs = chunk x pp + rank`` holds ``(l + V - 1 - chunk) // V`` of the rank's ``l`` layers.
+chunks first (``chunk_layers``): virtual stage ``vs = chunk x pp + rank`` holds
+``(l + V - 1 - chunk) // V`` of the rank's ``l`` layers.
 
 This module (the tree walk) and :mod:`.bounds` (the lower bounds and caps) are the pure-Python
 reference of ``poseidon_plugin._core._search.SplitSearch``: same algorithm, same floating-point operations in
