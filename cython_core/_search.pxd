@@ -131,6 +131,7 @@ cdef class SplitSearch:
     cdef double _need(self, int t, int r, int* chunks) noexcept nogil
     cdef int _rank_cap(self, int t, int r) noexcept nogil
     cdef void _unknown_mins(self) noexcept nogil
+    cdef bint _fits(self, int r, int t, int* lb, int* capt) noexcept nogil
     cdef bint _rank_mins(self, int r, int* lb, int* capt, double* out) noexcept nogil
     cdef void _fill(self, int* lb, int* capt) noexcept nogil
     cdef double _send_lb(self, int r, double unknown_min) noexcept nogil
@@ -148,9 +149,9 @@ cdef class SplitSearch:
     cdef double _count_gain(self, int a, int b, int* lb, int* cap, int* capt, int extra) noexcept nogil
     cdef int _lb_sum(self, int a, int b, int* lb) noexcept nogil
     cdef bint _type_mass(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
-    cdef int _type_capacity(self, int k, int* lb, int* cap, int* capt) noexcept nogil
-    cdef int _assign_capacity(self, int k, int* lb, int* cap, int* capt) noexcept nogil
-    cdef double _knapsack(self, int k, int extra, int* lb, int* cap) noexcept nogil
+    cdef int _type_capacity(self, int k, int ub, int* lb, int* cap, int* capt) noexcept nogil
+    cdef int _assign_capacity(self, int k, int ub, int* lb, int* cap, int* capt) noexcept nogil
+    cdef double _knapsack(self, int k, int ub, int extra, int* lb, int* cap) noexcept nogil
     cdef int _type_allowed(self, int r, int t) noexcept nogil
     cdef void _node(self, int k, int left) noexcept nogil
     cdef void _children(self, int k, int r, int a, int b, int left, int t, int* lb, int* cap,

@@ -330,21 +330,23 @@ cdef class SplitSearch:
             if self.mins[i] == INFINITY:
                 self.mins[i] = 0.0
 
+    cdef bint _fits(self, int r, int t, int* lb, int* capt) noexcept nogil:
+        # whether type t's caps capt hold the lower bounds of every chunk of rank r
+        cdef int c, vs
+        for c in range(self.v):
+            vs = c * self.pp + r
+            if capt[vs * self.nt + t] < lb[vs]:
+                return False
+        return True
+
     cdef bint _rank_mins(self, int r, int* lb, int* capt, double* out) noexcept nogil:
         # see splits.SplitSearch._rank_mins: out[0:9] over the remaining types whose caps hold
         # rank r's lower bounds; False when none does
-        cdef int pp = self.pp, nt = self.nt, x, c, i
-        cdef bint fits, found = False
+        cdef int nt = self.nt, x, i
+        cdef bint found = False
         cdef double* m
         for x in range(nt):
-            if self.remaining[x] <= 0:
-                continue
-            fits = True
-            for c in range(self.v):
-                if capt[(c * pp + r) * nt + x] < lb[c * pp + r]:
-                    fits = False
-                    break
-            if not fits:
+            if self.remaining[x] <= 0 or not self._fits(r, x, lb, capt):
                 continue
             m = self.tmin + x * 9
             for i in range(9):
@@ -696,7 +698,7 @@ cdef class SplitSearch:
         cdef double numer, lift, b1, b2, rmin, xmin, extra_t, rhs, gsum, own, lbo, gsum0, pn
         cdef int elb = 0
         cdef int n
-        cdef int argr, s_lb, ct_sum, u, c2, vs2, ok
+        cdef int argr, s_lb, ct_sum, u, c2
         cdef bint fit
         cdef double* p = self.params
         self._fill(lb, capt)
@@ -806,7 +808,7 @@ cdef class SplitSearch:
             if base + extra * a1 >= limit:
                 return -1
             if extra > 0 and base + extra * amax >= limit:
-                if base + self._knapsack(k, extra, lb, cap) >= limit:
+                if base + self._knapsack(k, self.ub, extra, lb, cap) >= limit:
                     return -1
             if b2 == INFINITY:
                 continue
@@ -920,13 +922,7 @@ cdef class SplitSearch:
                     top = -1
                     for i in range(ns):
                         t = self.sl_t[i]
-                        ok = 1
-                        for c2 in range(v):
-                            vs2 = c2 * pp + r
-                            if capt[vs2 * nt + t] < lb[vs2]:
-                                ok = 0
-                                break
-                        if ok and capt[vs * nt + t] > top:
+                        if self._fits(r, t, lb, capt) and capt[vs * nt + t] > top:
                             top = capt[vs * nt + t]
                     if top < lb[vs]:
                         return -1
@@ -942,9 +938,7 @@ cdef class SplitSearch:
         # mean gains); every completion below tau is at least the bound plus this
         cdef int pp = self.pp, v = self.v, nt = self.nt, nv = self.nv, r, c, i, vs, t, nf, nb, na, s_lb
         cdef double x, m1, ll, y
-        cdef bint fits
         cdef int* cnt = self.pcnt
-        cdef int j
         self.kernel.critical(self.params, cnt)
         for t in range(nt):
             self.lam[t] = 0.0
@@ -958,21 +952,18 @@ cdef class SplitSearch:
                 self.crt[r * nt + t] = INFINITY
                 if self.remaining[t] <= 0:
                     continue
+                if not self._fits(r, t, lb, capt):
+                    continue
                 x = na * s_lb * (self.tmin[t * 9 + 6] - self.fill_a[r])
-                fits = True
                 for c in range(v):
                     vs = c * pp + r
-                    if capt[vs * nt + t] < lb[vs]:
-                        fits = False
-                        break
                     nf = cnt[1 + r * v + c]
                     nb = cnt[1 + nv + r * v + c]
                     x += lb[vs] * (nf * (self.tmin[t * 9] - self.fill_f[r])
                                    + nb * (self.tmin[t * 9 + 1] - self.fill_b[r]))
-                if fits:
-                    self.crt[r * nt + t] = x
-                    self.lam[t] += x
-                    self.lcnt[t] += 1
+                self.crt[r * nt + t] = x
+                self.lam[t] += x
+                self.lcnt[t] += 1
             # the extra layers: each costs, along the path, at least its stage's slope on the
             # cheapest type that fits the rank
             for c in range(v):
@@ -986,10 +977,7 @@ cdef class SplitSearch:
                     if x < y:
                         y = x
                 self.alpha[vs] = y if y < INFINITY else 0.0
-        j = self.ub                  # the cheapest placement of the extra layers over [a, b)
-        self.ub = b
-        ll = self._knapsack(a, extra, lb, cap)
-        self.ub = j
+        ll = self._knapsack(a, b, extra, lb, cap)   # the extra layers, cheapest first
         for t in range(nt):
             if self.lcnt[t] > 0:
                 self.lam[t] /= self.lcnt[t]
@@ -1013,20 +1001,20 @@ cdef class SplitSearch:
         return s
 
     cdef bint _type_mass(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil:
-        return self._type_capacity(k, lb, cap, capt) >= left
+        return self._type_capacity(k, self.ub, lb, cap, capt) >= left
 
-    cdef int _type_capacity(self, int k, int* lb, int* cap, int* capt) noexcept nogil:
+    cdef int _type_capacity(self, int k, int ub, int* lb, int* cap, int* capt) noexcept nogil:
         cdef int pp = self.pp, v = self.v, nt = self.nt, t, n, r, c, vs, ct, s, nvals, j, y, total = 0
-        if self.exact_counts and k < self.ub:
+        if self.exact_counts and k < ub:
             # with exact counts, the best assignment (at most the per-type sum below, where every
             # type may count the same roomy ranks; -1 where that sum finds too few ranks for a type)
-            return self._assign_capacity(k, lb, cap, capt)
+            return self._assign_capacity(k, ub, lb, cap, capt)
         for t in range(nt):
             n = self.remaining[t]
             if n <= 0:
                 continue
             nvals = 0
-            for r in range(k, self.ub):
+            for r in range(k, ub):
                 s = self._rank_capacity(r, t, lb, cap, capt)
                 if s >= 0:
                     # insertion into a descending list
@@ -1040,10 +1028,10 @@ cdef class SplitSearch:
                 total += self.vals[y]
         return total
 
-    cdef int _assign_capacity(self, int k, int* lb, int* cap, int* capt) noexcept nogil:
+    cdef int _assign_capacity(self, int k, int ub, int* lb, int* cap, int* capt) noexcept nogil:
         # see bounds.StructureBounds._assign_capacity: the best assignment of the remaining types
-        # to ranks k.. (exact counts), successive shortest paths as seeds.best_assignment
-        cdef int pp = self.pp, nt = self.nt, n = self.ub - k, r, t, a, b, rnd, step, g, best, at, ar, seen
+        # to ranks k..ub-1 (exact counts), successive shortest paths as seeds.best_assignment
+        cdef int pp = self.pp, nt = self.nt, n = ub - k, r, t, a, b, rnd, step, g, best, at, ar, seen
         cdef int total = 0
         cdef bint changed
         cdef int* val = self.as_val
@@ -1106,11 +1094,12 @@ cdef class SplitSearch:
             used[t] += 1
         return total
 
-    cdef double _knapsack(self, int k, int extra, int* lb, int* cap) noexcept nogil:
+    cdef double _knapsack(self, int k, int ub, int extra, int* lb, int* cap) noexcept nogil:
+        # the extra layers over the stages of ranks k..ub-1 (self.alpha: their slopes)
         # stable insertion sort by slope, in the generation order of splits.py (rank, then chunk)
         cdef int n = 0, vs, j, take, x, r, c, pp = self.pp
         cdef double cost = 0.0
-        for r in range(k, self.ub):
+        for r in range(k, ub):
             for c in range(self.v):
                 vs = c * pp + r
                 j = n
@@ -1221,7 +1210,7 @@ cdef class SplitSearch:
                         int* capt) noexcept nogil:
         # depth k, rank r, undecided ranks [a, b); the child's are [ca, cb)
         cdef int pp = self.pp, v = self.v, nv = self.nv, lo = v, hi = self.num_layers, mem, last, down, capped
-        cdef int l, x, y, c, vs, ct, room, s_cap, ca, cb
+        cdef int l, x, y, c, vs, ct, room, s_cap, s_lb, ca, cb
         cdef int* lb2
         cdef double val
         ca = a + 1 if r == a else a
@@ -1236,9 +1225,7 @@ cdef class SplitSearch:
             if x < hi:
                 hi = x
         if k < pp - 1:
-            self.ub = cb
-            room = self._type_capacity(ca, lb, cap, capt)
-            self.ub = b
+            room = self._type_capacity(ca, cb, lb, cap, capt)
             if room < 0:
                 self.ctr[PRUNED_PATH] += 1
                 return
@@ -1271,6 +1258,7 @@ cdef class SplitSearch:
             for vs in range(nv):
                 if ca <= vs % pp < cb:
                     s_cap += cap[vs]
+        s_lb = self._lb_sum(ca, cb, lb)   # the later ranks' layers at lb (the gain's extra layers: the rest)
         lb2 = lb + nv            # the child's lower bounds, scratch: its propagation overwrites them
         l = lo
         while l <= hi and not self.aborted:
@@ -1296,8 +1284,8 @@ cdef class SplitSearch:
                 if val >= self.tau:
                     self.ctr[PRUNED_BOUND] += hi - l + 1
                     break
-                if k < pp - 1 and val + self._count_gain(ca, cb, lb, cap, capt, left - l - self._lb_sum(
-                        ca, cb, lb)) >= self.tau * (1.0 + PATH_SLACK):
+                if k < pp - 1 and val + self._count_gain(ca, cb, lb, cap, capt, left - l - s_lb) \
+                        >= self.tau * (1.0 + PATH_SLACK):
                     self.ctr[PRUNED_BOUND] += 1     # this count only: the gain is not monotone in it
                     l += 1
                     continue
@@ -1315,7 +1303,6 @@ cdef class SplitSearch:
                 self.down[t] = 1 if (down or (last > 0 and l < last)) else 0
                 self.capped[t] = 1 if l == mem else 0
                 self._node(k + 1, left - l)
-                self.ub = b
                 self.last[t] = last
                 self.down[t] = down
                 self.capped[t] = capped

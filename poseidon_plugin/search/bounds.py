@@ -590,6 +590,15 @@ class StructureBounds:
                     m[k] = own[k]
         return [0.0 if x == big else x for x in m]
 
+    def _fits(self, r: int, t: int, lb, capt) -> bool:
+        """Whether type ``t``'s caps ``capt`` hold the lower bounds ``lb`` of every chunk of rank ``r``."""
+        pp, nt = self.pp, self.nt
+        for c in range(self.v):
+            vs = c * pp + r
+            if capt[vs * nt + t] < lb[vs]:
+                return False
+        return True
+
     def _rank_mins(self, r: int, lb, capt, mins):
         """Smallest costs (``MIN_*`` up to the all-reduces) of undecided rank ``r`` over the remaining
         types whose per-type caps ``capt`` hold its lower bounds ``lb`` (every completion below tau
@@ -597,12 +606,9 @@ class StructureBounds:
         fits (the propagation cuts such nodes)."""
         if capt is None:
             return mins
-        pp, v, nt = self.pp, self.v, self.nt
         out = None
         for x, own in enumerate(self.type_mins):
-            if own is None:
-                continue
-            if any(capt[(c * pp + r) * nt + x] < lb[c * pp + r] for c in range(v)):
+            if own is None or not self._fits(r, x, lb, capt):
                 continue
             out = list(own) if out is None else [a if a < b else b for a, b in zip(out, own)]
         return mins if out is None else out
@@ -958,7 +964,7 @@ class StructureBounds:
         if base + extra * pr.a1 >= limit:
             return True
         if extra > 0 and base + extra * pr.amax >= limit:
-            if base + self._knapsack(k, extra, alpha, lb, cap) >= limit:
+            if base + self._knapsack(k, self.ub, extra, alpha, lb, cap) >= limit:
                 return True
         return False
 
@@ -1102,13 +1108,7 @@ class StructureBounds:
             vs = c * pp + r
             top = -1
             for t, _ft, _bt, _at in slopes:
-                ok = True
-                for c2 in range(v):
-                    vs2 = c2 * pp + r
-                    if capt[vs2 * nt + t] < lb[vs2]:
-                        ok = False
-                        break
-                if ok and capt[vs * nt + t] > top:
+                if self._fits(r, t, lb, capt) and capt[vs * nt + t] > top:
                     top = capt[vs * nt + t]
             if top < lb[vs]:
                 return -1
@@ -1141,19 +1141,16 @@ class StructureBounds:
                 crt[r, t] = INF
                 if self.remaining[t] <= 0:
                     continue
+                if not self._fits(r, t, lb, capt):
+                    continue
                 x = na * s_lb * (tm[t][MIN_ALLREDUCE] - m_a)
-                fits = True
                 for c in range(v):
                     vs = c * pp + r
-                    if capt[vs * nt + t] < lb[vs]:
-                        fits = False
-                        break
                     nf, nb = cnt[1 + r * v + c], cnt[1 + nv + r * v + c]
                     x += lb[vs] * (nf * (tm[t][MIN_FORWARD] - m_f) + nb * (tm[t][MIN_BACKWARD] - m_b))
-                if fits:
-                    crt[r, t] = x
-                    lam[t] += x
-                    lcnt[t] += 1
+                crt[r, t] = x
+                lam[t] += x
+                lcnt[t] += 1
             for c in range(v):
                 vs = c * pp + r
                 y = INF
@@ -1165,9 +1162,7 @@ class StructureBounds:
                     if x < y:
                         y = x
                 alpha[vs] = y if y < INF else 0.0
-        ub, self.ub = self.ub, b        # the cheapest placement of the extra layers over [a, b)
-        ll = self._knapsack(a, extra, alpha, lb, cap)
-        self.ub = ub
+        ll = self._knapsack(a, b, extra, alpha, lb, cap)   # the extra layers, cheapest first
         for t in range(nt):
             if lcnt[t] > 0:
                 lam[t] /= lcnt[t]
@@ -1185,7 +1180,7 @@ class StructureBounds:
 
     def _type_mass(self, k: int, left: int, lb, cap, capt) -> bool:
         """The undecided ranks, each on one remaining type, must be able to hold ``left`` layers."""
-        return self._type_capacity(k, lb, cap, capt) >= left
+        return self._type_capacity(k, self.ub, lb, cap, capt) >= left
 
     def _rank_capacity(self, r: int, t: int, lb, cap, capt) -> int:
         """Most layers rank ``r`` holds on type ``t`` (its chunks' caps); -1 when a chunk's cap on ``t``
@@ -1200,21 +1195,21 @@ class StructureBounds:
             s += ct
         return s
 
-    def _type_capacity(self, k: int, lb, cap, capt) -> int:
-        """Most layers ranks ``k..pp-1`` can hold, each on one remaining type: with exact counts the
+    def _type_capacity(self, k: int, ub: int, lb, cap, capt) -> int:
+        """Most layers ranks ``k..ub-1`` can hold, each on one remaining type: with exact counts the
         best assignment (-1 when none exists), else per type its ``n`` largest rank capacities."""
         pp, nt = self.pp, self.nt
-        if self.exact_counts and k < self.ub:
+        if self.exact_counts and k < ub:
             # the best assignment: at most the per-type sum below (where every type may count the
             # same roomy ranks), and -1 wherever that sum finds too few ranks for a type
-            return self._assign_capacity(k, lb, cap, capt)
+            return self._assign_capacity(k, ub, lb, cap, capt)
         total = 0
         for t in range(nt):
             n = self.remaining[t]
             if n <= 0:
                 continue
             vals = []
-            for r in range(k, self.ub):
+            for r in range(k, ub):
                 s = self._rank_capacity(r, t, lb, cap, capt)
                 if s >= 0:
                     vals.append(s)
@@ -1222,28 +1217,29 @@ class StructureBounds:
             total += sum(vals[:n])
         return total
 
-    def _assign_capacity(self, k: int, lb, cap, capt) -> int:
-        """With exact counts: the most layers ranks ``k..pp-1`` hold when each takes one remaining type
+    def _assign_capacity(self, k: int, ub: int, lb, cap, capt) -> int:
+        """With exact counts: the most layers ranks ``k..ub-1`` hold when each takes one remaining type
         and type ``t`` goes to exactly its ``remaining[t]`` of them (the best assignment, a transportation
         problem solved exactly by :func:`.seeds.best_assignment`); -1 when no assignment exists. At most
         the per-type sum above, where every type may count the same roomy ranks."""
         from .seeds import NEG, best_assignment
         pp, nt = self.pp, self.nt
-        value = [[NEG] * (self.ub - k) for _ in range(nt)]
+        value = [[NEG] * (ub - k) for _ in range(nt)]
         for t in range(nt):
             if self.remaining[t] <= 0:
                 continue
-            for r in range(k, self.ub):
+            for r in range(k, ub):
                 s = self._rank_capacity(r, t, lb, cap, capt)
                 if s >= 0:
                     value[t][r - k] = s
-        got = best_assignment(value, [max(0, x) for x in self.remaining], self.ub - k)
+        got = best_assignment(value, [max(0, x) for x in self.remaining], ub - k)
         return -1 if got is None else got[0]
 
-    def _knapsack(self, k: int, extra: int, alpha, lb, cap) -> float:
-        """Cheapest cost of ``extra`` more layers over the undecided stages (fractional, by slope)."""
+    def _knapsack(self, k: int, ub: int, extra: int, alpha, lb, cap) -> float:
+        """Cheapest cost of ``extra`` more layers over the stages of ranks ``k..ub-1`` (fractional, by
+        slope)."""
         pp, v = self.pp, self.v
-        order = sorted((c * pp + r for r in range(k, self.ub) for c in range(v)), key=lambda vs: alpha[vs])
+        order = sorted((c * pp + r for r in range(k, ub) for c in range(v)), key=lambda vs: alpha[vs])
         cost = 0.0
         for vs in order:
             take = cap[vs] - lb[vs]

@@ -400,11 +400,7 @@ class SearchRun:
                 # the memory-aware form is valid too, and the larger: it also bounds the structure
                 # while open
                 bounds[i], strong[i] = max(bounds[i], self.bound(sg, vec, target=tau)), True
-            if bounds[i] >= tau:
-                self.pruned_structures += 1
-                self.close(tau)
-                continue
-            if not seeded:
+            if bounds[i] < tau and not seeded:
                 # the group's seeds, once a structure needs its tree: a seed may build the shape's
                 # DAG (~1.7 s at frontier scale), and where every structure's bound reaches tau no
                 # seed of the group can beat it. Not past the deadline, unless there is no plan yet
@@ -412,10 +408,10 @@ class SearchRun:
                 if key not in self.board.best and (not self.out_of_time() or not self.board.best):
                     self.seed(sg)
                     tau = self.threshold(key) * self.shrink
-                    if bounds[i] >= tau:
-                        self.pruned_structures += 1
-                        self.close(tau)
-                        continue
+            if bounds[i] >= tau:
+                self.pruned_structures += 1
+                self.close(tau)
+                continue
             res = splitter.run(vec, tau, deadline=self.split_deadline, max_nodes=self.node_budget or 0)
             self.add(res.counters)
             if res.counters[NODES] <= 1 and res.counters[IMPROVED] == 0:
@@ -525,12 +521,12 @@ class SearchRun:
             return False
         lb = self.lower_bound()
         left = self.bound_deadline - self.clock()
-        if lb >= self.board.best_ms_all() and not self.board.exact_alternatives:
+        if lb >= self.board.best_ms_all():
             # the bounds of the open pieces reach the best plan: it is the proven optimum, though
-            # some pieces were not searched (the runners-up are not proven either way)
-            self.proven = True
+            # some pieces were not searched (with --exact-alternatives the runners-up are not proven)
+            self.proven = not self.board.exact_alternatives
             return False
-        if left < RESUME_MIN_S or lb >= self.board.best_ms_all():
+        if left < RESUME_MIN_S:
             return False
         self.resumes += 1
         self.deadline = self.bound_deadline - BOUND_RESERVE * left

@@ -306,9 +306,7 @@ class SplitSearch(StructureBounds):
         if k < pp - 1:
             # the later ranks hold at most this many (the node's caps, counts after this choice):
             # rank k takes the rest
-            self.ub = cb
-            room = self._type_capacity(ca, lb, cap, capt)
-            self.ub = b
+            room = self._type_capacity(ca, cb, lb, cap, capt)
             if room < 0:
                 ctr[PRUNED_PATH] += 1
                 return
@@ -337,6 +335,7 @@ class SplitSearch(StructureBounds):
             for vs in range(self.nv):
                 if ca <= vs % pp < cb:
                     s_cap += cap[vs]
+        s_lb = self._lb_sum(ca, cb, lb)   # the later ranks' layers at lb (the gain's extra layers: the rest)
         lb2 = self.lb[k + 1]          # the child's lower bounds, scratch: its propagation overwrites them
         l = lo
         while l <= hi and not self.aborted:
@@ -359,8 +358,8 @@ class SplitSearch(StructureBounds):
                 if val >= self.tau:
                     ctr[PRUNED_BOUND] += hi - l + 1
                     break
-                if k < pp - 1 and val + self._count_gain(ca, cb, lb, cap, capt, left - l - self._lb_sum(
-                        ca, cb, lb)) >= self.tau * (1.0 + PATH_SLACK):
+                if k < pp - 1 and val + self._count_gain(ca, cb, lb, cap, capt, left - l - s_lb) \
+                        >= self.tau * (1.0 + PATH_SLACK):
                     ctr[PRUNED_BOUND] += 1      # this count only: the gain is not monotone in it
                     l += 1
                     continue
@@ -375,7 +374,6 @@ class SplitSearch(StructureBounds):
                 self.down[t] = 1 if (down or (last > 0 and l < last)) else 0
                 self.capped[t] = 1 if l == mem else 0
                 self._node(k + 1, left - l)
-                self.ub = b
                 self.last[t], self.down[t], self.capped[t] = last, down, capped
             l += 1
         for c in range(v):
