@@ -153,16 +153,21 @@ def test_lower_bounds_never_exceed_any_completion(seed):
         left = num_layers - sum(ss.layers)
         lb, cap, capt = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v * len(counts))
         assert ss._propagate(k, left, lb, cap, capt)
-        nt = len(counts)
-        for t_ms, typ, lay in completions:
-            if t_ms < tau:
-                for r in range(k, pp):
-                    for c in range(v):
-                        vs = c * pp + r
-                        assert lb[vs] <= lay[vs] <= cap[vs]
-                        assert lay[vs] <= capt[vs * nt + typ[r]]     # the cap of the type it takes
+        _assert_within([p for p in completions if p[0] < tau], range(k, pp), pp, v, lb, cap, capt)
         ss._fill(lb)
         assert ss.kernel.longest(ss.params) <= best
+
+
+def _assert_within(completions, ranks, pp, v, lb, cap, capt):
+    """Every completion ``(time, types, layers)`` keeps each stage of ``ranks`` within its propagated
+    [lb, cap] and within the cap of the type it gives the rank."""
+    nt = len(capt) // (pp * v)
+    for _t_ms, typ, lay in completions:
+        for r in ranks:
+            for c in range(v):
+                vs = c * pp + r
+                assert lb[vs] <= lay[vs] <= cap[vs]
+                assert lay[vs] <= capt[vs * nt + typ[r]]     # the cap of the type it takes
 
 
 def _decide(ss, counts, types, layers, k, pp, v):
@@ -225,12 +230,7 @@ def _inherited_case(seed: int) -> int | None:
         if not ok:
             tighter += fresh_ok         # the inherited bounds cut the child, a fresh start does not
             continue
-        for t_ms, typ, lay in beat:
-            for r in range(k, pp):
-                for c in range(v):
-                    vs = c * pp + r
-                    assert lb[vs] <= lay[vs] <= cap[vs]
-                    assert lay[vs] <= capt[vs * nt + typ[r]]
+        _assert_within(beat, range(k, pp), pp, v, lb, cap, capt)
         if fresh_ok:
             tighter += any(lb[vs] > fresh[0][vs] or cap[vs] < fresh[1][vs]
                            for vs in (c * pp + r for r in range(k, pp) for c in range(v)))
@@ -641,13 +641,7 @@ def test_bounds_from_the_end_and_the_path_gain_never_exceed_a_completion(seed):
         ss.tau = tau
         lb, cap, capt = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v * nt)
         assert ss._propagate(a, left, lb, cap, capt)
-        for t_ms, typ, lay in completions:
-            if t_ms < tau:
-                for r in range(a, b):
-                    for c in range(v):
-                        vs = c * pp + r
-                        assert lb[vs] <= lay[vs] <= cap[vs]
-                        assert lay[vs] <= capt[vs * nt + typ[r]]
+        _assert_within([p for p in completions if p[0] < tau], range(a, b), pp, v, lb, cap, capt)
         ss._fill(lb, capt)
         val = ss.kernel.longest(ss.params)
         gain = ss._count_gain(a, b, lb, cap, capt, left - ss._lb_sum(a, b, lb))
