@@ -48,6 +48,7 @@ from .specs import (GIB, LINK_CROSS_TYPE, LINK_INTER_NODE, LINK_INTRA_NODE, Clus
                     CostConstants, Device, ModelSpec, ProfileSpec, analytic_profile, constants_for,
                     valid_tp_degrees)
 from .specs.analytic import DEFAULT_MICRO_BATCH_SIZES
+from .specs.cluster import DeviceSpan
 from .stagecost import base_params, link_carries_data, put_rank_times, rank_memory, send_index
 
 
@@ -137,7 +138,7 @@ class GroupCosts:
 class Placement:
     """Where a candidate's stages run and which links they use."""
 
-    stage_devices: tuple[tuple[Device, ...], ...]  # per stage, dp*tp devices in rank order
+    stage_devices: tuple[Sequence[Device], ...]  # per stage, dp*tp devices in rank order (a lazy span)
     send_link: tuple[int, ...]        # per rank r: LINK_* of r -> r+1 (r = pp-1: wrap to 0); -1 if pp=1
     dp_link: tuple[int, ...]          # per rank: slowest LINK_* inside its DP group (-1 if dp = 1)
 
@@ -392,9 +393,9 @@ class CostModel:
         stage_devices = []
         dp_link = []
         for t, j in zip(cand.stage_types, js):
-            _nodes, spans = self.slot(t, tp, dp, j)
+            spans = self.slot_spans(t, tp, dp, j)
             start = j * tp * dp
-            stage_devices.append(self._devices[t][start:start + tp * dp])
+            stage_devices.append(self._devices[t].span(start, start + tp * dp))
             dp_link.append(-1 if dp == 1 else (LINK_INTER_NODE if spans else LINK_INTRA_NODE))
         send = []
         for r in range(pp):
@@ -577,7 +578,7 @@ class CostModel:
         for r in range(pp):
             stages.append(PlanStage(
                 index=r, device_type=cand.stage_types[r], ranks=tuple(range(r * size, (r + 1) * size)),
-                devices=tuple((d.node, d.local) for d in place.stage_devices[r]), tp=cand.tp,
+                devices=_positions(place.stage_devices[r]), tp=cand.tp,
                 dp=cand.dp, layers=cand.chunk_layers(r),
                 first_layers=tuple(firsts[c * pp + r] for c in range(v)),
                 forward_ms=tuple(fwd[r * v:(r + 1) * v]), backward_ms=tuple(bwd[r * v:(r + 1) * v]),
@@ -607,6 +608,13 @@ class CostModel:
                            stage_types=tuple(cand.stage_types), layers=tuple(cand.layers),
                            predicted_iteration_ms=float(iteration_ms),
                            tokens_per_s=self.tokens_per_s(iteration_ms))
+
+
+def _positions(devices: Sequence[Device]) -> tuple[tuple[int, int], ...]:
+    """``(node, local)`` of a stage's devices (a lazy span's without building them)."""
+    if isinstance(devices, DeviceSpan):
+        return devices.positions()
+    return tuple((d.node, d.local) for d in devices)
 
 
 @lru_cache(maxsize=4096)

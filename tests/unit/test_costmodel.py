@@ -381,8 +381,18 @@ def test_type_devices_equal_the_listed_devices(cluster):
         assert lazy[-1] == listed[-1]
         for a, b in ((0, 3), (2, 7), (1, len(listed)), (5, 2)):
             assert lazy[a:b] == listed[a:b]
+        n = len(listed)
+        for a in range(n + 1):                 # spans across runs and node boundaries, empty ones too
+            for b in range(a, n + 1):
+                span = lazy.span(a, b)
+                assert span == listed[a:b] and tuple(span) == listed[a:b] and len(span) == b - a
+                assert span.positions() == tuple((d.node, d.local) for d in listed[a:b])
+                if b > a:
+                    assert span[0] == listed[a] and span[-1] == listed[b - 1]
         with pytest.raises(IndexError):
             lazy[len(listed)]
+        with pytest.raises(IndexError):
+            lazy.span(0, n + 1)
     for d in every:
         assert cluster.device_at(d.node, d.local) == d
     assert cluster.device_at(len({d.node for d in every}), 0) is None
