@@ -54,7 +54,11 @@ cdef class SplitSearch:
     cdef double* lam
     cdef int* pcnt
     cdef int* lcnt
-    cdef double* crt
+    cdef double* crt     # pp * nt: the gain's lower-bound layers per (rank, type) over the fill
+    cdef double* jslope  # nv * nt: the gain's slope per (stage, type) along the path
+    cdef int* jroom      # nv * nt: the gain's room per (stage, type) above the lower bound
+    cdef double* jmu     # nv * nt: the gain's multipliers (sorted distinct slopes)
+    cdef int jslack
     cdef int* hi         # per type: its slots hi.. belong to ranks decided from the end
     cdef int* types
     cdef int* slot
@@ -100,10 +104,10 @@ cdef class SplitSearch:
     cdef double* sl_b
     cdef double* sl_a
     cdef bint exact_counts
-    cdef int* as_val     # nt * pp: the assignment's values (scratch of _assign_capacity)
+    cdef double* as_val  # nt * pp: the assignment's values (scratch of _assign)
     cdef int* as_owner   # pp
     cdef int* as_used    # nt
-    cdef int* as_gain    # nt
+    cdef double* as_gain # nt
     cdef int* as_via_t   # nt
     cdef int* as_via_r   # nt
     cdef int* work       # v (chunk layers scratch)
@@ -151,6 +155,9 @@ cdef class SplitSearch:
     cdef bint _type_mass(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
     cdef int _type_capacity(self, int k, int ub, int* lb, int* cap, int* capt) noexcept nogil
     cdef int _assign_capacity(self, int k, int ub, int* lb, int* cap, int* capt) noexcept nogil
+    cdef double _assign(self, int n) noexcept nogil
+    cdef double _joint_gain(self, int a, int b, int* lb, int* cap, int* capt, int extra) noexcept nogil
+    cdef double _joint_at(self, int a, int b, double mu, int extra) noexcept nogil
     cdef double _knapsack(self, int k, int ub, int extra, int* lb, int* cap) noexcept nogil
     cdef int _type_allowed(self, int r, int t) noexcept nogil
     cdef void _node(self, int k, int left) noexcept nogil

@@ -46,7 +46,7 @@ TABLE_COLUMNS = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding
 
 cdef double PATH_SLACK = 1e-9
 cdef double FIT_SLACK = 1e-12     # see search/bounds.py FIT_SLACK
-cdef int AS_NEG = -(1 << 30)
+cdef double AS_NEG = -1152921504606846976.0   # seeds.NEG: -(1 << 60)
 cdef long long CLOCK_EVERY = 1024
 
 
@@ -102,7 +102,8 @@ cdef class SplitSearch:
         self.narg = NULL
         self.sl_f = self.sl_b = self.sl_a = NULL
         self.best_types = self.best_layers = NULL
-        self.as_val = self.as_owner = self.as_used = self.as_gain = self.as_via_t = self.as_via_r = NULL
+        self.as_owner = self.as_used = self.as_via_t = self.as_via_r = self.jroom = NULL
+        self.as_val = self.as_gain = self.jslope = self.jmu = NULL
         if shape.pure_python:
             raise TypeError("the compiled search needs the compiled DAG kernel (shape built with "
                             "pure_python=False)")
@@ -165,6 +166,9 @@ cdef class SplitSearch:
         self.pcnt = _ialloc(self.n_params)
         self.lcnt = _ialloc(self.nt)
         self.crt = _dcopy([0.0] * (self.pp * self.nt))
+        self.jslope = _dcopy([0.0] * (self.nv * self.nt))
+        self.jroom = _ialloc(self.nv * self.nt)
+        self.jmu = _dcopy([0.0] * (self.nv * self.nt))
         self.types = _ialloc(self.pp)
         self.slot = _ialloc(self.pp)
         self.layers = _ialloc(self.nv)
@@ -226,10 +230,10 @@ cdef class SplitSearch:
         self.best_types = _ialloc(self.pp)
         self.best_layers = _ialloc(self.nv)
         self.cap_rank = _ialloc(self.nt * self.pp)
-        self.as_val = _ialloc(self.nt * self.pp)
+        self.as_val = _dcopy([0.0] * (self.nt * self.pp))
         self.as_owner = _ialloc(self.pp)
         self.as_used = _ialloc(self.nt)
-        self.as_gain = _ialloc(self.nt)
+        self.as_gain = _dcopy([0.0] * self.nt)
         self.as_via_t = _ialloc(self.nt)
         self.as_via_r = _ialloc(self.nt)
         for t in range(self.nt):
@@ -253,6 +257,7 @@ cdef class SplitSearch:
         free(self.g_slb); free(self.g_even); free(self.g_start); free(self.z_slb); free(self.z_even)
         free(self.efull); free(self.ordf); free(self.ordfn); free(self.kfull)
         free(self.as_val); free(self.as_owner); free(self.as_used); free(self.as_gain); free(self.as_via_t); free(self.as_via_r)
+        free(self.jslope); free(self.jroom); free(self.jmu)
 
     # --- memory ---------------------------------------------------------------------------------
 
@@ -974,6 +979,7 @@ cdef class SplitSearch:
                         continue
                     x = (cnt[1 + r * v + c] * self.tmin[t * 9] + cnt[1 + nv + r * v + c] * self.tmin[t * 9 + 1]
                          + na * self.tmin[t * 9 + 6])
+                    self.jslope[vs * nt + t] = x
                     if x < y:
                         y = x
                 self.alpha[vs] = y if y < INFINITY else 0.0
@@ -991,7 +997,88 @@ cdef class SplitSearch:
         for t in range(nt):
             if self.remaining[t] > 0:
                 ll += self.lam[t] * self.remaining[t]
+        x = self._joint_gain(a, b, lb, cap, capt, extra)
+        if x > ll:
+            ll = x
         return ll if ll > 0.0 else 0.0   # (the extra part alone is >= 0)
+
+    cdef double _joint_gain(self, int a, int b, int* lb, int* cap, int* capt, int extra) noexcept nogil:
+        # bounds.StructureBounds._joint_gain: the lower-bound and the extra layers together, the
+        # layer sum relaxed with one multiplier mu (bisection over the sorted distinct slopes), the
+        # type assignment exact
+        cdef int pp = self.pp, v = self.v, nt = self.nt, r, t, c, vs, ct, nmu = 0, j, lo, hi, mid
+        cdef double x, best
+        for r in range(a, b):
+            for t in range(nt):
+                if self.crt[r * nt + t] == INFINITY:
+                    continue
+                for c in range(v):
+                    vs = c * pp + r
+                    ct = capt[vs * nt + t]
+                    if cap[vs] < ct:
+                        ct = cap[vs]
+                    self.jroom[vs * nt + t] = ct - lb[vs]
+                    if ct > lb[vs]:
+                        # insert into the sorted distinct list
+                        x = self.jslope[vs * nt + t]
+                        j = nmu
+                        while j > 0 and self.jmu[j - 1] > x:
+                            j -= 1
+                        if j > 0 and self.jmu[j - 1] == x:
+                            continue
+                        lo = nmu
+                        while lo > j:
+                            self.jmu[lo] = self.jmu[lo - 1]
+                            lo -= 1
+                        self.jmu[j] = x
+                        nmu += 1
+        if nmu == 0:
+            return self._joint_at(a, b, 0.0, extra)
+        best = -INFINITY
+        lo = 0
+        hi = nmu - 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            x = self._joint_at(a, b, self.jmu[mid], extra)
+            if x > best:
+                best = x
+            if x == INFINITY:
+                break
+            if self.jslack > 0:
+                lo = mid + 1
+            else:
+                hi = mid - 1
+        return best
+
+    cdef double _joint_at(self, int a, int b, double mu, int extra) noexcept nogil:
+        # bounds.StructureBounds._joint_at: the joint bound at one multiplier; sets jslack
+        cdef int pp = self.pp, v = self.v, nt = self.nt, n = b - a, r, t, c, vs, i, filled = 0
+        cdef double x, got
+        for t in range(nt):
+            for i in range(n):
+                self.as_val[t * pp + i] = AS_NEG
+        for r in range(a, b):
+            for t in range(nt):
+                if self.crt[r * nt + t] == INFINITY:
+                    continue
+                x = self.crt[r * nt + t]
+                for c in range(v):
+                    vs = c * pp + r
+                    if self.jslope[vs * nt + t] < mu:
+                        x += (self.jslope[vs * nt + t] - mu) * self.jroom[vs * nt + t]
+                self.as_val[t * pp + r - a] = -x
+        got = self._assign(n)
+        if got == -INFINITY:
+            self.jslack = 0
+            return INFINITY
+        for i in range(n):
+            t = self.as_owner[i]
+            for c in range(v):
+                vs = c * pp + a + i
+                if self.jslope[vs * nt + t] <= mu:
+                    filled += self.jroom[vs * nt + t]
+        self.jslack = extra - filled
+        return mu * extra - got
 
     cdef int _lb_sum(self, int a, int b, int* lb) noexcept nogil:
         cdef int r, c, s = 0
@@ -1030,27 +1117,37 @@ cdef class SplitSearch:
 
     cdef int _assign_capacity(self, int k, int ub, int* lb, int* cap, int* capt) noexcept nogil:
         # see bounds.StructureBounds._assign_capacity: the best assignment of the remaining types
-        # to ranks k..ub-1 (exact counts), successive shortest paths as seeds.best_assignment
-        cdef int pp = self.pp, nt = self.nt, n = ub - k, r, t, a, b, rnd, step, g, best, at, ar, seen
-        cdef int total = 0
+        # to ranks k..ub-1 (exact counts); -1 when none exists (integral values: exact in doubles)
+        cdef int pp = self.pp, nt = self.nt, n = ub - k, r, t, s
+        cdef double got
+        for t in range(nt):
+            for r in range(n):
+                s = self._rank_capacity(k + r, t, lb, cap, capt) if self.remaining[t] > 0 else -1
+                self.as_val[t * pp + r] = s if s >= 0 else AS_NEG
+        got = self._assign(n)
+        return -1 if got == -INFINITY else <int> got
+
+    cdef double _assign(self, int n) noexcept nogil:
+        # seeds.best_assignment on as_val (type t at position r: as_val[t * pp + r], AS_NEG: not
+        # allowed), each type at most remaining[t] times: the best total (-inf when no assignment
+        # exists), the types in as_owner. Successive shortest paths, the same operations in the same
+        # order as the pure twin
+        cdef int pp = self.pp, nt = self.nt, r, t, a, b, rnd, step, at, ar, seen
+        cdef double total = 0.0, g, best
         cdef bint changed
-        cdef int* val = self.as_val
+        cdef double* val = self.as_val
         cdef int* owner = self.as_owner
         cdef int* used = self.as_used
-        cdef int* gain = self.as_gain
+        cdef double* gain = self.as_gain
         cdef int* via_t = self.as_via_t
         cdef int* via_r = self.as_via_r
         for t in range(nt):
             used[t] = 0
-            for r in range(n):
-                val[t * pp + r] = self._rank_capacity(k + r, t, lb, cap, capt) if self.remaining[t] > 0 else -1
-                if val[t * pp + r] < 0:
-                    val[t * pp + r] = AS_NEG
         for r in range(n):
             owner[r] = -1
         for step in range(n):
             for t in range(nt):
-                gain[t] = 0 if used[t] < self.remaining[t] else AS_NEG
+                gain[t] = 0.0 if used[t] < self.remaining[t] else AS_NEG
                 via_t[t] = -1
             for rnd in range(nt):
                 changed = False
@@ -1081,7 +1178,7 @@ cdef class SplitSearch:
                         at = t
                         ar = r
             if at < 0:
-                return -1
+                return -INFINITY
             owner[ar] = at
             total += best
             seen = 0

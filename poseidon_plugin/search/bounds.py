@@ -1120,16 +1120,19 @@ class StructureBounds:
     def _count_gain(self, a: int, b: int, lb, cap, capt, extra: int) -> float:
         """After a DAG bound run: how much more, along one of its longest paths, every completion
         below tau costs than the fill priced the undecided ranks ``[a, b)`` (docs/SEARCH.md, "The gain
-        along the bound's longest path"). Their lower-bound layers: each rank on a remaining type that
-        fits it (``capt``), each type on exactly its remaining ranks, bounded by the Lagrangian
-        relaxation of that assignment with the per-type mean costs as multipliers (any multipliers
-        give a valid bound); the ``extra`` layers above the lower bounds: the cheapest placement at
-        each stage's least slope along the path over those types (fractional, up to the caps)."""
+        along the bound's longest path"): the larger of two lower bounds. (1) Apart: their
+        lower-bound layers, each rank on a remaining type that fits it (``capt``), each type on
+        exactly its remaining ranks, bounded by the Lagrangian relaxation of that assignment with the
+        per-type mean costs as multipliers, plus the ``extra`` layers above the lower bounds at each
+        stage's least slope along the path over those types (fractional, up to the caps). (2) Joint
+        (:meth:`_joint_gain`): the two together, the layer sum relaxed with one multiplier and the
+        type assignment solved exactly."""
         pp, v, nt, nv = self.pp, self.v, self.nt, self.nv
         cnt = self.kernel.critical_counts(self.params)
         tm = self.type_mins
         lam, lcnt = [0.0] * nt, [0] * nt
-        crt = {}
+        crt = self.crt
+        slope = self.jslope
         alpha = [0.0] * nv
         for r in range(a, b):
             na = cnt[1 + 2 * nv + pp + r]
@@ -1138,7 +1141,7 @@ class StructureBounds:
                 s_lb += lb[c * pp + r]
             m_f, m_b, m_a = self.fill_slopes[r]
             for t in range(nt):
-                crt[r, t] = INF
+                crt[r * nt + t] = INF
                 if self.remaining[t] <= 0:
                     continue
                 if not self._fits(r, t, lb, capt):
@@ -1148,17 +1151,19 @@ class StructureBounds:
                     vs = c * pp + r
                     nf, nb = cnt[1 + r * v + c], cnt[1 + nv + r * v + c]
                     x += lb[vs] * (nf * (tm[t][MIN_FORWARD] - m_f) + nb * (tm[t][MIN_BACKWARD] - m_b))
-                crt[r, t] = x
+                crt[r * nt + t] = x
                 lam[t] += x
                 lcnt[t] += 1
             for c in range(v):
                 vs = c * pp + r
                 y = INF
                 for t in range(nt):
-                    if crt[r, t] == INF:
+                    if crt[r * nt + t] == INF:
                         continue
+                    # one more layer of this stage on type t, along the path
                     x = (cnt[1 + r * v + c] * tm[t][MIN_FORWARD] + cnt[1 + nv + r * v + c] * tm[t][MIN_BACKWARD]
                          + na * tm[t][MIN_ALLREDUCE])
+                    slope[vs * nt + t] = x
                     if x < y:
                         y = x
                 alpha[vs] = y if y < INF else 0.0
@@ -1169,14 +1174,91 @@ class StructureBounds:
         for r in range(a, b):
             m1 = INF
             for t in range(nt):
-                x = crt[r, t] - lam[t]
+                x = crt[r * nt + t] - lam[t]
                 if x < m1:
                     m1 = x
             ll += m1
         for t in range(nt):
             if self.remaining[t] > 0:
                 ll += lam[t] * self.remaining[t]
+        x = self._joint_gain(a, b, lb, cap, capt, extra)
+        if x > ll:
+            ll = x
         return ll if ll > 0.0 else 0.0
+
+    def _joint_gain(self, a: int, b: int, lb, cap, capt, extra: int) -> float:
+        """The gain's second bound (docs/SEARCH.md): rank ``r`` of ``[a, b)`` on type ``t`` with ``e``
+        layers above its lower bounds costs, along the path, ``crt[r, t] + sum_c slope[vs, t] e_c``
+        (``e_c`` up to the stage's room on ``t``); every completion puts exactly ``extra`` such layers
+        and each type on exactly its remaining ranks. Relaxing the layer sum with a multiplier ``mu``
+        leaves, per rank and type, ``crt + sum_c min(0, slope - mu) room`` (each stage full or at its
+        lower bound), and the exact best assignment of types to ranks of those costs plus ``mu extra``
+        bounds every completion, for every ``mu``. The bound is concave in ``mu`` with its maximum at a
+        slope: a bisection over the sorted distinct slopes by the sign of ``extra`` minus the room the
+        best assignment fills. ``crt`` and ``slope`` come from :meth:`_count_gain`; infinite when no
+        assignment exists."""
+        pp, v, nt = self.pp, self.v, self.nt
+        crt, slope, room = self.crt, self.jslope, self.jroom
+        mus = []
+        for r in range(a, b):
+            for t in range(nt):
+                if crt[r * nt + t] == INF:
+                    continue
+                for c in range(v):
+                    vs = c * pp + r
+                    ct = capt[vs * nt + t]
+                    if cap[vs] < ct:
+                        ct = cap[vs]
+                    room[vs * nt + t] = ct - lb[vs]
+                    if ct > lb[vs]:
+                        mus.append(slope[vs * nt + t])
+        mus = sorted(set(mus))
+        if not mus:
+            return self._joint_at(a, b, 0.0, extra)
+        best = -INF
+        lo, hi = 0, len(mus) - 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            x = self._joint_at(a, b, mus[mid], extra)
+            if x > best:
+                best = x
+            if x == INF:
+                break
+            if self.jslack > 0:
+                lo = mid + 1
+            else:
+                hi = mid - 1
+        return best
+
+    def _joint_at(self, a: int, b: int, mu: float, extra: int) -> float:
+        """:meth:`_joint_gain` at one multiplier ``mu``; sets ``jslack``: ``extra`` less the room the
+        best assignment fills at ``mu`` (> 0: the bound rises with ``mu``)."""
+        from .seeds import NEG, best_assignment
+        pp, v, nt, n = self.pp, self.v, self.nt, b - a
+        crt, slope, room = self.crt, self.jslope, self.jroom
+        value = [[NEG] * n for _ in range(nt)]
+        for r in range(a, b):
+            for t in range(nt):
+                if crt[r * nt + t] == INF:
+                    continue
+                x = crt[r * nt + t]
+                for c in range(v):
+                    vs = c * pp + r
+                    if slope[vs * nt + t] < mu:
+                        x += (slope[vs * nt + t] - mu) * room[vs * nt + t]
+                value[t][r - a] = -x
+        got = best_assignment(value, [max(0, x) for x in self.remaining], n)
+        if got is None:
+            self.jslack = 0
+            return INF
+        filled = 0
+        for i, t in enumerate(got[1]):
+            for c in range(v):
+                vs = c * pp + a + i
+                if slope[vs * nt + t] <= mu:
+                    filled += room[vs * nt + t]
+        self.jslack = extra - filled
+        return mu * extra - got[0]
 
     def _type_mass(self, k: int, left: int, lb, cap, capt) -> bool:
         """The undecided ranks, each on one remaining type, must be able to hold ``left`` layers."""

@@ -89,6 +89,12 @@ class SplitSearch(StructureBounds):
         self.stride = table.max_slots
         self.params = shape.new_params()
         self.zero_lb = [0] * self.nv
+        # the gain's scratch: per (rank, type) its lower-bound layers' cost over the fill's; per
+        # (stage, type) its slope along the path and its room above the lower bound
+        self.crt = [0.0] * (pp * self.nt)
+        self.jslope = [0.0] * (self.nv * self.nt)
+        self.jroom = [0] * (self.nv * self.nt)
+        self.jslack = 0
         self.kernel = None
         # memory: most layers rank r holds on type t (all chunks; < V when the rank cannot be used)
         self.cap_rank = array("i", [0]) * (self.nt * pp)
