@@ -150,13 +150,13 @@ cdef class SplitSearch:
     cdef double _gammas(self, int q, int k, int* lb, int* room_of, double* gam, int ns, int* slb,
                         int* even, int* start) noexcept nogil
     cdef int _path_caps(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
-    cdef double _count_gain(self, int a, int b, int* lb, int* cap, int* capt, int extra) noexcept nogil
+    cdef double _count_gain(self, int a, int b, int* lb, int* cap, int* capt, int extra, double need) noexcept nogil
     cdef int _lb_sum(self, int a, int b, int* lb) noexcept nogil
     cdef bint _type_mass(self, int k, int left, int* lb, int* cap, int* capt) noexcept nogil
     cdef int _type_capacity(self, int k, int ub, int* lb, int* cap, int* capt) noexcept nogil
     cdef int _assign_capacity(self, int k, int ub, int* lb, int* cap, int* capt) noexcept nogil
     cdef double _assign(self, int n) noexcept nogil
-    cdef double _joint_gain(self, int a, int b, int* lb, int* cap, int* capt, int extra) noexcept nogil
+    cdef double _joint_gain(self, int a, int b, int* lb, int* cap, int* capt, int extra, double need) noexcept nogil
     cdef double _joint_at(self, int a, int b, double mu, int extra) noexcept nogil
     cdef double _knapsack(self, int k, int ub, int extra, int* lb, int* cap) noexcept nogil
     cdef int _type_allowed(self, int r, int t) noexcept nogil

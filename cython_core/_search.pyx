@@ -936,7 +936,7 @@ cdef class SplitSearch:
                         changed = 1
         return changed
 
-    cdef double _count_gain(self, int a, int b, int* lb, int* cap, int* capt, int extra) noexcept nogil:
+    cdef double _count_gain(self, int a, int b, int* lb, int* cap, int* capt, int extra, double need) noexcept nogil:
         # After a DAG bound run: along its longest path (kernel.critical), how much more the
         # undecided ranks [a, b) cost at least than the fill priced them when the remaining types go
         # to exactly their counts (a Lagrangian bound of that assignment, multipliers the per-type
@@ -997,12 +997,13 @@ cdef class SplitSearch:
         for t in range(nt):
             if self.remaining[t] > 0:
                 ll += self.lam[t] * self.remaining[t]
-        x = self._joint_gain(a, b, lb, cap, capt, extra)
-        if x > ll:
-            ll = x
+        if ll < need:
+            x = self._joint_gain(a, b, lb, cap, capt, extra, need)
+            if x > ll:
+                ll = x
         return ll if ll > 0.0 else 0.0   # (the extra part alone is >= 0)
 
-    cdef double _joint_gain(self, int a, int b, int* lb, int* cap, int* capt, int extra) noexcept nogil:
+    cdef double _joint_gain(self, int a, int b, int* lb, int* cap, int* capt, int extra, double need) noexcept nogil:
         # bounds.StructureBounds._joint_gain: the lower-bound and the extra layers together, the
         # layer sum relaxed with one multiplier mu (bisection over the sorted distinct slopes), the
         # type assignment exact
@@ -1042,7 +1043,7 @@ cdef class SplitSearch:
             x = self._joint_at(a, b, self.jmu[mid], extra)
             if x > best:
                 best = x
-            if x == INFINITY:
+            if best >= need:
                 break
             if self.jslack > 0:
                 lo = mid + 1
@@ -1366,7 +1367,8 @@ cdef class SplitSearch:
                 self.ctr[BOUND_EVALS] += 1
                 val = self.kernel.run(self.params)
                 if val >= self.tau or val + self._count_gain(
-                        ca, cb, lb2, cap, capt, left - l - self._lb_sum(ca, cb, lb2)) >= self.tau * (1.0 + PATH_SLACK):
+                        ca, cb, lb2, cap, capt, left - l - self._lb_sum(ca, cb, lb2),
+                        self.tau * (1.0 + PATH_SLACK) - val) >= self.tau * (1.0 + PATH_SLACK):
                     self.ctr[PRUNED_BOUND] += 1
                     l += 1
                     continue
@@ -1381,7 +1383,8 @@ cdef class SplitSearch:
                 if val >= self.tau:
                     self.ctr[PRUNED_BOUND] += hi - l + 1
                     break
-                if k < pp - 1 and val + self._count_gain(ca, cb, lb, cap, capt, left - l - s_lb) \
+                if k < pp - 1 and val + self._count_gain(ca, cb, lb, cap, capt, left - l - s_lb,
+                                                         self.tau * (1.0 + PATH_SLACK) - val) \
                         >= self.tau * (1.0 + PATH_SLACK):
                     self.ctr[PRUNED_BOUND] += 1     # this count only: the gain is not monotone in it
                     l += 1

@@ -1117,7 +1117,7 @@ class StructureBounds:
                 changed = 1
         return changed
 
-    def _count_gain(self, a: int, b: int, lb, cap, capt, extra: int) -> float:
+    def _count_gain(self, a: int, b: int, lb, cap, capt, extra: int, need: float = INF) -> float:
         """After a DAG bound run: how much more, along one of its longest paths, every completion
         below tau costs than the fill priced the undecided ranks ``[a, b)`` (docs/SEARCH.md, "The gain
         along the bound's longest path"): the larger of two lower bounds. (1) Apart: their
@@ -1126,7 +1126,8 @@ class StructureBounds:
         per-type mean costs as multipliers, plus the ``extra`` layers above the lower bounds at each
         stage's least slope along the path over those types (fractional, up to the caps). (2) Joint
         (:meth:`_joint_gain`): the two together, the layer sum relaxed with one multiplier and the
-        type assignment solved exactly."""
+        type assignment solved exactly. Once a bound reaches ``need`` (what cuts the child) it is
+        returned as it stands."""
         pp, v, nt, nv = self.pp, self.v, self.nt, self.nv
         cnt = self.kernel.critical_counts(self.params)
         tm = self.type_mins
@@ -1181,12 +1182,13 @@ class StructureBounds:
         for t in range(nt):
             if self.remaining[t] > 0:
                 ll += lam[t] * self.remaining[t]
-        x = self._joint_gain(a, b, lb, cap, capt, extra)
-        if x > ll:
-            ll = x
+        if ll < need:
+            x = self._joint_gain(a, b, lb, cap, capt, extra, need)
+            if x > ll:
+                ll = x
         return ll if ll > 0.0 else 0.0
 
-    def _joint_gain(self, a: int, b: int, lb, cap, capt, extra: int) -> float:
+    def _joint_gain(self, a: int, b: int, lb, cap, capt, extra: int, need: float = INF) -> float:
         """The gain's second bound (docs/SEARCH.md): rank ``r`` of ``[a, b)`` on type ``t`` with ``e``
         layers above its lower bounds costs, along the path, ``crt[r, t] + sum_c slope[vs, t] e_c``
         (``e_c`` up to the stage's room on ``t``); every completion puts exactly ``extra`` such layers
@@ -1195,8 +1197,8 @@ class StructureBounds:
         lower bound), and the exact best assignment of types to ranks of those costs plus ``mu extra``
         bounds every completion, for every ``mu``. The bound is concave in ``mu`` with its maximum at a
         slope: a bisection over the sorted distinct slopes by the sign of ``extra`` minus the room the
-        best assignment fills. ``crt`` and ``slope`` come from :meth:`_count_gain`; infinite when no
-        assignment exists."""
+        best assignment fills (stopped once the bound reaches ``need``). ``crt`` and ``slope`` come
+        from :meth:`_count_gain`; infinite when no assignment exists."""
         pp, v, nt = self.pp, self.v, self.nt
         crt, slope, room = self.crt, self.jslope, self.jroom
         mus = []
@@ -1222,7 +1224,7 @@ class StructureBounds:
             x = self._joint_at(a, b, mus[mid], extra)
             if x > best:
                 best = x
-            if x == INF:
+            if best >= need:
                 break
             if self.jslack > 0:
                 lo = mid + 1

@@ -352,7 +352,8 @@ class SplitSearch(StructureBounds):
                 ctr[BOUND_EVALS] += 1
                 val = self.kernel.longest(self.params)
                 if val >= self.tau or val + self._count_gain(
-                        ca, cb, lb2, cap, capt, left - l - self._lb_sum(ca, cb, lb2)) >= self.tau * (1.0 + PATH_SLACK):
+                        ca, cb, lb2, cap, capt, left - l - self._lb_sum(ca, cb, lb2),
+                        self.tau * (1.0 + PATH_SLACK) - val) >= self.tau * (1.0 + PATH_SLACK):
                     ctr[PRUNED_BOUND] += 1
                     l += 1
                     continue
@@ -364,7 +365,8 @@ class SplitSearch(StructureBounds):
                 if val >= self.tau:
                     ctr[PRUNED_BOUND] += hi - l + 1
                     break
-                if k < pp - 1 and val + self._count_gain(ca, cb, lb, cap, capt, left - l - s_lb) \
+                if k < pp - 1 and val + self._count_gain(ca, cb, lb, cap, capt, left - l - s_lb,
+                                                         self.tau * (1.0 + PATH_SLACK) - val) \
                         >= self.tau * (1.0 + PATH_SLACK):
                     ctr[PRUNED_BOUND] += 1      # this count only: the gain is not monotone in it
                     l += 1
