@@ -669,6 +669,32 @@ def test_path_gain_cuts_nodes_the_dag_bound_keeps():
     assert cut > 0
 
 
+def test_joint_gain_cuts_nodes_the_separate_gain_keeps():
+    """The joint bound of the gain (the layer sum relaxed, the type assignment exact) cuts children
+    that the separate bounds keep, on some random structures, and the optimum stays the same."""
+    from poseidon_plugin.search import splits
+    cut = 0
+    for seed in range(60):
+        case = _searched_structure(seed)
+        if case is None:
+            continue
+        plans, counts, pp, v, nt, _rng, ss = case
+        for backward in (False, True):      # both branching orders
+            got = []
+            for with_joint in (True, False):
+                search = PySplitSearch(ss.table, ss.shape, ss.num_layers, ridge=False, blocks=False,
+                                       type_class=array("i", range(nt)), backward=backward)
+                if not with_joint:
+                    search._joint_gain = lambda *a: -math.inf
+                got.append(search.run(counts, math.inf))
+            joint, separate = got
+            assert joint.time_ms == separate.time_ms == min(p[0] for p in plans)
+            # a cut subtree holds no plan below tau, so tau falls alike: a subset of the nodes
+            assert joint.counters[splits.NODES] <= separate.counters[splits.NODES]
+            cut += separate.counters[splits.NODES] - joint.counters[splits.NODES]
+    assert cut > 0
+
+
 @pytest.mark.parametrize("comm_model", ["dag", "megatron", "megatron-overlap"])
 @pytest.mark.parametrize("schedule,pp,m,v", [("1f1b", 3, 5, 1), ("gpipe", 4, 3, 1), ("eager-1f1b", 2, 4, 1),
                                              ("interleaved-1f1b", 2, 4, 2), ("interleaved-1f1b", 3, 6, 2)])

@@ -22,21 +22,31 @@ def _brute(value, supply, pp):
     return best
 
 
+@pytest.mark.parametrize("real", [False, True])
 @pytest.mark.parametrize("seed", range(40))
-def test_best_assignment_equals_brute_force(seed):
+def test_best_assignment_equals_brute_force(seed, real):
+    """Integral values (the capacities) and real ones of either sign (the path gain's negated costs,
+    with the supplies summing to the positions, as there): the optimum of brute force."""
     rng = random.Random(seed)
-    nt, pp = rng.randint(1, 3), rng.randint(1, 6)
-    supply = [rng.randint(0, pp) for _ in range(nt)]
-    value = [[NEG if rng.random() < 0.2 else rng.randint(0, 9) for _ in range(pp)] for _ in range(nt)]
+    nt, pp = rng.randint(1, 4 if real else 3), rng.randint(1, 6)
+    if real:
+        supply = [0] * nt
+        for _ in range(pp):
+            supply[rng.randrange(nt)] += 1
+        value = [[NEG if rng.random() < 0.15 else rng.uniform(-500.0, 100.0) for _ in range(pp)]
+                 for _ in range(nt)]
+    else:
+        supply = [rng.randint(0, pp) for _ in range(nt)]
+        value = [[NEG if rng.random() < 0.2 else rng.randint(0, 9) for _ in range(pp)] for _ in range(nt)]
     got = best_assignment(value, supply, pp)
     want = _brute(value, supply, pp)
     if want is None:
         assert got is None
         return
     total, types = got
-    assert total == want
+    assert total == pytest.approx(want, rel=1e-12, abs=1e-9)
     assert all(types.count(t) <= supply[t] for t in range(nt))
-    assert sum(value[t][r] for r, t in enumerate(types)) == total
+    assert sum(value[t][r] for r, t in enumerate(types)) == pytest.approx(total, rel=1e-12, abs=1e-9)
 
 
 def test_assignment_seeds_are_fitting_plans_of_the_space():
