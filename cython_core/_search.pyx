@@ -75,6 +75,93 @@ cdef int* _ialloc(Py_ssize_t n) except NULL:
     return out
 
 
+cdef double _best_assignment(int n, int nt, int stride, double* val, int* supply, int* owner,
+                             int* used, double* gain, int* via_t, int* via_r) noexcept nogil:
+    # seeds.best_assignment: types for n positions (type t at position r: val[t * stride + r],
+    # AS_NEG: not allowed), each type at most supply[t] times, maximising the sum: the best total
+    # (-inf when no assignment exists), the types in owner. Successive shortest paths, the same
+    # operations in the same order as the pure function (scratch: used, gain, via_t, via_r per type)
+    cdef int r, t, a, b, rnd, step, at, ar, seen
+    cdef double total = 0.0, g, best
+    cdef bint changed
+    for t in range(nt):
+        used[t] = 0
+    for r in range(n):
+        owner[r] = -1
+    for step in range(n):
+        for t in range(nt):
+            gain[t] = 0.0 if used[t] < supply[t] else AS_NEG
+            via_t[t] = -1
+        for rnd in range(nt):
+            changed = False
+            for r in range(n):
+                a = owner[r]
+                if a < 0 or val[a * stride + r] == AS_NEG:
+                    continue
+                for b in range(nt):
+                    if b == a or gain[b] == AS_NEG or val[b * stride + r] == AS_NEG:
+                        continue
+                    g = gain[b] + val[b * stride + r] - val[a * stride + r]
+                    if g > gain[a]:
+                        gain[a] = g
+                        via_t[a] = b
+                        via_r[a] = r
+                        changed = True
+            if not changed:
+                break
+        best = AS_NEG
+        at = -1
+        ar = -1
+        for r in range(n):
+            if owner[r] >= 0:
+                continue
+            for t in range(nt):
+                if gain[t] != AS_NEG and val[t * stride + r] != AS_NEG and gain[t] + val[t * stride + r] > best:
+                    best = gain[t] + val[t * stride + r]
+                    at = t
+                    ar = r
+        if at < 0:
+            return -INFINITY
+        owner[ar] = at
+        total += best
+        seen = 0
+        t = at
+        while via_t[t] >= 0 and seen <= n:
+            b = via_t[t]
+            owner[via_r[t]] = b
+            t = b
+            seen += 1
+        used[t] += 1
+    return total
+
+
+def best_capacity_assignment(value, supply, int n):
+    """Compiled :func:`poseidon_plugin.search.seeds.best_assignment` for integral values (layer
+    capacities, ``seeds.NEG``: not allowed): ``(total, types)`` or None, the same as the pure function
+    (integers below 2**53 are exact in doubles, so every comparison and sum is too)."""
+    cdef int nt = len(supply), t, r, m = n if n > 0 else 1
+    cdef double* val = <double*> malloc(nt * m * sizeof(double))
+    cdef int* ints = <int*> malloc((2 * nt + m + 2 * nt) * sizeof(int))
+    cdef double* gain = <double*> malloc(nt * sizeof(double))
+    cdef double total
+    if val == NULL or ints == NULL or gain == NULL:
+        free(val); free(ints); free(gain)
+        raise MemoryError()
+    try:
+        for t in range(nt):
+            row = value[t]
+            for r in range(n):
+                val[t * m + r] = <double> row[r]
+            ints[t] = supply[t] if supply[t] < n else n
+        total = _best_assignment(n, nt, m, val, ints, ints + nt, ints + nt + m, gain,
+                                 ints + 2 * nt + m, ints + 3 * nt + m)
+        if total == -INFINITY:
+            return None
+        return int(total), [ints[nt + r] for r in range(n)]
+    finally:
+        free(val); free(ints); free(gain)
+
+
 cdef class SplitSearch:
     """Exact (or ridge-pruned) search of one structure; see poseidon_plugin.search.splits."""
 
@@ -1129,68 +1216,10 @@ cdef class SplitSearch:
         return -1 if got == -INFINITY else <int> got
 
     cdef double _assign(self, int n) noexcept nogil:
-        # seeds.best_assignment on as_val (type t at position r: as_val[t * pp + r], AS_NEG: not
-        # allowed), each type at most remaining[t] times: the best total (-inf when no assignment
-        # exists), the types in as_owner. Successive shortest paths, the same operations in the same
-        # order as the pure twin
-        cdef int pp = self.pp, nt = self.nt, r, t, a, b, rnd, step, at, ar, seen
-        cdef double total = 0.0, g, best
-        cdef bint changed
-        cdef double* val = self.as_val
-        cdef int* owner = self.as_owner
-        cdef int* used = self.as_used
-        cdef double* gain = self.as_gain
-        cdef int* via_t = self.as_via_t
-        cdef int* via_r = self.as_via_r
-        for t in range(nt):
-            used[t] = 0
-        for r in range(n):
-            owner[r] = -1
-        for step in range(n):
-            for t in range(nt):
-                gain[t] = 0.0 if used[t] < self.remaining[t] else AS_NEG
-                via_t[t] = -1
-            for rnd in range(nt):
-                changed = False
-                for r in range(n):
-                    a = owner[r]
-                    if a < 0 or val[a * pp + r] == AS_NEG:
-                        continue
-                    for b in range(nt):
-                        if b == a or gain[b] == AS_NEG or val[b * pp + r] == AS_NEG:
-                            continue
-                        g = gain[b] + val[b * pp + r] - val[a * pp + r]
-                        if g > gain[a]:
-                            gain[a] = g
-                            via_t[a] = b
-                            via_r[a] = r
-                            changed = True
-                if not changed:
-                    break
-            best = AS_NEG
-            at = -1
-            ar = -1
-            for r in range(n):
-                if owner[r] >= 0:
-                    continue
-                for t in range(nt):
-                    if gain[t] != AS_NEG and val[t * pp + r] != AS_NEG and gain[t] + val[t * pp + r] > best:
-                        best = gain[t] + val[t * pp + r]
-                        at = t
-                        ar = r
-            if at < 0:
-                return -INFINITY
-            owner[ar] = at
-            total += best
-            seen = 0
-            t = at
-            while via_t[t] >= 0 and seen <= n:
-                b = via_t[t]
-                owner[via_r[t]] = b
-                t = b
-                seen += 1
-            used[t] += 1
-        return total
+        # the best assignment of as_val (type t at position r: as_val[t * pp + r]) to n positions,
+        # type t at most remaining[t] times: _best_assignment on the search's scratch
+        return _best_assignment(n, self.nt, self.pp, self.as_val, self.remaining, self.as_owner,
+                                self.as_used, self.as_gain, self.as_via_t, self.as_via_r)
 
     cdef double _knapsack(self, int k, int ub, int extra, int* lb, int* cap) noexcept nogil:
         # the extra layers over the stages of ranks k..ub-1 (self.alpha: their slopes)

@@ -112,7 +112,7 @@ def _last_short_time(capacity, num_layers: int, lo: float, hi: float, rel: float
 
 def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int,
                    num_layers: int, *, memory: bool = False, live=None, schedule: str | None = None,
-                   target: float | None = None, comm_model: str | None = None) -> float:
+                   target: float | None = None, comm_model: str | None = None, assign=None) -> float:
     """A lower bound on the iteration time of every plan of a shape group (``counts``: the most ranks
     of each type) or of a structure (``counts``: exact ranks per type); inf when ``pp`` ranks do not
     exist or cannot hold the model. Shape-free: the engine keeps it for every piece of the space it
@@ -130,7 +130,7 @@ def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int
     ``pp`` roomiest ranks cannot hold the model, and (``memory``) the larger of the bound above and
     the work bound with caps: ``l_i <= min(cap_i, w_i T / M)`` (rank ``i``'s own work fits in ``T``);
     with ``live`` also :func:`positional_bound` (given ``schedule``: with the fill and drain terms;
-    ``target``: computed only up to just above it)."""
+    ``target``: computed only up to just above it; ``assign``: its assignment solver)."""
     # per type one block of identical ranks (w, cap, n): O(types) where a list of pp ranks cost
     # O(pp log pp), for each of ~15,000 shape groups at frontier scale. The group may pick any pp.
     blocks = []
@@ -188,7 +188,7 @@ def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int
         best = lo
     if live is not None:
         best = max(best, positional_bound(table, counts, micro_batches, pp, v, num_layers, live, best,
-                                          schedule, target, comm_model))
+                                          schedule, target, comm_model, assign))
     return best * (1.0 - 1e-9)
 
 
@@ -297,7 +297,7 @@ def _cheapest_placement(per_layer, tops, lows, num_layers: int) -> float | None:
 
 def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int, num_layers: int,
                      live, start: float = 0.0, schedule: str | None = None,
-                     target: float | None = None, comm_model: str | None = None) -> float:
+                     target: float | None = None, comm_model: str | None = None, assign=None) -> float:
     """The work bound with each pipeline position's own memory cap (``live[r]``: the schedule's peak
     live micro-batches at position ``r``, as the cost model's memory formula takes them); a lower
     bound on every plan's time, or ``start`` when it is not larger (docs/SEARCH.md "Anytime answers").
@@ -331,8 +331,10 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
     (:func:`drain_path_terms`). With ``schedule`` and ``V > 1`` the same with the interleaved path of
     :func:`interleaved_drain_counts`, ``Y = T - S_L / V`` (``S_L``: the layers' work). With
     ``target``: a value just above it as soon as the capacity there is short (the caller needs no
-    more), else the bisection."""
+    more), else the bisection. ``assign``: the assignment solver, :func:`.seeds.best_assignment` by
+    default (the compiled search passes its twin, which gives the same integral results)."""
     from .seeds import NEG, best_assignment      # here: seeds imports the search modules that import this one
+    assign = assign or best_assignment
     slack = 1.0 + 1e-9
     m = micro_batches
     active = [t for t in range(len(counts)) if min(counts[t], pp) > 0]     # the order of types
@@ -439,29 +441,49 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
             s_ += 1
         return q * v + s_
 
+    # caps_at's constants per position and type: the per-layer share of the work room, the memory
+    # cap, the work the position pays whatever its layers, and per drain pair (V = 1) the room its
+    # extras and transfers take and its per-layer slope
+    fixed_caps = []
+    for r in range(pp):
+        row = []
+        for i, (w, _n, c, _s) in enumerate(types):
+            e_f, e_b = ext[r][i]
+            pairs = ()
+            if drain and ilv is None:
+                t = active[i]
+                pairs = tuple((terms[r] + kf * e_f + kb * e_b, kf * table.forward_ms[t] + kb * table.backward_ms[t])
+                              for kf, kb in coef[r])
+            row.append((w / m * slack, c[r], r * c_min + m * (e_f + e_b), pairs))
+        fixed_caps.append(row)
+
     def caps_at(t_ms: float, y: float | None):
         """h[r][i]: most layers position r holds on type i at time t_ms and drain room y (< v: cannot)."""
         h = []
-        for r in range(pp):
-            row = []
-            for i, (w, _n, c, _s) in enumerate(types):
-                e_f, e_b = ext[r][i]
-                work = t_ms - r * c_min - m * (e_f + e_b)
-                x = min(c[r], int(w * max(0.0, work) / m * slack))
+        for r, row in enumerate(fixed_caps):
+            out = []
+            for i, (share, cap_r, paid, pairs) in enumerate(row):
+                work = t_ms - paid
+                x = int(share * work) if work > 0.0 else 0
+                if x > cap_r:
+                    x = cap_r
                 if y is not None and ilv is not None:
-                    x = min(x, ilv_cap(r, i, y))
+                    z = ilv_cap(r, i, y)
+                    if z < x:
+                        x = z
                 elif y is not None:
                     # each drain pair: kf F + kb B <= y, with F, B the layers' time plus the extras
-                    t = active[i]
-                    for kf, kb in coef[r]:
-                        room = y - terms[r] - kf * e_f - kb * e_b
-                        sl = kf * table.forward_ms[t] + kb * table.backward_ms[t]
+                    for taken, sl in pairs:
+                        room = y - taken
                         if room < 0.0:
                             x = -1
-                        elif sl > 0.0:
-                            x = min(x, int(room / sl * slack))
-                row.append(x)
-            h.append(row)
+                            break
+                        if sl > 0.0:
+                            z = int(room / sl * slack)
+                            if z < x:
+                                x = z
+                out.append(x)
+            h.append(out)
         return h
 
     def s_min(h) -> float | None:
@@ -520,8 +542,8 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
         # the best assignment of types to positions (at most n_t of type t; a type whose cap is below
         # V cannot take the position), exactly: a transportation problem (seeds.best_assignment,
         # successive shortest paths)
-        got = best_assignment([[row[i] if row[i] >= v else NEG for row in h] for i in range(len(types))],
-                              [n for _w, n, _c, _s in types], pp)
+        got = assign([[row[i] if row[i] >= v else NEG for row in h] for i in range(len(types))],
+                     [n for _w, n, _c, _s in types], pp)
         return 0 if got is None else got[0]
 
     if capacity(start) >= num_layers:

@@ -90,6 +90,11 @@ class SearchRun:
         self.resume_at: dict[tuple, int] = {}   # a group the clock cut: its first structure not closed
         self.node_budget = node_budget
         self.pure = use_pure_python(options)
+        # the positional bound's assignment solver: the compiled twin unless the search is pure
+        self.assign = None
+        if not self.pure:
+            from poseidon_plugin._core._search import best_capacity_assignment
+            self.assign = best_capacity_assignment
         self.space = SearchSpace(cm, options)
         self.shapes = ShapeCache(self.pure, options.comm_model, cm.comm_extras)
         self.board = Leaderboard(options.top_k,
@@ -244,7 +249,7 @@ class SearchRun:
             live = CostModel.peak_live(sg.schedule, sg.pp, g.micro_batches, sg.virtual_stages)
         return pipeline_bound(self.space.table(g), counts, g.micro_batches, sg.pp, sg.virtual_stages,
                               self.space.num_layers, memory=memory, live=live, schedule=sg.schedule,
-                              target=target, comm_model=self.options.comm_model)
+                              target=target, comm_model=self.options.comm_model, assign=self.assign)
 
     # --- phases -----------------------------------------------------------------------------
 

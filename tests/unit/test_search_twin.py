@@ -36,6 +36,21 @@ def test_twin_exports_the_same_names():
     assert fields == set(_search.TABLE_COLUMNS)
 
 
+@needs_compiled
+@pytest.mark.parametrize("seed", range(40))
+def test_compiled_capacity_assignment_is_the_pure_one(seed):
+    """The positional bound's compiled assignment solver gives the pure one's total and types on
+    integral values (layer capacities, NEG where a type cannot take a position)."""
+    import random
+    from poseidon_plugin._core._search import best_capacity_assignment
+    from poseidon_plugin.search.seeds import NEG, best_assignment
+    rng = random.Random(seed)
+    nt, n = rng.randint(1, 4), rng.randint(1, 40)
+    supply = [rng.randint(0, n) for _ in range(nt)]
+    value = [[NEG if rng.random() < 0.2 else rng.randint(0, 126) for _ in range(n)] for _ in range(nt)]
+    assert best_capacity_assignment(value, supply, n) == best_assignment(value, supply, n)
+
+
 @pytest.mark.parametrize("pp,v", [(1, 1), (3, 1), (4, 2), (3, 3)])
 def test_stagecost_indices_are_the_simulators(pp, v):
     layout = ParamLayout(pp=pp, virtual_stages=v)
