@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from itertools import chain, compress
+from operator import itemgetter
 from typing import Mapping
 
 from ..simulator.core import cached_graph, make_kernel
@@ -292,22 +294,24 @@ def bound_paths(schedule: str, pp: int, micro_batches: int, virtual_stages: int,
         if det is not None:
             rows.append(det)
         owner.extend([r] * (len(rows) - len(owner)))
-    flat = [array("i"), array("i"), array("i"), array("i")]
-    ptr, idx, coef = array("i", [0]), array("i"), array("i")
-    # sparse form for the path's cost: (parameter index, multiplicity) in parameter order
-    perm = [c * pp + r for r in range(pp) for c in range(v)]   # parameter slot -> virtual stage
-    for cf, cb, cs, car in rows:
-        for dst, part in zip(flat, (cf, cb, cs, car)):
-            dst.extend(part)
-        for base, vec, order in ((1, cf, perm), (1 + nv, cb, perm), (1 + 2 * nv, cs, None),
-                                 (1 + 2 * nv + pp, car, None)):
-            items = [vec[x] for x in order] if order is not None else vec
-            nonzero = [i for i, k in enumerate(items) if k]
-            idx.extend([base + i for i in nonzero])
-            coef.extend([items[i] for i in nonzero])
+    flat = [array("i", list(chain.from_iterable(row[i] for row in rows))) for i in range(4)]
+    # sparse form for the path's cost: (parameter index, multiplicity) in parameter order, gathered
+    # at C speed (compress / filter): a frontier shape has ~300 paths of ~400 entries each
+    ptr, idx, coef = [0], [], []
+    # parameter slot -> virtual stage (None: the same order, V = 1)
+    perm = itemgetter(*[c * pp + r for r in range(pp) for c in range(v)]) if v > 1 else None
+    slots = (range(1, 1 + nv), range(1 + nv, 1 + 2 * nv), range(1 + 2 * nv, 1 + 2 * nv + pp),
+             range(1 + 2 * nv + pp, 1 + 2 * nv + 2 * pp))
+    for row in rows:
+        for part, (vec, where) in enumerate(zip(row, slots)):
+            if perm is not None and part < 2:
+                vec = perm(vec)
+            idx.extend(compress(where, vec))
+            coef.extend(filter(None, vec))      # the multiplicities are >= 0: the non-zero ones
         ptr.append(len(idx))
     return BoundPaths(count=len(rows), coef_f=flat[0], coef_b=flat[1], coef_s=flat[2], coef_ar=flat[3],
-                      term_ptr=ptr, term_idx=idx, term_coef=coef, owner=owner)
+                      term_ptr=array("i", ptr), term_idx=array("i", idx), term_coef=array("i", coef),
+                      owner=owner)
 
 
 class ShapeData:
