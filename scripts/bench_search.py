@@ -83,7 +83,7 @@ def big_cluster(devices: int, folder: str) -> str:
 
 def plan_cli(cluster: str, model: str, *flags: str) -> dict:
     """Run ``poseidon plan ... --json`` in a fresh process: wall time, peak RSS and the plan's stats."""
-    code = ("import sys; from poseidon_plugin.cli import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from poseidon_plugin.cli import main; rc = main(); "
             "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0], file=sys.stderr); "
             "sys.exit(rc)")
     t0 = time.perf_counter()

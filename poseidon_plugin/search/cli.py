@@ -181,7 +181,9 @@ def write_trace(cm, plan, path: str, comm_model: str | None = None) -> None:
 
 def run(args) -> int:
     """Search and print the plan."""
-    start = time.monotonic()           # --time-limit counts the loading too (100k+ device clusters)
+    # --time-limit counts the loading too (100k+ device clusters), and for the console script the
+    # interpreter's start-up (cli.main)
+    start = getattr(args, "started", None) or time.monotonic()
     from ..plan import render_table
     from ..target import search_plan
     for flag, value in (("--global-batch-size", args.global_batch_size), ("--seq-length", args.seq_length),

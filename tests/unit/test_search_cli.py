@@ -151,3 +151,31 @@ def test_cli_time_limit_counts_the_loading_and_still_returns_a_plan(capsys):
     doc = json.loads(captured.out)
     assert Plan.from_dict(doc).predicted_iteration_ms > 0
     assert doc["search_stats"]["complete"] is False
+
+
+def test_console_time_limit_counts_from_the_process_start():
+    """Run as the console script (``main()`` reading ``sys.argv``), ``--time-limit`` counts from the
+    process's start: its age is read from /proc (interpreter start-up and imports included); a call
+    with an explicit argv (a library caller, these tests) counts from the call."""
+    code = ("import time, sys; from poseidon_plugin.cli import process_age_s; time.sleep(0.3); "
+            "print(process_age_s())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=120)
+    age = float(out.stdout)
+    if age == 0.0:
+        pytest.skip("no /proc process start time here")
+    assert 0.3 <= age < 30.0
+
+
+def test_console_main_takes_the_process_age_off_the_time_limit(monkeypatch, capsys):
+    """``main()`` without argv takes the process's age off ``--time-limit``: with an age past the limit
+    the search gets only a sliver (incomplete, still a plan); with an explicit argv it is not read."""
+    import poseidon_plugin.cli as cli
+    argv = ["plan", "--cluster", "paper-setting-1", "--model", "llama3-8b", "--schedules", "1f1b",
+            "--time-limit", "20", "--json", "--no-progress"]
+    monkeypatch.setattr(cli, "process_age_s", lambda: 25.0)
+    monkeypatch.setattr(sys, "argv", ["poseidon", *argv])
+    assert cli.main() == 0
+    assert json.loads(capsys.readouterr().out)["search_stats"]["complete"] is False
+    assert cli.main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["search_stats"]["complete"] is True
