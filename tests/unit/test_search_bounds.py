@@ -649,9 +649,10 @@ def test_bounds_from_the_end_and_the_path_gain_never_exceed_a_completion(seed):
         assert val + gain <= best * (1 + 1e-9)
 
 
-def test_path_gain_cuts_nodes_the_dag_bound_keeps():
-    """On random structures the gain along the bound's longest path cuts some children the DAG bound
-    alone keeps (it is not vacuous), and the searches still find the same optimum."""
+def _nodes_cut_by(method: str, off) -> int:
+    """Nodes that the search's ``method`` cuts on the random structures (seeds 0-59, both branching
+    orders): searched with it and with ``off`` in its place, both find the optimum, and the search with
+    it visits a subset of the other's nodes (a cut subtree holds no plan below tau, so tau falls alike)."""
     from poseidon_plugin.search import splits
     cut = 0
     for seed in range(60):
@@ -659,40 +660,31 @@ def test_path_gain_cuts_nodes_the_dag_bound_keeps():
         if case is None:
             continue
         plans, counts, pp, v, nt, _rng, ss = case
-        with_gain = ss.run(counts, math.inf)
-        plain = PySplitSearch(ss.table, ss.shape, ss.num_layers, ridge=False, blocks=False,
-                              type_class=array("i", range(nt)))
-        plain._count_gain = lambda *a: 0.0
-        without = plain.run(counts, math.inf)
-        assert with_gain.time_ms == without.time_ms == min(p[0] for p in plans)
-        cut += without.counters[splits.NODES] - with_gain.counters[splits.NODES]
-    assert cut > 0
+        for backward in (False, True):
+            got = []
+            for replaced in (False, True):
+                search = PySplitSearch(ss.table, ss.shape, ss.num_layers, ridge=False, blocks=False,
+                                       type_class=array("i", range(nt)), backward=backward)
+                if replaced:
+                    setattr(search, method, off)
+                got.append(search.run(counts, math.inf))
+            on, without = got
+            assert on.time_ms == without.time_ms == min(p[0] for p in plans)
+            assert on.counters[splits.NODES] <= without.counters[splits.NODES]
+            cut += without.counters[splits.NODES] - on.counters[splits.NODES]
+    return cut
+
+
+def test_path_gain_cuts_nodes_the_dag_bound_keeps():
+    """On random structures the gain along the bound's longest path cuts some children the DAG bound
+    alone keeps (it is not vacuous), and the searches still find the same optimum."""
+    assert _nodes_cut_by("_count_gain", lambda *a: 0.0) > 0
 
 
 def test_joint_gain_cuts_nodes_the_separate_gain_keeps():
     """The joint bound of the gain (the layer sum relaxed, the type assignment exact) cuts children
     that the separate bounds keep, on some random structures, and the optimum stays the same."""
-    from poseidon_plugin.search import splits
-    cut = 0
-    for seed in range(60):
-        case = _searched_structure(seed)
-        if case is None:
-            continue
-        plans, counts, pp, v, nt, _rng, ss = case
-        for backward in (False, True):      # both branching orders
-            got = []
-            for with_joint in (True, False):
-                search = PySplitSearch(ss.table, ss.shape, ss.num_layers, ridge=False, blocks=False,
-                                       type_class=array("i", range(nt)), backward=backward)
-                if not with_joint:
-                    search._joint_gain = lambda *a: -math.inf
-                got.append(search.run(counts, math.inf))
-            joint, separate = got
-            assert joint.time_ms == separate.time_ms == min(p[0] for p in plans)
-            # a cut subtree holds no plan below tau, so tau falls alike: a subset of the nodes
-            assert joint.counters[splits.NODES] <= separate.counters[splits.NODES]
-            cut += separate.counters[splits.NODES] - joint.counters[splits.NODES]
-    assert cut > 0
+    assert _nodes_cut_by("_joint_gain", lambda *a: -math.inf) > 0
 
 
 @pytest.mark.parametrize("comm_model", ["dag", "megatron", "megatron-overlap"])
