@@ -279,12 +279,19 @@ class TypeDevices(Sequence):
             raise IndexError(f"devices {start}..{stop - 1} of {self._len}")
         return DeviceSpan(self, start, stop)
 
+    def _pieces(self, start: int, stop: int):
+        """Each run's share of devices ``start .. stop - 1``: ``(run, lo, hi)``, its positions
+        ``lo .. hi - 1`` within the run (runs it does not meet are skipped)."""
+        for run in self._runs:
+            lo, hi = max(start, run[0]) - run[0], min(stop, run[0] + run[4]) - run[0]
+            if lo < hi:
+                yield run, lo, hi
+
     def positions(self, start: int, stop: int) -> tuple[tuple[int, int], ...]:
         """``(node, local)`` of devices ``start .. stop - 1``, node by node (no :class:`Device`)."""
         out: list[tuple[int, int]] = []
-        for pos, _index, node, per, size in self._runs:
-            lo, hi = max(start, pos) - pos, min(stop, pos + size) - pos
-            for n in range(lo // per, (hi + per - 1) // per if hi > lo else 0):
+        for (_pos, _index, node, per, _size), lo, hi in self._pieces(start, stop):
+            for n in range(lo // per, (hi + per - 1) // per):
                 a, b = max(lo, n * per), min(hi, (n + 1) * per)
                 out.extend((node + n, local) for local in range(a - n * per, b - n * per))
         return tuple(out)
@@ -295,8 +302,8 @@ class TypeDevices(Sequence):
             if step != 1:
                 return tuple(self._at(j) for j in range(start, stop, step))
             # run by run (no search for the run per device): a plan's stages slice 100k+ devices
-            return tuple(self._device(run, j) for run in self._runs
-                         for j in range(max(start, run[0]) - run[0], min(stop, run[0] + run[4]) - run[0]))
+            return tuple(self._device(run, j) for run, lo, hi in self._pieces(start, stop)
+                         for j in range(lo, hi))
         if i < 0:
             i += self._len
         if not 0 <= i < self._len:
