@@ -38,17 +38,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def process_age_s() -> float:
+def process_age_s(stat: bytes | None = None, uptime: bytes | None = None, ticks_per_s: int | None = None) -> float:
     """Seconds since this process started (Linux ``/proc``; 0.0 where unknown or implausible): a
-    console script's ``--time-limit`` then counts the interpreter's start-up and imports too."""
+    console script's ``--time-limit`` then counts the interpreter's start-up and imports too.
+
+    ``stat`` (the contents of ``/proc/self/stat``), ``uptime`` (of ``/proc/uptime``) and ``ticks_per_s``
+    default to this machine's; tests pass their own."""
     try:
-        with open("/proc/self/stat", "rb") as f:
-            stat = f.read()
-        with open("/proc/uptime", "rb") as f:
-            uptime = float(f.read().split()[0])
+        if stat is None:
+            with open("/proc/self/stat", "rb") as f:
+                stat = f.read()
+        if uptime is None:
+            with open("/proc/uptime", "rb") as f:
+                uptime = f.read()
+        ticks_per_s = ticks_per_s or os.sysconf("SC_CLK_TCK")
         # field 22, starttime (clock ticks after boot); fields after the command name's ")"
         ticks = int(stat[stat.rindex(b")") + 2:].split()[19])
-        age = uptime - ticks / os.sysconf("SC_CLK_TCK")
+        age = float(uptime.split()[0]) - ticks / ticks_per_s
     except (OSError, ValueError, IndexError):
         return 0.0
     return age if 0.0 <= age < 60.0 else 0.0

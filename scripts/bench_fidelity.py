@@ -78,6 +78,7 @@ def print_table(rows: list[dict], summ: dict) -> None:
         d, m = s["dag"], s["megatron"]
         print(f"{var:22} {d['n']:3d}  {d['median_abs_err_pct']:11.2f}% {d['max_abs_err_pct']:5.2f}%  "
               f"{m['median_abs_err_pct']:16.2f}% {m['max_abs_err_pct']:5.2f}%")
+    print("target (not asserted; docs/FIDELITY.md): megatron median |error| <= 2 %, max <= 4 %, per schedule")
 
 
 def main(argv: list[str] | None = None) -> int:
