@@ -25,8 +25,14 @@ from __future__ import annotations
 import math
 
 from ..stagecost import link_carries_data
+from ..backend import compiled
+from . import assignment
+from .assignment import NEG
 from .counters import PRUNED_MEMORY, PRUNED_PATH
 from .tables import TypeTable
+
+# the one assignment solver, compiled where built (the same file: the same results)
+best_assignment = (compiled("assignment") or assignment).best_assignment
 
 INF = math.inf
 
@@ -314,7 +320,7 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
     ``V`` cannot take it. The ranks must hold every layer: the bound is the smallest ``T`` where the best
     assignment of types to positions (at most ``n_t`` of type ``t``; exactly, when the counts add up
     to ``pp``) holds them with ``h_t(r) = min(cap_t(r), k_t(r, T))`` layers at position ``r``
-    (bisection: capacity is monotone in ``T``), computed exactly (:func:`.seeds.best_assignment`) after
+    (bisection: capacity is monotone in ``T``), computed exactly (:func:`.assignment.best_assignment`) after
     two cheap upper bounds on it, ``sum_t (the n_t largest min(cap_t(r), k_t(0, T)))`` and ``sum_r
     max_t h_t(r)``, did not settle it.
 
@@ -331,9 +337,8 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
     (:func:`drain_path_terms`). With ``schedule`` and ``V > 1`` the same with the interleaved path of
     :func:`interleaved_drain_counts`, ``Y = T - S_L / V`` (``S_L``: the layers' work). With
     ``target``: a value just above it as soon as the capacity there is short (the caller needs no
-    more), else the bisection. ``assign``: the assignment solver, :func:`.seeds.best_assignment` by
+    more), else the bisection. ``assign``: the assignment solver, :func:`.assignment.best_assignment` by
     default (the compiled search passes its twin, which gives the same integral results)."""
-    from .seeds import NEG, best_assignment      # here: seeds imports the search modules that import this one
     assign = assign or best_assignment
     slack = 1.0 + 1e-9
     m = micro_batches
@@ -540,7 +545,7 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
         if sum(max(max(row), 0) for row in h) < num_layers:
             return 0
         # the best assignment of types to positions (at most n_t of type t; a type whose cap is below
-        # V cannot take the position), exactly: a transportation problem (seeds.best_assignment,
+        # V cannot take the position), exactly: a transportation problem (assignment.best_assignment,
         # successive shortest paths)
         got = assign([[row[i] if row[i] >= v else NEG for row in h] for i in range(len(types))],
                      [n for _w, n, _c, _s in types], pp)
@@ -1257,7 +1262,6 @@ class StructureBounds:
     def _joint_at(self, a: int, b: int, mu: float, extra: int) -> float:
         """:meth:`_joint_gain` at one multiplier ``mu``; sets ``jslack``: ``extra`` less the room the
         best assignment fills at ``mu`` (> 0: the bound rises with ``mu``)."""
-        from .seeds import NEG, best_assignment
         pp, v, nt, n = self.pp, self.v, self.nt, b - a
         crt, slope, room = self.crt, self.jslope, self.jroom
         value = [[NEG] * n for _ in range(nt)]
@@ -1326,9 +1330,8 @@ class StructureBounds:
     def _assign_capacity(self, k: int, ub: int, lb, cap, capt) -> int:
         """With exact counts: the most layers ranks ``k..ub-1`` hold when each takes one remaining type
         and type ``t`` goes to exactly its ``remaining[t]`` of them (the best assignment, a transportation
-        problem solved exactly by :func:`.seeds.best_assignment`); -1 when no assignment exists. At most
+        problem solved exactly by :func:`.assignment.best_assignment`); -1 when no assignment exists. At most
         the per-type sum above, where every type may count the same roomy ranks."""
-        from .seeds import NEG, best_assignment
         pp, nt = self.pp, self.nt
         value = [[NEG] * (ub - k) for _ in range(nt)]
         for t in range(nt):

@@ -33,7 +33,7 @@ import time
 from array import array
 from dataclasses import dataclass
 
-from ..stagecost import put_rank_times, rank_memory, send_index
+from ..stagecost import memory_need, put_rank_times, send_index
 from .bounds import (PATH_SLACK, MIN_ALLREDUCE, MIN_BACKWARD, MIN_EMBEDDING_ALLREDUCE, MIN_EMBEDDING_BACKWARD,
                      MIN_EMBEDDING_FORWARD, MIN_FORWARD, MIN_HEAD_ALLREDUCE, MIN_HEAD_BACKWARD,
                      MIN_HEAD_FORWARD, MIN_SEND, StructureBounds, chunk_layers)
@@ -55,15 +55,6 @@ class SplitResult:
     layers: tuple[int, ...]        # layers per virtual stage, empty when none
     counters: tuple[int, ...]      # COUNTER_NAMES
     aborted: bool = False          # stopped by the deadline: not proven optimal
-
-
-def memory_need(t: int, r: int, chunk_layers, table: TypeTable, shape: ShapeData) -> float:
-    """Peak bytes of rank ``r`` on type ``t`` (:func:`~poseidon_plugin.stagecost.rank_memory`, as
-    :meth:`CostModel.memory_per_stage`)."""
-    return rank_memory(chunk_layers, r == 0, r == shape.pp - 1, shape.live[r],
-                       table.layer_state_bytes[t], table.layer_activation_bytes[t],
-                       table.embedding_state_bytes[t], table.embedding_activation_bytes[t],
-                       table.head_state_bytes[t], table.head_activation_bytes[t])
 
 
 class SplitSearch(StructureBounds):
@@ -390,4 +381,4 @@ class SplitSearch(StructureBounds):
 
 __all__ = ["BOUND_EVALS", "COUNTER_NAMES", "IMPROVED", "N_COUNTERS", "NODES", "PRUNED_BOUND",
            "PRUNED_MEMORY", "PRUNED_ORDER", "PRUNED_PATH", "PRUNED_RIDGE", "SIM_CALLS", "SplitResult",
-           "SplitSearch", "chunk_layers", "memory_need"]
+           "SplitSearch", "chunk_layers"]

@@ -43,7 +43,7 @@ def test_compiled_capacity_assignment_is_the_pure_one(seed):
     integral values (layer capacities, NEG where a type cannot take a position)."""
     import random
     from poseidon_plugin._core._search import best_capacity_assignment
-    from poseidon_plugin.search.seeds import NEG, best_assignment
+    from poseidon_plugin.search.assignment import NEG, best_assignment
     rng = random.Random(seed)
     nt, n = rng.randint(1, 4), rng.randint(1, 40)
     supply = [rng.randint(0, n) for _ in range(nt)]
