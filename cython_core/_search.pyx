@@ -34,7 +34,7 @@ cdef enum:
     IMPROVED = 8
 
 # what this twin assumes of the pure search; tests/unit/test_search_twin.py compares each with the
-# pure side: counters (search/counters.py), the minima (search/bounds.py MIN_NAMES), the TypeTable
+# pure side: counters (search/counters.py), the minima (search/structure_bounds.py MIN_NAMES), the TypeTable
 # columns it copies (search/tables.py); SplitSearch.bound_params compares the assembly itself
 COUNTER_NAMES = ("nodes", "bound_evals", "sim_calls", "pruned_bound", "pruned_path", "pruned_memory",
                  "pruned_ridge", "pruned_order", "improved")
@@ -50,7 +50,7 @@ TABLE_COLUMNS = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding
 
 
 cdef double PATH_SLACK = 1e-9
-cdef double FIT_SLACK = 1e-12     # see search/bounds.py FIT_SLACK
+cdef double FIT_SLACK = 1e-12     # see search/structure_bounds.py FIT_SLACK
 cdef long long CLOCK_EVERY = 1024
 
 
@@ -59,7 +59,7 @@ cdef double _monotonic() noexcept nogil:
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return ts.tv_sec + ts.tv_nsec * 1e-9
 cdef int PROPAGATION_ROUNDS = 3
-cdef int INHERITED_ROUNDS = 2       # with the parent's bounds (see search/bounds.py)
+cdef int INHERITED_ROUNDS = 2       # with the parent's bounds (see search/structure_bounds.py)
 
 
 cdef double* _dcopy(object seq) except NULL:
