@@ -97,7 +97,7 @@ def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int
     with ``live`` also :func:`positional_bound` (given ``schedule``: with the fill and drain terms;
     ``target``: computed only up to just above it; ``assign``: its assignment solver)."""
     # per type one block of identical ranks (w, cap, n): O(types) where a list of pp ranks cost
-    # O(pp log pp), for each of ~15,000 shape groups at frontier scale. The group may pick any pp.
+    # O(pp log pp), for each of the many shape groups of a large cluster. The group may pick any pp.
     blocks = []
     for t in range(len(counts)):
         n = min(counts[t], pp)

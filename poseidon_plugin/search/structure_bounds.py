@@ -42,8 +42,8 @@ PATH_SLACK = 1e-9
 FIT_SLACK = 1e-12
 PROPAGATION_ROUNDS = 3
 # a node that inherits its parent's bounds starts near a fixpoint: one round of the path bounds on top
-# of the parent's does nearly what two did from scratch (Setting 6 at 288 NPUs: 0.2 % more nodes,
-# ~20 % less time); the roots (thousands of shape groups' checks) keep both rounds
+# of the parent's does nearly what two did from scratch, in less time (bench_search measures it); the
+# roots (thousands of shape groups' checks) keep both rounds
 INHERITED_ROUNDS = 2
 
 # StructureBounds.mins: the smallest cost of each kind over the types an undecided rank may take
