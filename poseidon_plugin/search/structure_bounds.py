@@ -64,18 +64,31 @@ def chunk_layers(total: int, chunk: int, v: int) -> int:
 
 
 class PathPrices:
-    """One bound path priced at a node (:meth:`StructureBounds._path_prices`); the lazily computed
-    parts of the placement bounds (``gsum``, ``gsum0``, ``lbo``, ``elb``: -1 until first needed)."""
+    """One bound path priced at a node (:meth:`StructureBounds._path_prices`), per-layer slopes along it:
 
-    __slots__ = ("base", "a1", "amax", "b1", "b2", "argr", "mu1", "mu2", "marg", "nu1", "nu2", "narg",
-                 "rlb", "gsum", "gsum0", "lbo", "elb")
+    ``base_cost``: the path at the lower bounds; ``min_slope`` / ``max_slope``: the cheapest and dearest
+    undecided stage's slope (each at its cheapest remaining type); ``rank_min1`` / ``rank_min2``: the two
+    smallest per-rank minima of those, ``rank_min_arg`` the rank of the first; per type (lists by type
+    index) ``type_min1`` / ``type_min2`` / ``type_min_rank``: the same over each rank's cheapest chunk,
+    and ``type_mean1`` / ``type_mean2`` / ``type_mean_rank`` over each rank's mean chunk slope;
+    ``rank_lb_cost``: per rank, its lower-bound layers along the path as ``base_cost`` priced them.
+    Computed lazily by the placement bounds (-1 until first needed): ``loss_sum`` / ``loss_sum_whole``
+    (the rounding losses above the lower bounds / of whole counts), ``others_lb_cost`` and
+    ``others_lb_layers`` (the other ranks' lower bounds, priced and counted)."""
 
-    def __init__(self, *, base, a1, amax, b1, b2, argr, mu1, mu2, marg, nu1, nu2, narg, rlb):
-        self.base, self.a1, self.amax, self.b1, self.b2, self.argr = base, a1, amax, b1, b2, argr
-        self.mu1, self.mu2, self.marg, self.nu1, self.nu2, self.narg = mu1, mu2, marg, nu1, nu2, narg
-        self.rlb = rlb
-        self.gsum = self.gsum0 = self.lbo = -1.0
-        self.elb = 0
+    __slots__ = ("base_cost", "min_slope", "max_slope", "rank_min1", "rank_min2", "rank_min_arg",
+                 "type_min1", "type_min2", "type_min_rank", "type_mean1", "type_mean2", "type_mean_rank",
+                 "rank_lb_cost", "loss_sum", "loss_sum_whole", "others_lb_cost", "others_lb_layers")
+
+    def __init__(self, *, base_cost, min_slope, max_slope, rank_min1, rank_min2, rank_min_arg, type_min1,
+                 type_min2, type_min_rank, type_mean1, type_mean2, type_mean_rank, rank_lb_cost):
+        self.base_cost, self.min_slope, self.max_slope = base_cost, min_slope, max_slope
+        self.rank_min1, self.rank_min2, self.rank_min_arg = rank_min1, rank_min2, rank_min_arg
+        self.type_min1, self.type_min2, self.type_min_rank = type_min1, type_min2, type_min_rank
+        self.type_mean1, self.type_mean2, self.type_mean_rank = type_mean1, type_mean2, type_mean_rank
+        self.rank_lb_cost = rank_lb_cost
+        self.loss_sum = self.loss_sum_whole = self.others_lb_cost = -1.0
+        self.others_lb_layers = 0
 
 
 class StructureBounds:
@@ -403,7 +416,7 @@ class StructureBounds:
             pr = self._path_prices(q, k, lb, slopes, alpha, rmt, rsum)
             if self._path_cuts(k, extra, limit, pr, alpha, lb, cap):
                 return -1
-            if pr.b2 == INF:
+            if pr.rank_min2 == INF:
                 continue
             got = self._owner_caps(q, k, extra, limit, K, pr, alpha, gam, gam0, lb, cap, capt, slopes)
             if got < 0:
@@ -481,16 +494,17 @@ class StructureBounds:
                 elif y < nu2[t]:
                     nu2[t] = y
         base += lift
-        return PathPrices(base=base, a1=a1, amax=amax, b1=b1, b2=b2, argr=argr, mu1=mu1, mu2=mu2,
-                          marg=marg, nu1=nu1, nu2=nu2, narg=narg, rlb=rlb)
+        return PathPrices(base_cost=base, min_slope=a1, max_slope=amax, rank_min1=b1, rank_min2=b2,
+                          rank_min_arg=argr, type_min1=mu1, type_min2=mu2, type_min_rank=marg,
+                          type_mean1=nu1, type_mean2=nu2, type_mean_rank=narg, rank_lb_cost=rlb)
 
     def _path_cuts(self, k: int, extra: int, limit: float, pr: "PathPrices", alpha, lb, cap) -> bool:
         """Whether the path's cost at the lower bounds plus the cheapest placement of the ``extra``
         layers above them reaches the limit (the node is then cut)."""
-        base = pr.base
-        if base + extra * pr.a1 >= limit:
+        base = pr.base_cost
+        if base + extra * pr.min_slope >= limit:
             return True
-        if extra > 0 and base + extra * pr.amax >= limit:
+        if extra > 0 and base + extra * pr.max_slope >= limit:
             if base + self._knapsack(k, self.ub, extra, alpha, lb, cap) >= limit:
                 return True
         return False
@@ -510,9 +524,9 @@ class StructureBounds:
         pp, v, nv, nt = self.pp, self.v, self.nv, self.nt
         paths = self.shape.paths
         cf, cr = q * nv, q * pp
-        base = pr.base
+        base = pr.base_cost
         r = paths.owner[q]
-        m = pr.b2 if r == pr.argr else pr.b1
+        m = pr.rank_min2 if r == pr.rank_min_arg else pr.rank_min1
         numer = limit - base - m * extra
         ka = paths.coef_ar[cr + r]
         s_lb = 0
@@ -590,40 +604,40 @@ class StructureBounds:
         the pair, and the losses (``_gammas``) are not computed. Either way the answer is the same.
         """
         pp, v = self.pp, self.v
-        if pr.lbo < 0.0:
+        if pr.others_lb_cost < 0.0:
             # all the other ranks' layers placed by type, their lower bounds too (base priced those
             # at each stage's cheapest type: take them out)
-            pr.lbo = 0.0
-            pr.elb = 0
+            pr.others_lb_cost = 0.0
+            pr.others_lb_layers = 0
             for j in range(k, self.ub):
                 if j != r:
-                    pr.lbo += pr.rlb[j]
+                    pr.others_lb_cost += pr.rank_lb_cost[j]
                     for c in range(v):
-                        pr.elb += lb[c * pp + j]
+                        pr.others_lb_layers += lb[c * pp + j]
         # (iv) and (iii)
         fit = True
         pn = INF
         if v > 1:
-            pn = self._phi(pr.elb + e, r, t, self.kfull, pr.nu1, pr.nu2, pr.narg, slopes)
-        if v == 1 or not own + (pn - pr.lbo) < rhs - FIT_SLACK * (abs(rhs) + abs(own) + abs(pn)):
+            pn = self._phi(pr.others_lb_layers + e, r, t, self.kfull, pr.type_mean1, pr.type_mean2, pr.type_mean_rank, slopes)
+        if v == 1 or not own + (pn - pr.others_lb_cost) < rhs - FIT_SLACK * (abs(rhs) + abs(own) + abs(pn)):
             if v > 1:
-                if pr.gsum0 < 0.0:
-                    pr.gsum0 = self._gammas(q, k, self.zero_lb, self.efull, gam0, slopes)
-                fit = own + (pn - (pr.gsum0 - gam0[r]) - pr.lbo) < rhs
-            fit = fit and own + (self._phi(pr.elb + e, r, t, self.kfull, pr.mu1, pr.mu2, pr.marg, slopes)
-                                 - pr.lbo) < rhs
+                if pr.loss_sum_whole < 0.0:
+                    pr.loss_sum_whole = self._gammas(q, k, self.zero_lb, self.efull, gam0, slopes)
+                fit = own + (pn - (pr.loss_sum_whole - gam0[r]) - pr.others_lb_cost) < rhs
+            fit = fit and own + (self._phi(pr.others_lb_layers + e, r, t, self.kfull, pr.type_min1, pr.type_min2, pr.type_min_rank, slopes)
+                                 - pr.others_lb_cost) < rhs
         if not fit:
             return False
         # (ii) and (i)
         pn = INF
         if v > 1:
-            pn = self._phi(e, r, t, K, pr.nu1, pr.nu2, pr.narg, slopes)
+            pn = self._phi(e, r, t, K, pr.type_mean1, pr.type_mean2, pr.type_mean_rank, slopes)
         if v == 1 or not own + pn < rhs - FIT_SLACK * (abs(rhs) + abs(own) + abs(pn)):
             if v > 1:
-                if pr.gsum < 0.0:
-                    pr.gsum = self._gammas(q, k, lb, self.ecap, gam, slopes)
-                fit = own + (pn - (pr.gsum - gam[r])) < rhs
-            fit = fit and own + self._phi(e, r, t, K, pr.mu1, pr.mu2, pr.marg, slopes) < rhs
+                if pr.loss_sum < 0.0:
+                    pr.loss_sum = self._gammas(q, k, lb, self.ecap, gam, slopes)
+                fit = own + (pn - (pr.loss_sum - gam[r])) < rhs
+            fit = fit and own + self._phi(e, r, t, K, pr.type_min1, pr.type_min2, pr.type_min_rank, slopes) < rhs
         return fit
 
     def _stage_caps(self, r: int, lb, cap, capt, slopes) -> int:
