@@ -1,4 +1,9 @@
-"""Build Poseidon: the planning package, the runtime, and the Cython core (every cython_core/*.pyx).
+"""Build Poseidon: the planning package, the runtime, and the Cython core.
+
+The core is every ``cython_core/*.pyx`` and every ``cython_core/*.py`` other than ``__init__.py``: those are
+links to modules of ``poseidon_plugin/search`` written in Cython's pure-Python mode, typed by the
+``.pxd`` of the same name beside the link; the same file runs uncompiled under
+``POSEIDON_PURE_PYTHON=1`` (one source for both).
 
 Everything installs under the one package ``poseidon_plugin``: the repository's top-level folders
 ``cython_core/`` and ``patches/`` are reached through the links ``poseidon_plugin/_core`` and
@@ -19,11 +24,16 @@ except ImportError as exc:  # Cython is a build requirement (pyproject.toml); sa
 HERE = os.path.dirname(os.path.abspath(__file__))
 os.chdir(HERE)
 
+SOURCES = sorted(glob.glob("cython_core/*.pyx")) + sorted(
+    p for p in glob.glob("cython_core/*.py") if os.path.basename(p) != "__init__.py")
 extensions = [
-    Extension(f"poseidon_plugin._core.{os.path.splitext(os.path.basename(pyx))[0]}",
-              [os.path.join("poseidon_plugin", "_core", os.path.basename(pyx))], extra_compile_args=["-O3"])
-    for pyx in sorted(glob.glob("cython_core/*.pyx"))
+    Extension(f"poseidon_plugin._core.{os.path.splitext(os.path.basename(src))[0]}",
+              [os.path.join("poseidon_plugin", "_core", os.path.basename(src))], extra_compile_args=["-O3"])
+    for src in SOURCES
 ]
+# the pure-Python-mode sources carry no directive comments: they are set here (the .pyx set their own)
+DIRECTIVES = {"language_level": "3", "boundscheck": False, "wraparound": False, "cdivision": True,
+              "initializedcheck": False, "auto_pickle": False}
 
 # the one version string lives in poseidon_plugin/__init__.py
 with open(os.path.join("poseidon_plugin", "__init__.py"), encoding="utf-8") as f:
@@ -41,7 +51,7 @@ setup(
     packages=find_packages(include=["poseidon_plugin", "poseidon_plugin.*"]),
     package_data={"poseidon_plugin": ["specs/presets/*.yaml", "specs/presets/*.json"],
                   "poseidon_plugin._core": ["*.pxd", "*.pyx"]},
-    ext_modules=cythonize(extensions, compiler_directives={"language_level": "3"}, include_path=[HERE]),
+    ext_modules=cythonize(extensions, compiler_directives=DIRECTIVES, include_path=[HERE]),
     install_requires=["PyYAML>=5.4"],
     extras_require={
         # the CPU stack the distributed tests and the CPU demo run on (pinned: see README)

@@ -49,7 +49,7 @@ cdef class SplitSearch:
     cdef int* owner
     # search state
     cdef int* counts
-    cdef int* remaining
+    cdef int[::1] remaining
     cdef int* used       # per type: its ranks decided in pipeline order (their slots 0..used-1)
     cdef double* lam
     cdef int* pcnt
@@ -104,12 +104,12 @@ cdef class SplitSearch:
     cdef double* sl_b
     cdef double* sl_a
     cdef bint exact_counts
-    cdef double* as_val  # nt * pp: the assignment's values (scratch of _assign)
-    cdef int* as_owner   # pp
-    cdef int* as_used    # nt
-    cdef double* as_gain # nt
-    cdef int* as_via_t   # nt
-    cdef int* as_via_r   # nt
+    cdef double[::1] as_val  # nt * pp: the assignment's values (scratch of _assign)
+    cdef int[::1] as_owner   # pp
+    cdef int[::1] as_used    # nt
+    cdef double[::1] as_gain # nt
+    cdef int[::1] as_via_t   # nt
+    cdef int[::1] as_via_r   # nt
     cdef int* work       # v (chunk layers scratch)
     cdef int* order      # nv (knapsack order scratch)
     cdef double* alpha   # nv

@@ -12,6 +12,11 @@ from libc.stdlib cimport free, malloc
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
 from poseidon_plugin._core._dag cimport DagKernel, copy_ints
+from poseidon_plugin._core.assignment cimport NEG_F as AS_NEG, assign_into
+
+from array import array
+
+from poseidon_plugin._core.assignment import best_assignment
 
 cdef enum:
     N_MINS = 10
@@ -29,7 +34,7 @@ cdef enum:
     IMPROVED = 8
 
 # what this twin assumes of the pure search; tests/unit/test_search_twin.py compares each with the
-# pure side: counters (search/counters.py), the minima (search/bounds.py MIN_NAMES), the TypeTable
+# pure side: counters (search/counters.py), the minima (search/structure_bounds.py MIN_NAMES), the TypeTable
 # columns it copies (search/tables.py); SplitSearch.bound_params compares the assembly itself
 COUNTER_NAMES = ("nodes", "bound_evals", "sim_calls", "pruned_bound", "pruned_path", "pruned_memory",
                  "pruned_ridge", "pruned_order", "improved")
@@ -45,8 +50,7 @@ TABLE_COLUMNS = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding
 
 
 cdef double PATH_SLACK = 1e-9
-cdef double FIT_SLACK = 1e-12     # see search/bounds.py FIT_SLACK
-cdef double AS_NEG = -1152921504606846976.0   # seeds.NEG: -(1 << 60)
+cdef double FIT_SLACK = 1e-12     # see search/structure_bounds.py FIT_SLACK
 cdef long long CLOCK_EVERY = 1024
 
 
@@ -55,7 +59,7 @@ cdef double _monotonic() noexcept nogil:
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return ts.tv_sec + ts.tv_nsec * 1e-9
 cdef int PROPAGATION_ROUNDS = 3
-cdef int INHERITED_ROUNDS = 2       # with the parent's bounds (see search/bounds.py)
+cdef int INHERITED_ROUNDS = 2       # with the parent's bounds (see search/structure_bounds.py)
 
 
 cdef double* _dcopy(object seq) except NULL:
@@ -68,6 +72,11 @@ cdef double* _dcopy(object seq) except NULL:
     return out
 
 
+def _int_view(Py_ssize_t n):
+    """A zeroed int buffer of ``n`` entries (at least one)."""
+    return array("i", [0]) * (n if n > 0 else 1)
+
+
 cdef int* _ialloc(Py_ssize_t n) except NULL:
     cdef int* out = <int*> malloc((n if n > 0 else 1) * sizeof(int))
     if out == NULL:
@@ -75,91 +84,9 @@ cdef int* _ialloc(Py_ssize_t n) except NULL:
     return out
 
 
-cdef double _best_assignment(int n, int nt, int stride, double* val, int* supply, int* owner,
-                             int* used, double* gain, int* via_t, int* via_r) noexcept nogil:
-    # seeds.best_assignment: types for n positions (type t at position r: val[t * stride + r],
-    # AS_NEG: not allowed), each type at most supply[t] times, maximising the sum: the best total
-    # (-inf when no assignment exists), the types in owner. Successive shortest paths, the same
-    # operations in the same order as the pure function (scratch: used, gain, via_t, via_r per type)
-    cdef int r, t, a, b, rnd, step, at, ar, seen
-    cdef double total = 0.0, g, best
-    cdef bint changed
-    for t in range(nt):
-        used[t] = 0
-    for r in range(n):
-        owner[r] = -1
-    for step in range(n):
-        for t in range(nt):
-            gain[t] = 0.0 if used[t] < supply[t] else AS_NEG
-            via_t[t] = -1
-        for rnd in range(nt):
-            changed = False
-            for r in range(n):
-                a = owner[r]
-                if a < 0 or val[a * stride + r] == AS_NEG:
-                    continue
-                for b in range(nt):
-                    if b == a or gain[b] == AS_NEG or val[b * stride + r] == AS_NEG:
-                        continue
-                    g = gain[b] + val[b * stride + r] - val[a * stride + r]
-                    if g > gain[a]:
-                        gain[a] = g
-                        via_t[a] = b
-                        via_r[a] = r
-                        changed = True
-            if not changed:
-                break
-        best = AS_NEG
-        at = -1
-        ar = -1
-        for r in range(n):
-            if owner[r] >= 0:
-                continue
-            for t in range(nt):
-                if gain[t] != AS_NEG and val[t * stride + r] != AS_NEG and gain[t] + val[t * stride + r] > best:
-                    best = gain[t] + val[t * stride + r]
-                    at = t
-                    ar = r
-        if at < 0:
-            return -INFINITY
-        owner[ar] = at
-        total += best
-        seen = 0
-        t = at
-        while via_t[t] >= 0 and seen <= n:
-            b = via_t[t]
-            owner[via_r[t]] = b
-            t = b
-            seen += 1
-        used[t] += 1
-    return total
-
-
 def best_capacity_assignment(value, supply, int n):
-    """Compiled :func:`poseidon_plugin.search.seeds.best_assignment` for integral values (layer
-    capacities, ``seeds.NEG``: not allowed): ``(total, types)`` or None, the same as the pure function
-    (integers below 2**53 are exact in doubles, so every comparison and sum is too)."""
-    cdef int nt = len(supply), t, r, m = n if n > 0 else 1
-    cdef double* val = <double*> malloc(nt * m * sizeof(double))
-    cdef int* ints = <int*> malloc((2 * nt + m + 2 * nt) * sizeof(int))
-    cdef double* gain = <double*> malloc(nt * sizeof(double))
-    cdef double total
-    if val == NULL or ints == NULL or gain == NULL:
-        free(val); free(ints); free(gain)
-        raise MemoryError()
-    try:
-        for t in range(nt):
-            row = value[t]
-            for r in range(n):
-                val[t * m + r] = <double> row[r]
-            ints[t] = supply[t] if supply[t] < n else n
-        total = _best_assignment(n, nt, m, val, ints, ints + nt, ints + nt + m, gain,
-                                 ints + 2 * nt + m, ints + 3 * nt + m)
-        if total == -INFINITY:
-            return None
-        return int(total), [ints[nt + r] for r in range(n)]
-    finally:
-        free(val); free(ints); free(gain)
+    """:func:`poseidon_plugin.search.assignment.best_assignment` (compiled): ``(total, types)`` or None."""
+    return best_assignment(value, supply, n)
 
 
 cdef class SplitSearch:
@@ -176,7 +103,7 @@ cdef class SplitSearch:
         self.has_allreduce = self.type_class = self.live = self.cap_rank = NULL
         self.coef_f = self.coef_b = self.coef_s = self.coef_ar = NULL
         self.term_ptr = self.term_idx = self.term_coef = self.owner = NULL
-        self.counts = self.remaining = self.used = self.hi = self.types = self.slot = self.layers = NULL
+        self.counts = self.used = self.hi = self.types = self.slot = self.layers = NULL
         self.last = self.down = self.lbs = self.caps = self.work = self.order = NULL
         self.alpha = self.sf = self.sb = self.sa = NULL
         self.capts = self.vals = self.sl_t = NULL
@@ -189,8 +116,8 @@ cdef class SplitSearch:
         self.narg = NULL
         self.sl_f = self.sl_b = self.sl_a = NULL
         self.best_types = self.best_layers = NULL
-        self.as_owner = self.as_used = self.as_via_t = self.as_via_r = self.jroom = NULL
-        self.as_val = self.as_gain = self.jslope = self.jmu = NULL
+        self.jroom = NULL
+        self.jslope = self.jmu = NULL
         if shape.pure_python:
             raise TypeError("the compiled search needs the compiled DAG kernel (shape built with "
                             "pure_python=False)")
@@ -246,7 +173,7 @@ cdef class SplitSearch:
         self.term_coef = copy_ints(paths.term_coef)
         self.owner = copy_ints(paths.owner)
         self.counts = _ialloc(self.nt)
-        self.remaining = _ialloc(self.nt)
+        self.remaining = _int_view(self.nt)
         self.used = _ialloc(self.nt)
         self.hi = _ialloc(self.nt)
         self.lam = _dcopy([0.0] * self.nt)
@@ -317,12 +244,12 @@ cdef class SplitSearch:
         self.best_types = _ialloc(self.pp)
         self.best_layers = _ialloc(self.nv)
         self.cap_rank = _ialloc(self.nt * self.pp)
-        self.as_val = _dcopy([0.0] * (self.nt * self.pp))
-        self.as_owner = _ialloc(self.pp)
-        self.as_used = _ialloc(self.nt)
-        self.as_gain = _dcopy([0.0] * self.nt)
-        self.as_via_t = _ialloc(self.nt)
-        self.as_via_r = _ialloc(self.nt)
+        self.as_val = array("d", [0.0]) * (self.nt * self.pp)
+        self.as_owner = _int_view(self.pp)
+        self.as_used = _int_view(self.nt)
+        self.as_gain = array("d", [0.0]) * self.nt
+        self.as_via_t = _int_view(self.nt)
+        self.as_via_r = _int_view(self.nt)
         for t in range(self.nt):
             for r in range(self.pp):
                 self.cap_rank[t * self.pp + r] = self._rank_cap(t, r)
@@ -333,7 +260,7 @@ cdef class SplitSearch:
         free(self.head_backward_ms); free(self.send_cross_ms); free(self.layer_state_bytes); free(self.layer_activation_bytes); free(self.embedding_state_bytes); free(self.embedding_activation_bytes)
         free(self.head_state_bytes); free(self.head_activation_bytes); free(self.usable_bytes); free(self.allreduce_ms); free(self.embedding_allreduce_ms); free(self.head_allreduce_ms)
         free(self.send_same_ms); free(self.send_wrap_ms); free(self.has_allreduce); free(self.type_class); free(self.live); free(self.cap_rank)
-        free(self.coef_f); free(self.coef_b); free(self.coef_s); free(self.coef_ar); free(self.term_ptr); free(self.term_idx); free(self.term_coef); free(self.owner); free(self.counts); free(self.remaining)
+        free(self.coef_f); free(self.coef_b); free(self.coef_s); free(self.coef_ar); free(self.term_ptr); free(self.term_idx); free(self.term_coef); free(self.owner); free(self.counts)
         free(self.used); free(self.hi); free(self.lam); free(self.lcnt); free(self.crt); free(self.pcnt); free(self.types); free(self.slot); free(self.layers); free(self.last); free(self.down); free(self.capped)
         free(self.lbs); free(self.capts); free(self.vals); free(self.sl_t); free(self.sl_f); free(self.sl_b); free(self.sl_a); free(self.caps); free(self.work); free(self.order); free(self.alpha); free(self.sf)
         free(self.sb); free(self.sa); free(self.best_types); free(self.best_layers)
@@ -343,7 +270,6 @@ cdef class SplitSearch:
         free(self.tmin); free(self.fill_f); free(self.fill_b); free(self.fill_a)
         free(self.g_slb); free(self.g_even); free(self.g_start); free(self.z_slb); free(self.z_even)
         free(self.efull); free(self.ordf); free(self.ordfn); free(self.kfull)
-        free(self.as_val); free(self.as_owner); free(self.as_used); free(self.as_gain); free(self.as_via_t); free(self.as_via_r)
         free(self.jslope); free(self.jroom); free(self.jmu)
 
     # --- memory ---------------------------------------------------------------------------------
@@ -1217,9 +1143,9 @@ cdef class SplitSearch:
 
     cdef double _assign(self, int n) noexcept nogil:
         # the best assignment of as_val (type t at position r: as_val[t * pp + r]) to n positions,
-        # type t at most remaining[t] times: _best_assignment on the search's scratch
-        return _best_assignment(n, self.nt, self.pp, self.as_val, self.remaining, self.as_owner,
-                                self.as_used, self.as_gain, self.as_via_t, self.as_via_r)
+        # type t at most remaining[t] times: assignment.assign_into on the search's scratch
+        return assign_into(n, self.nt, self.pp, self.as_val, self.remaining, self.as_owner,
+                           self.as_used, self.as_gain, self.as_via_t, self.as_via_r)
 
     cdef double _knapsack(self, int k, int ub, int extra, int* lb, int* cap) noexcept nogil:
         # the extra layers over the stages of ranks k..ub-1 (self.alpha: their slopes)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from importlib.machinery import EXTENSION_SUFFIXES
 from types import ModuleType
 
 PURE_ENV = "POSEIDON_PURE_PYTHON"
@@ -19,10 +20,15 @@ def pure_python_forced() -> bool:
 
 
 def compiled(name: str) -> ModuleType | None:
-    """The compiled module ``poseidon_plugin._core.<name>``, or ``None`` when forced off or not built."""
+    """The compiled module ``poseidon_plugin._core.<name>``, or ``None`` when forced off or not built.
+
+    Some of the core are links to pure-Python-mode sources (``cython_core/*.py``): without the built
+    extension such a name imports the source itself, which is not the compiled module either."""
     if pure_python_forced():
         return None
     try:
-        return importlib.import_module(f"poseidon_plugin._core.{name}")
+        module = importlib.import_module(f"poseidon_plugin._core.{name}")
     except ImportError:
         return None
+    path = getattr(module, "__file__", None) or ""
+    return module if path.endswith(tuple(EXTENSION_SUFFIXES)) else None

@@ -135,5 +135,15 @@ def rank_memory(chunk_layers, first: bool, last: bool, live: int, layer_state_by
     return state + live * chunk_act
 
 
+def memory_need(t: int, r: int, chunk_layers, table, shape) -> float:
+    """Peak bytes of rank ``r`` of a search shape (``shape.pp``, ``shape.live``) on device type ``t`` of a
+    search cost table (:class:`~poseidon_plugin.search.tables.TypeTable`): :func:`rank_memory` with that
+    type's columns, as :meth:`CostModel.memory_per_stage`."""
+    return rank_memory(chunk_layers, r == 0, r == shape.pp - 1, shape.live[r],
+                       table.layer_state_bytes[t], table.layer_activation_bytes[t],
+                       table.embedding_state_bytes[t], table.embedding_activation_bytes[t],
+                       table.head_state_bytes[t], table.head_activation_bytes[t])
+
+
 __all__ = ["allreduce_index", "backward_index", "base_params", "forward_index", "link_carries_data",
-           "put_rank_times", "rank_memory", "send_index"]
+           "memory_need", "put_rank_times", "rank_memory", "send_index"]

@@ -1,5 +1,5 @@
 """Counters of the structure search: one index per name, shared by the pure loop (:mod:`.splits`,
-:mod:`.bounds`) and the compiled one (``poseidon_plugin._core._search`` exports the same ``COUNTER_NAMES``;
+:mod:`.structure_bounds`) and the compiled one (``poseidon_plugin._core._search`` exports the same ``COUNTER_NAMES``;
 a unit test compares them)."""
 
 COUNTER_NAMES = ("nodes", "bound_evals", "sim_calls", "pruned_bound", "pruned_path", "pruned_memory",

@@ -11,9 +11,8 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from ..costmodel import slot_indices
-from ..stagecost import link_carries_data, send_index
+from ..stagecost import link_carries_data, memory_need, send_index
 from .shapes import ShapeData
-from .splits import memory_need
 from .tables import TypeTable
 
 

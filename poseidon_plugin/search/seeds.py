@@ -5,7 +5,7 @@ When memory binds (frontier-scale 1F1B: rank ``r`` keeps ``pp - r`` micro-batche
 early ranks hold few layers) the best orders interleave the types. :func:`assignment_seeds` finds, for a
 per-micro-batch work target ``X``, the assignment of types to positions that holds the most layers
 (rank ``r`` on type ``t`` holds at most ``min(cap_t(r), X / (f_t + b_t))``, each type at most its slots):
-a transportation problem, solved exactly by successive shortest paths over the type nodes. The smallest
+a transportation problem, solved exactly by :func:`.assignment.best_assignment`. The smallest
 ``X`` (bisection over the finite set of per-rank works) whose assignment holds the model gives the
 plans. Seeds only offer incumbents, so they never affect exactness.
 """
@@ -14,64 +14,15 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..backend import compiled
+from . import assignment
+from .assignment import NEG
 from .evaluate import greedy_split, rank_caps
 from .shapes import ShapeData
 from .tables import TypeTable
 
-NEG = -(1 << 60)
-
-
-def best_assignment(value: Sequence[Sequence[int]], supply: Sequence[int], pp: int) -> tuple[int, list[int]] | None:
-    """Types for ``pp`` positions (type ``t`` at most ``supply[t]`` times) maximising ``sum value[t][r]``
-    (``NEG``: type ``t`` cannot take position ``r``); ``(total, types)`` or None when no assignment
-    exists. Successive shortest paths of the min-cost flow source -> type -> position -> sink, one unit
-    per step, with the positions' reassignments compressed into type-to-type moves (Bellman-Ford over the
-    types): each step is optimal for its flow value, so the last one is optimal."""
-    nt = len(supply)
-    owner = [-1] * pp                  # type of each position, -1: free
-    used = [0] * nt
-    total = 0
-    for _ in range(pp):
-        # gain[t]: best gain of reaching type t with one more unit (0 when t has spare supply)
-        gain = [0 if used[t] < supply[t] else NEG for t in range(nt)]
-        via: list[tuple[int, int] | None] = [None] * nt     # (previous type, position moved) per type
-        for _round in range(nt):
-            changed = False
-            for r in range(pp):
-                a = owner[r]
-                if a < 0 or value[a][r] == NEG:
-                    continue
-                for b in range(nt):
-                    # move position r from type a to b: b's unit comes from a's freed one
-                    if b == a or gain[b] == NEG or value[b][r] == NEG:
-                        continue
-                    g = gain[b] + value[b][r] - value[a][r]
-                    if g > gain[a]:
-                        gain[a], via[a], changed = g, (b, r), True
-            if not changed:
-                break
-        best, arg = NEG, None
-        for r in range(pp):
-            if owner[r] >= 0:
-                continue
-            for t in range(nt):
-                if gain[t] != NEG and value[t][r] != NEG and gain[t] + value[t][r] > best:
-                    best, arg = gain[t] + value[t][r], (t, r)
-        if arg is None:
-            return None
-        t, r = arg
-        owner[r] = t
-        total += best
-        # walk back: t took position r, it may have handed one of its positions to the previous type
-        seen = 0
-        while via[t] is not None and seen <= pp:
-            b, q = via[t]
-            owner[q] = b
-            t = b
-            seen += 1
-        used[t] += 1
-    return total, owner
-
+# the one assignment solver, compiled where built (the same file: the same results)
+best_assignment = (compiled("assignment") or assignment).best_assignment
 
 def assignment_seeds(table: TypeTable, shape: ShapeData, slots: Sequence[int], num_layers: int,
                      extra: int = 2) -> list[tuple[list[int], list[int]]]:

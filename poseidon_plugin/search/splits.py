@@ -8,7 +8,7 @@ type and layers, and simulates every complete plan that can still beat the thres
 chunks first (``chunk_layers``): virtual stage ``vs = chunk x pp + rank`` holds
 ``(l + V - 1 - chunk) // V`` of the rank's ``l`` layers.
 
-This module (the tree walk) and :mod:`.bounds` (the lower bounds and caps) are the pure-Python
+This module (the tree walk) and :mod:`.structure_bounds` (the lower bounds and caps) are the pure-Python
 reference of ``poseidon_plugin._core._search.SplitSearch``: same algorithm, same floating-point operations in
 the same order, same counters. docs/SEARCH.md explains the bounds and why each pruning rule is safe:
 
@@ -33,8 +33,8 @@ import time
 from array import array
 from dataclasses import dataclass
 
-from ..stagecost import put_rank_times, rank_memory, send_index
-from .bounds import (PATH_SLACK, MIN_ALLREDUCE, MIN_BACKWARD, MIN_EMBEDDING_ALLREDUCE, MIN_EMBEDDING_BACKWARD,
+from ..stagecost import memory_need, put_rank_times, send_index
+from .structure_bounds import (PATH_SLACK, MIN_ALLREDUCE, MIN_BACKWARD, MIN_EMBEDDING_ALLREDUCE, MIN_EMBEDDING_BACKWARD,
                      MIN_EMBEDDING_FORWARD, MIN_FORWARD, MIN_HEAD_ALLREDUCE, MIN_HEAD_BACKWARD,
                      MIN_HEAD_FORWARD, MIN_SEND, StructureBounds, chunk_layers)
 from .counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES, PRUNED_BOUND,
@@ -57,19 +57,10 @@ class SplitResult:
     aborted: bool = False          # stopped by the deadline: not proven optimal
 
 
-def memory_need(t: int, r: int, chunk_layers, table: TypeTable, shape: ShapeData) -> float:
-    """Peak bytes of rank ``r`` on type ``t`` (:func:`~poseidon_plugin.stagecost.rank_memory`, as
-    :meth:`CostModel.memory_per_stage`)."""
-    return rank_memory(chunk_layers, r == 0, r == shape.pp - 1, shape.live[r],
-                       table.layer_state_bytes[t], table.layer_activation_bytes[t],
-                       table.embedding_state_bytes[t], table.embedding_activation_bytes[t],
-                       table.head_state_bytes[t], table.head_activation_bytes[t])
-
-
 class SplitSearch(StructureBounds):
     """Exact (or ridge-pruned) search of one structure; re-usable with different counts and ``tau``.
 
-    The bounds and caps are the methods of :class:`~.bounds.StructureBounds`; this class walks the
+    The bounds and caps are the methods of :class:`~.structure_bounds.StructureBounds`; this class walks the
     tree (:meth:`_node`, :meth:`_children`) and fills the DAG bound's parameter vector (:meth:`_fill`).
     """
 
@@ -390,4 +381,4 @@ class SplitSearch(StructureBounds):
 
 __all__ = ["BOUND_EVALS", "COUNTER_NAMES", "IMPROVED", "N_COUNTERS", "NODES", "PRUNED_BOUND",
            "PRUNED_MEMORY", "PRUNED_ORDER", "PRUNED_PATH", "PRUNED_RIDGE", "SIM_CALLS", "SplitResult",
-           "SplitSearch", "chunk_layers", "memory_need"]
+           "SplitSearch", "chunk_layers"]

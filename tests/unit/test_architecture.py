@@ -81,3 +81,23 @@ def test_planning_core_never_imports_torch():
             + "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron'))\n"
             + "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
+def test_core_pure_mode_sources_are_links_to_one_source():
+    """Each ``cython_core/*.py`` (but ``__init__.py``) is a link to a module of ``poseidon_plugin/`` that
+    runs as it is (``POSEIDON_PURE_PYTHON=1``) and is compiled from the same file, typed by the ``.pxd``
+    beside the link: no second copy of its logic. Such a module imports nothing the planning core may
+    not (it is followed through the link here)."""
+    core = os.path.join(REPO, "cython_core")
+    linked = sorted(n for n in os.listdir(core) if n.endswith(".py") and n != "__init__.py")
+    assert "assignment.py" in linked
+    edges = _imports()
+    for name in linked:
+        path = os.path.join(core, name)
+        assert os.path.islink(path), f"cython_core/{name} must be a link to its one source"
+        target = os.path.realpath(path)
+        assert target.startswith(PACKAGE + os.sep), target
+        assert os.path.isfile(os.path.join(core, name[:-3] + ".pxd")), f"cython_core/{name[:-3]}.pxd"
+        module = os.path.relpath(target, REPO)[:-3].replace(os.sep, ".")
+        part = _part(module)
+        assert {_part(t) for t in edges[module]} <= ALLOWED[part] | {part}, (module, edges[module])

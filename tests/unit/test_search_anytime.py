@@ -231,7 +231,8 @@ def test_positional_bound_never_exceeds_the_relaxation_it_bounds(seed):
     import random
     from types import SimpleNamespace
 
-    from poseidon_plugin.search.bounds import chunk_layers, drain_coefficients, interleaved_drain_counts, positional_bound
+    from poseidon_plugin.search.bounds import drain_coefficients, interleaved_drain_counts, positional_bound
+    from poseidon_plugin.search.structure_bounds import chunk_layers
     rng = random.Random(seed)
     nt, pp, v, m = rng.randint(1, 3), rng.randint(1, 5), rng.choice([1, 2]), rng.choice([4, 8])
     counts = [rng.randint(0, pp) for _ in range(nt)]

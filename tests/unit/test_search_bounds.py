@@ -525,7 +525,7 @@ def test_placement_shortcut_never_changes_a_decision(monkeypatch):
     """StructureBounds._others_fit skips a pair of placement bounds (and their rounding losses) when
     the pair's mean-slope bound without its loss fits: the searches with and without the shortcut
     give the same plans and counters, and the shortcut does skip loss computations."""
-    from poseidon_plugin.search import bounds as bounds_mod
+    from poseidon_plugin.search import structure_bounds as bounds_mod
     calls = [0]
     gammas = bounds_mod.StructureBounds._gammas
 

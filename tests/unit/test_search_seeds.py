@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from poseidon_plugin.search.seeds import NEG, best_assignment
+from poseidon_plugin.search.assignment import NEG, best_assignment
 
 
 def _brute(value, supply, pp):

@@ -1,5 +1,5 @@
 """The compiled structure search (cython_core/_search.pyx) against its pure-Python reference
-(search/splits.py + search/bounds.py), field by field: the names it exports, the parameter vector
+(search/splits.py + search/structure_bounds.py), field by field: the names it exports, the parameter vector
 its DAG-bound fill assembles, and the results and counters of whole searches on fixed problems.
 
 The one cost assembly (poseidon_plugin/stagecost.py) is checked against the cost model and the
@@ -14,7 +14,7 @@ from array import array
 import pytest
 
 from poseidon_plugin import stagecost
-from poseidon_plugin.search import bounds, counters, tables
+from poseidon_plugin.search import counters, structure_bounds, tables
 from poseidon_plugin.search.shapes import ShapeData
 from poseidon_plugin.search.splits import SplitSearch as PySplitSearch
 from poseidon_plugin.simulator.graph import ParamLayout
@@ -29,7 +29,7 @@ needs_compiled = pytest.mark.skipif(PURE_FORCED, reason="POSEIDON_PURE_PYTHON=1 
 def test_twin_exports_the_same_names():
     from poseidon_plugin._core import _search
     assert _search.COUNTER_NAMES == counters.COUNTER_NAMES
-    assert _search.MIN_NAMES == bounds.MIN_NAMES
+    assert _search.MIN_NAMES == structure_bounds.MIN_NAMES
     assert set(_search.TABLE_COLUMNS) == set(tables.TYPE_COLUMNS) | set(tables.SLOT_COLUMNS)
     # every column the table has is one the twin copies (nothing read under another name)
     fields = set(tables.TypeTable.__dataclass_fields__) - {"tp", "mbs", "dp", "names", "slots", "max_slots"}
@@ -43,7 +43,7 @@ def test_compiled_capacity_assignment_is_the_pure_one(seed):
     integral values (layer capacities, NEG where a type cannot take a position)."""
     import random
     from poseidon_plugin._core._search import best_capacity_assignment
-    from poseidon_plugin.search.seeds import NEG, best_assignment
+    from poseidon_plugin.search.assignment import NEG, best_assignment
     rng = random.Random(seed)
     nt, n = rng.randint(1, 4), rng.randint(1, 40)
     supply = [rng.randint(0, n) for _ in range(nt)]
