@@ -555,6 +555,28 @@ def format_ranges(values: Sequence[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "none"
 
 
+def format_gap(gap: float | None) -> str:
+    """A gap (``best / bound - 1``) as a percentage that is 0 only when it is 0: ``2.7 %``, ``0.0042 %``
+    (a tiny gap is not rounded to a misleading ``0.0 %``), ``0 %``; ``n/a`` without a bound."""
+    if gap is None or not math.isfinite(gap):
+        return "n/a"
+    if gap <= 0.0:
+        return "0 %"
+    pct = 100.0 * gap
+    return f"{pct:.1f} %" if pct >= 0.1 else f"{pct:.2g} %"
+
+
+def proof_line(stats: Mapping[str, Any], best_ms: float) -> str:
+    """What the search proved about the plan, in one line: ``proven optimal`` (the plan equals its proven
+    lower bound), or the bound, the gap and the part not proven (``stats``: ``Plan.search_stats``)."""
+    if stats.get("complete"):
+        return f"best {best_ms:,.1f} ms, proven optimal (equal to the proven lower bound)"
+    lb = stats.get("lower_bound_ms")
+    bound = f"proven >= {lb:,.1f} ms" if lb else "no lower bound"
+    why = stats.get("unproven") or "the search did not finish"
+    return f"best {best_ms:,.1f} ms, {bound}, gap {format_gap(stats.get('gap'))}: NOT proven optimal ({why})"
+
+
 def render_table(plan: Plan, max_alternatives: int = 5, runtime: str | None = None) -> str:
     """The plan as a text table (what ``poseidon plan`` prints); ``runtime``: the target's line."""
     gb = float(1 << 30)
@@ -602,11 +624,8 @@ def render_table(plan: Plan, max_alternatives: int = 5, runtime: str | None = No
                          f"mbs {a.micro_batch_size} {a.schedule} V {a.virtual_stages}  "
                          f"types {'/'.join(a.stage_types)}  layers {'/'.join(map(str, a.layers))}")
     if plan.search_stats:
-        lb = plan.search_stats.get("lower_bound_ms")
-        if lb:      # the anytime answer (search/engine.py): best, proven lower bound, gap
-            gap = plan.search_stats.get("gap")
-            lines += ["", f"best {plan.predicted_iteration_ms:,.0f} ms, proven >= {lb:,.0f} ms, "
-                          f"gap {100 * gap:.1f} %" if gap is not None else ""]
+        if "complete" in plan.search_stats:     # the anytime answer (search/engine.py)
+            lines += ["", proof_line(plan.search_stats, plan.predicted_iteration_ms)]
         stats = ", ".join(f"{k}={v}" for k, v in sorted(plan.search_stats.items()))
         lines += ["", f"search: {stats}"]
     return "\n".join(lines)

@@ -193,6 +193,13 @@ class SearchVariant:
     min_pp: int = 1
     """Smallest pipeline size (Megatron-LM needs 3 for interleaved without overlap)."""
 
+    @property
+    def label(self) -> str:
+        """The variant in words, for what a search left unproven: ``interleaved-1f1b without p2p overlap``."""
+        if INTERLEAVED not in self.schedules:
+            return ",".join(self.schedules)
+        return f"{','.join(self.schedules)} {'with' if self.overlap else 'without'} p2p overlap"
+
 
 def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "SearchOptions | None" = None,
                 *, clock: "Callable[[], float] | None" = None) -> "SearchResult":
@@ -210,7 +217,7 @@ def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "Search
     the target's order) when none finds a plan.
     """
     from .search import SearchOptions, search
-    from .search.options import TimeLimitError
+    from .search.options import TimeLimitError, round_gap
 
     base = dataclasses.replace(options or SearchOptions(), mode=target.search_mode,
                                virtual_stages=target.virtual_stages, dp_multiple=target.dp_multiple)
@@ -229,8 +236,9 @@ def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "Search
     errors: dict[int, NoFeasiblePlanError] = {}
     out_of_time = False           # a variant stopped before any plan: its bound still counts
     wall_s = 0.0
-    bounds: list[float] = []      # each variant's proven lower bound: the whole space's is their minimum
-    complete = True
+    nodes = 0                     # search-tree nodes of every variant (a plan's own stats count its variant's)
+    bounds: list[tuple[float, str | None, SearchVariant]] = []   # each variant's proven lower bound (the
+                                  # whole space's is their minimum) and the part it left unproven
     for index, variant in enumerate(variants):
         min_pp = max(variant.min_pp, base.min_pipeline_stages or 1)
         if base.max_pipeline_stages is not None and min_pp > base.max_pipeline_stages:
@@ -252,12 +260,12 @@ def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "Search
             errors[rank[variant]] = exc
             continue
         except TimeLimitError as exc:
-            out_of_time, complete = True, False
-            bounds.append(exc.lower_bound_ms)
+            out_of_time = True
+            bounds.append((exc.lower_bound_ms, "the time limit stopped it before any plan", variant))
             continue
         wall_s += result.stats.wall_s
-        complete = complete and bool(result.stats.complete)
-        bounds.append(float(result.stats.lower_bound_ms))
+        nodes += result.stats.nodes
+        bounds.append((float(result.stats.lower_bound_ms), result.stats.unproven, variant))
         ms = result.plan.predicted_iteration_ms
         if best is None or (ms, rank[variant]) < (best[1].plan.predicted_iteration_ms, rank[best[0]]):
             best = (variant, result)
@@ -277,11 +285,18 @@ def search_plan(cost_model: "CostModel", target: TargetRuntime, options: "Search
     if len(variants) > 1:
         stats["variants"] = len(variants)
         stats["wall_s"] = round(wall_s, 4)
+        stats["nodes_total"] = nodes
+        # proven optimal exactly when no variant's bound is below the plan (a variant searched below a
+        # faster plan of another, or cut by the clock, is proven where its bound reaches the plan)
+        best_ms = result.plan.predicted_iteration_ms
+        lower = min(b for b, _why, _v in bounds)
+        open_parts = [f"{v.label}: {why or 'not searched to the end'}" for b, why, v in bounds if b < best_ms]
+        complete = not open_parts
+        gap = 0.0 if complete else max(0.0, best_ms / lower - 1.0) if 0 < lower < math.inf else math.inf
         stats["complete"] = complete
-        lower = min(bounds)
-        gap = max(0.0, result.plan.predicted_iteration_ms / lower - 1.0) if 0 < lower < math.inf else math.inf
-        stats["lower_bound_ms"] = round(lower, 3) if math.isfinite(lower) else None
-        stats["gap"] = round(gap, 6) if math.isfinite(gap) else None
+        stats["lower_bound_ms"] = round(min(lower, best_ms), 3) if math.isfinite(lower) else None
+        stats["gap"] = round_gap(gap)
+        stats["unproven"] = "; ".join(open_parts) or None
     plan = dataclasses.replace(result.plan, overlap_p2p_comm=overlap, search_stats=stats)
     return dataclasses.replace(result, plan=plan)
 

@@ -15,6 +15,12 @@ devices and the presets ``frontier-1024`` (GBS 1024) / ``frontier-4096`` (GBS 20
 wall time of the search and of the whole command, the best plan, the proven lower bound and the gap,
 the devices the plan uses and the size of its JSON (schema 3, ranks and devices as runs) against every
 rank and device listed (schema 2); then the issue's targets (not asserted).
+
+``--sweep`` runs the public sweep instead (``scripts/_search_sweep.py``): ``poseidon plan --exact`` with
+its defaults, each instance in a fresh process, killed after ``--sweep-limit`` seconds; one row per
+instance as it finishes (wall s, CPU s, nodes, complete, gap), then median / p90 / max and the targets.
+
+    python scripts/bench_search.py --sweep [--sweep-limit 60] [--sweep-frontier] [--sweep-only TEXT]
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ from poseidon_plugin.search import SearchOptions, search  # noqa: E402
 from poseidon_plugin.search.baselines import best_by_eq1, best_uniform  # noqa: E402
 from poseidon_plugin.simulator.core import cached_graph  # noqa: E402
 from poseidon_plugin.specs import load_cluster, load_model  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _search_sweep  # noqa: E402
 
 SETTINGS = {
     "1": ("paper-setting-1", "llama3-8b"),
@@ -156,7 +165,21 @@ def main(argv=None) -> int:
     ap.add_argument("--scale-only", action="store_true", help="only the large-cluster rows")
     ap.add_argument("--scale-rows", default=None,
                     help="comma-separated labels of the large-cluster rows to run (e.g. frontier-4096)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="the public sweep of `poseidon plan --exact` (issue 26) instead of the rows above")
+    ap.add_argument("--sweep-limit", type=float, default=60.0, metavar="SECONDS",
+                    help="kill a sweep instance after this long (its row says so); default 60")
+    ap.add_argument("--sweep-frontier", action="store_true",
+                    help="also the frontier-1024 / frontier-4096 target rows (about 45 s more)")
+    ap.add_argument("--sweep-only", default=None, metavar="TEXT",
+                    help="only the sweep instances whose label contains TEXT (e.g. setting-6)")
     args = ap.parse_args(argv)
+    if args.sweep:
+        if args.sweep_limit <= 0:
+            ap.error(f"--sweep-limit {args.sweep_limit:g} is invalid: give seconds > 0, e.g. 60")
+        with tempfile.TemporaryDirectory() as tmp:
+            _search_sweep.sweep(args.sweep_limit, tmp, frontier=args.sweep_frontier, only=args.sweep_only)
+        return 0
     only = None if args.scale_rows is None else {x.strip() for x in args.scale_rows.split(",")}
     if args.scale_only:
         scale_rows(SCALE_LIMITS, only)

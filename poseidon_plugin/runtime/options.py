@@ -61,8 +61,12 @@ class RuntimeOptions:
     """Keep the user's TP, PP and micro-batch size: plan only placement and the layer split."""
     search_mode: str = "exact"
     """``exact``: the proven optimum of the cost model (``poseidon plan --exact``); ``default``: the faster
-    search whose space rests on the paper's ridge rule (docs/SEARCH.md). Either stops at half the
-    timeout with the best plan found."""
+    search whose space rests on the paper's ridge rule (docs/SEARCH.md). Either stops at
+    ``search_time_limit`` with the best plan found."""
+    search_time_limit: float = 30.0
+    """Seconds rank 0 may search while every device of the job waits (default 30; at most half of
+    ``timeout``). Past it the best plan so far is applied and the plan table says it is not proven optimal,
+    with its gap to the proven lower bound; raise it to prove more."""
     emulate: str | None = None
     """Emulated heterogeneous cluster on CPU, e.g. ``A2-2:2,A2-4:2`` (see ``runtime/emulation.py``)."""
     emulate_model: str | None = None
@@ -80,6 +84,12 @@ class RuntimeOptions:
     """Untimed repetitions before the timed ones."""
     watch_iterations: int = 3
     """Training iterations timed to compare with the prediction (0 disables the watch)."""
+    @property
+    def search_budget_s(self) -> float:
+        """The search's time limit at launch: ``search_time_limit``, and never more than half of ``timeout``
+        (the other ranks' wait for the plan must not run out first)."""
+        return min(self.search_time_limit, self.timeout / 2)
+
     flag_style: str = "auto"
     """How the layer split reaches Megatron: ``megatron`` (layout flag), ``mindspeed-layout`` (MindSpeed-LLM
     with MindSpeed's layout backport), ``mindspeed`` (MindSpeed-LLM, ``--num-layer-list`` + layer patches),
@@ -115,6 +125,7 @@ _SPECS: tuple[_Spec, ...] = (
     _Spec(field="schedules", kind="str_list"),
     _Spec(field="keep", kind="bool"),
     _Spec(field="search_mode", kind="str", choices=("exact", "default")),
+    _Spec(field="search_time_limit", kind="float", minimum=0.1, example="30"),
     _Spec(field="emulate", kind="str", example="A2-2:2,A2-4:2"),
     _Spec(field="emulate_model", kind="str", example="llama3-8b"),
     _Spec(field="micro_batch_sizes", kind="int_list", minimum=1),

@@ -23,6 +23,7 @@ from typing import Any, Callable
 from ..backend import compiled
 from ..costmodel import Candidate, CostModel
 from ..errors import NoFeasiblePlanError
+from ..plan import format_gap
 from .bounds import fluid_cut, pipeline_bound
 from .counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES, PRUNED_BOUND,
                        PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH, PRUNED_RIDGE, SIM_CALLS)
@@ -116,6 +117,7 @@ class SearchRun:
         self.group_done: list[bool] = []
         self.partial = INF          # bound of the structures of the current group not yet closed
         self.complete = True
+        self.stopped_by: str | None = None    # what stopped the search before its end (stats.unproven)
         self.proven = False             # not complete, but the open pieces' bounds reach the best plan
         self.ridge = options.mode == "default"
         self.blocks = options.mode == "default" and options.type_blocks
@@ -180,6 +182,7 @@ class SearchRun:
             return True
         if self.clock() > self.deadline:
             self.complete = False
+            self.stopped_by = "the time limit"
             return True
         return False
 
@@ -425,6 +428,8 @@ class SearchRun:
                 self.offer(sg, res.time_ms, res.types, res.layers)
             if res.aborted:
                 self.complete = False
+                self.stopped_by = ("the node budget" if self.node_budget and res.counters[NODES] >= self.node_budget
+                                   else "the time limit")
                 self.resume_at[key] = i
                 # this structure is open: its plans take at least its own bound (and a plan it found)
                 self.partial = self.open_structures_bound(sg, vectors, bounds, strong, i)
@@ -486,8 +491,11 @@ class SearchRun:
                 if self.bound(sg, memory=False) < INF:
                     self.seed(sg)
         # the warm-up (paper §4.2.3) draws from the most promising groups still alive: every shape it
-        # touches needs its DAG built, and random plans of hopeless shapes seed nothing useful
-        self.warmup_done = self.warmup((alive or sgs)[:WARMUP_SHAPES])
+        # touches needs its DAG built, and random plans of hopeless shapes seed nothing useful. None
+        # alive: every head group is cut (by the bounds, a cutoff, memory) or the clock ran out, and a
+        # random plan of a cut group cannot matter (a search below another variant's plan spent 4 of
+        # its 4.2 CPU s here on 16 such DAGs, paper Setting 1 at GBS 1024)
+        self.warmup_done = self.warmup(alive[:WARMUP_SHAPES])
         # the best plan so far, improved by local search: a tighter threshold for every group
         self.polish_best()
         seeded = {sg.key: self.board.best_ms(sg.key) for sg in head}
@@ -506,7 +514,10 @@ class SearchRun:
         last_report = time.perf_counter()
         for i in range(start, len(sgs)):
             sg = sgs[i]
-            if self.out_of_time() or self.proven_within_gap():
+            if self.out_of_time():
+                return i
+            if self.proven_within_gap():
+                self.stopped_by = f"--gap {self.gap:g}"
                 return i
             self.run_shape_group(sg)
             if self.partial == INF:
@@ -553,16 +564,30 @@ class SearchRun:
                          stage_types=tuple(g.names[t] for t in types), layers=tuple(layers),
                          schedule=sg.schedule, virtual_stages=sg.virtual_stages)
 
+    def unproven(self) -> str:
+        """The part of the space not proven (stats.unproven), for a plan above its lower bound."""
+        open_groups = sum(1 for done in self.group_done if not done)
+        where = f"{open_groups} of {len(self.sgs)} shape groups not searched to the end"
+        if self.stopped_by is not None:
+            return f"{self.stopped_by} stopped the search: {where}"
+        if self.cutoff < INF:
+            # every plan of this search at or above the cutoff is left unproven: another search has one
+            return f"searched only below {self.cutoff:,.1f} ms, the plan of another search"
+        return where
+
     def stats(self) -> SearchStats:
         c = self.ctr
         best, lb = self.board.best_ms_all(), self.lower_bound()
-        gap = max(0.0, best / lb - 1.0) if 0 < lb < INF and best < INF else INF
+        # complete and gap say one thing: the plan equals its proven lower bound (however the search
+        # got there: to its end, or the bounds of the pieces the clock left open reach it), or not
+        proven = best < INF and lb >= best
+        gap = 0.0 if proven else max(0.0, best / lb - 1.0) if 0 < lb < INF and best < INF else INF
         pruned = {"shape_bound": self.pruned_shapes, "structure_bound": self.pruned_structures,
                   "stage_bound": c[PRUNED_BOUND], "path_bound": c[PRUNED_PATH],
                   "memory": c[PRUNED_MEMORY], "ridge": c[PRUNED_RIDGE], "order": c[PRUNED_ORDER]}
         return SearchStats(
             mode=self.options.mode, kernel="pure-python" if self.pure else "compiled",
-            wall_s=time.perf_counter() - self.t0, complete=self.complete or self.proven,
+            wall_s=time.perf_counter() - self.t0, complete=proven, unproven=None if proven else self.unproven(),
             structures=self.structures,
             shapes=len(self.shapes), warmup_samples=getattr(self, "warmup_done", 0),
             simulator_calls=self.sim_calls + c[SIM_CALLS], bound_evaluations=c[BOUND_EVALS],
@@ -586,7 +611,9 @@ def gap_text(best: float, lb: float) -> str:
         return "no plan yet"
     if not 0 < lb < INF:
         return f"best {best:,.0f} ms, no lower bound yet"
-    return f"best {best:,.0f} ms, proven >= {lb:,.0f} ms, gap {100 * max(0.0, best / lb - 1):.1f} %"
+    if lb >= best:
+        return f"best {best:,.0f} ms, proven optimal"
+    return f"best {best:,.0f} ms, proven >= {lb:,.0f} ms, gap {format_gap(best / lb - 1)}"
 
 
 def search(cost_model: CostModel, options: SearchOptions | None = None, *,

@@ -147,11 +147,16 @@ def exhaustive_search(cm: CostModel, options: SearchOptions) -> SearchResult:
         from .diagnose import explain_infeasible
         from .space import SearchSpace
         raise NoFeasiblePlanError(explain_infeasible(cm, SearchSpace(cm, options)))
+    # every plan simulated: the best is its own lower bound; cut by the clock, the shapes left have none
+    best = board.best_ms_all()
     stats = SearchStats(mode="exhaustive", kernel="/".join(sorted(kernels)),
                         wall_s=time.perf_counter() - t0, complete=complete, structures=structures,
                         shapes=len(all_shapes), warmup_samples=0, simulator_calls=calls,
                         bound_evaluations=0, nodes=0, pruned=dict(PRUNED_NONE),
-                        comm_model=options.comm_model, alternatives_proven=complete)
+                        comm_model=options.comm_model, alternatives_proven=complete,
+                        lower_bound_ms=best if complete else 0.0, gap=0.0 if complete else math.inf,
+                        unproven=None if complete else f"the time limit stopped the search: {len(all_shapes) - i} "
+                                                       f"of {len(all_shapes)} shapes not simulated (no lower bound)")
     return board.result(cm, stats, options.comm_model)
 
 

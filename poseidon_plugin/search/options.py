@@ -179,8 +179,9 @@ class SearchStats:
     mode: str
     kernel: str                     # "compiled" | "pure-python"
     wall_s: float
-    complete: bool                  # true: proven optimal (searched to the end, or the bounds of the
-                                    # pieces the time limit left open reach the best plan)
+    complete: bool                  # true: proven optimal, the plan equals its proven lower bound
+                                    # (searched to the end, or the bounds of the pieces the time limit
+                                    # left open reach it); false: gap > 0 and ``unproven`` says why
     structures: int                 # (tp, mbs, dp, schedule, V, pp, ranks per type) considered
     shapes: int                     # distinct DAG shapes built
     warmup_samples: int
@@ -191,7 +192,8 @@ class SearchStats:
     comm_model: str = "dag"         # simulator communication model the times come from
     alternatives_proven: bool = False   # each runner-up is proven the best plan of its shape
     lower_bound_ms: float = 0.0     # proven: no plan of the space searched is faster (docs/SEARCH.md)
-    gap: float = math.inf           # best / lower_bound_ms - 1 (0: proven optimal)
+    gap: float = math.inf           # best / lower_bound_ms - 1 (0 exactly when complete)
+    unproven: str | None = None     # not complete: the part of the space not proven, and what stopped it
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for ``Plan.search_stats`` and ``--json``."""
@@ -202,7 +204,15 @@ class SearchStats:
                 "pruned": dict(self.pruned), "comm_model": self.comm_model,
                 "alternatives_proven": self.alternatives_proven,
                 "lower_bound_ms": round(self.lower_bound_ms, 3) if math.isfinite(self.lower_bound_ms) else None,
-                "gap": round(self.gap, 6) if math.isfinite(self.gap) else None}
+                "gap": round_gap(self.gap), "unproven": self.unproven}
+
+
+def round_gap(gap: float) -> float | None:
+    """A gap for JSON: 6 significant digits, never rounded to 0 unless it is 0 (a plan above its bound
+    must not read as proven); None without a bound."""
+    if not math.isfinite(gap):
+        return None
+    return float(f"{gap:.6g}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -51,11 +51,11 @@ def test_defaults():
         False, False, None, None, None, False)
     assert (opts.profile_cache, opts.schedules, opts.micro_batch_sizes, opts.emulate, opts.emulate_model) == (
         "", (), (), None, None)
-    assert (opts.search_mode, opts.flag_style) == ("exact", "auto")
+    assert (opts.search_mode, opts.flag_style, opts.search_time_limit) == ("exact", "auto", 30.0)
     assert (opts.timeout, opts.profile_iters, opts.profile_warmup, opts.watch_iterations) == (600.0, 5, 2, 3)
     assert set(RuntimeOptions.__dataclass_fields__) == {
         "disable", "dry_run", "plan", "save_plan", "cluster", "profile_cache", "schedules", "keep", "search_mode",
-        "emulate", "emulate_model", "micro_batch_sizes", "timeout", "profile_iters", "profile_warmup", "watch_iterations",
+        "search_time_limit", "emulate", "emulate_model", "micro_batch_sizes", "timeout", "profile_iters", "profile_warmup", "watch_iterations",
         "flag_style"}, "a new option needs its default checked here"
 
 
@@ -152,3 +152,40 @@ def test_torch_free_modules_do_not_import_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_search_time_limit_default_flag_env_and_cap():
+    """poseidon-run bounds its search by default (30 s), settable by flag or env, never past half the
+    timeout (the ranks waiting for the plan would give up first)."""
+    assert RuntimeOptions().search_time_limit == 30.0 and RuntimeOptions().search_budget_s == 30.0
+    assert resolve({"--poseidon-search-time-limit": "5"}, {}).search_budget_s == 5.0
+    assert resolve({}, {"POSEIDON_SEARCH_TIME_LIMIT": "7.5"}).search_budget_s == 7.5
+    assert resolve({"--poseidon-search-time-limit": "500"}, {}).search_budget_s == 300.0      # timeout 600 / 2
+    assert resolve({"--poseidon-timeout": "20"}, {}).search_budget_s == 10.0
+    with pytest.raises(PoseidonError, match=r"--poseidon-search-time-limit='0' is too small"):
+        resolve({"--poseidon-search-time-limit": "0"}, {})
+    with pytest.raises(PoseidonError, match=r"POSEIDON_SEARCH_TIME_LIMIT='soon' is not a number"):
+        resolve({}, {"POSEIDON_SEARCH_TIME_LIMIT": "soon"})
+    # the launcher -> rank channel carries it
+    opts = resolve({"--poseidon-search-time-limit": "12"}, {})
+    assert resolve({}, to_env(opts)).search_budget_s == 12.0
+
+
+def test_launch_budget_stops_the_search_and_the_table_says_not_proven():
+    """The budget reaches the search as its time limit (an injected clock stands for the wall): the plan
+    comes back on time, and the table rank 0 prints names the gap and the part not proven."""
+    from poseidon_plugin.costmodel import CostModel
+    from poseidon_plugin.plan import render_table
+    from poseidon_plugin.search import SearchOptions
+    from poseidon_plugin.specs import load_cluster, load_model
+    from poseidon_plugin.target import TargetRuntime, search_plan
+
+    cm = CostModel(load_cluster("paper-setting-3"), load_model("llama-30b"), micro_batch_sizes=(1, 2))
+    reads = iter(range(10 ** 9))
+    budget = RuntimeOptions(search_time_limit=25.0).search_budget_s
+    res = search_plan(cm, TargetRuntime(micro_batch_sizes=(1, 2)), SearchOptions(time_limit_s=budget),
+                      clock=lambda: float(next(reads)))      # one second per read: 25 reads in all
+    stats = res.plan.search_stats
+    assert stats["complete"] is False and stats["gap"] > 0 and "time limit" in stats["unproven"]
+    table = render_table(res.plan)
+    assert "NOT proven optimal" in table and "gap " in table
