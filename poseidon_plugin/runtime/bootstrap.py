@@ -388,7 +388,43 @@ def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) 
                                  script_args=job.script_args)
         return found
 
-    return phases.run("search", lambda: planning.share_plan(search, job.rank, device.torch_device))
+    plan = phases.run("search", lambda: planning.share_plan(search, job.rank, device.torch_device))
+    if job.rank == 0:
+        _log_replan(world, plan, cache_dir, log)
+    return plan
+
+
+def _plan_line(plan: Plan) -> str:
+    return (f"hash {plan.plan_hash()[:12]}  TP {plan.tp} PP {plan.pp} DP {plan.dp} mbs {plan.micro_batch_size} "
+            f"{plan.schedule} V {plan.virtual_stages}  types {'/'.join(s.device_type for s in plan.stages)}  "
+            f"layers {'/'.join(str(n) for n in plan.layers)}  {plan.predicted_iteration_ms:,.1f} ms")
+
+
+def _log_replan(world: World, plan: Plan, cache_dir: str, log: Log) -> None:
+    """Under torchrun, record this attempt's plan for the run (``runs/RUN_ID.json`` in the profile cache);
+    on a later attempt log why it re-planned and the old and the new plan side by side."""
+    import collections
+    import re
+
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id:
+        return
+    devices = dict(collections.Counter(r.device_type for r in world.ranks))
+    path = os.path.join(cache_dir, "runs", re.sub(r"[^A-Za-z0-9_.-]", "_", run_id) + ".json")
+    try:
+        previous = elastic.record_plan(path, {"line": _plan_line(plan), "hash": plan.plan_hash()}, devices)
+    except OSError as exc:
+        log.job_line(f"warning: this attempt's plan not recorded in {path} ({exc.strerror or type(exc).__name__})")
+        return
+    if previous is None:
+        return
+    change = elastic.fleet_change(previous["devices"], devices)
+    same = previous["plan"].get("hash") == plan.plan_hash()
+    log.job_line(f"re-planned for attempt {previous.get('sequence', 0) + 1} of this run ({change}; "
+                 f"{sum(previous['devices'].values())} -> {sum(devices.values())} devices): "
+                 + ("the same plan" if same else "a new plan"))
+    log.job_line(f"  before: {previous['plan'].get('line', '?')}")
+    log.job_line(f"  now:    {_plan_line(plan)}")
 
 
 def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, plan: Plan, log: Log,

@@ -31,8 +31,6 @@ import os
 import time
 from collections.abc import Callable, Mapping
 
-import torch.distributed as dist
-
 from poseidon_plugin.errors import PoseidonError
 
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
@@ -85,6 +83,8 @@ def launcher_env(environ: Mapping[str, str]) -> dict[str, str]:
 def open_store(rank: int, world_size: int, timeout_s: float, env: Mapping[str, str] = os.environ):
     """This attempt's store: torchrun's (``MASTER_ADDR:MASTER_PORT``, hosted as torchrun would) under
     :func:`store_prefix`. Outside torchrun without those variables: None (``env://`` then fails as usual)."""
+    import torch.distributed as dist
+
     if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
         return None
     tcp = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, hosts_store(rank, env),
@@ -94,6 +94,8 @@ def open_store(rank: int, world_size: int, timeout_s: float, env: Mapping[str, s
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
     """``init_process_group`` on this attempt's store (``env://`` when there is no torchrun store)."""
+    import torch.distributed as dist
+
     timeout = datetime.timedelta(seconds=timeout_s)
     store = open_store(rank, world_size, timeout_s)
     if store is None:
@@ -186,20 +188,24 @@ def wait_for_everyone(store, world_size: int, timeout_s: float, *, poll_s: float
     return False
 
 
-def record_plan(path: str, attempt_no: int, plan_doc: dict, devices: dict[str, int]) -> dict | None:
-    """Write this attempt's plan summary to ``path`` (atomically) and return the previous attempt's, if any."""
+def record_plan(path: str, plan_doc: dict, devices: dict[str, int]) -> dict | None:
+    """Write this attempt's plan summary to ``path`` (atomically, numbered one past the previous record)
+    and return the previous attempt's record, if any (a damaged record counts as none)."""
     previous = None
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
-        if isinstance(doc, dict) and isinstance(doc.get("devices"), dict) and isinstance(doc.get("plan"), dict):
+        if (isinstance(doc, dict) and isinstance(doc.get("devices"), dict) and isinstance(doc.get("plan"), dict)
+                and isinstance(doc.get("sequence"), int)
+                and all(isinstance(v, int) for v in doc["devices"].values())):
             previous = doc
     except (OSError, ValueError):
         previous = None
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
+    sequence = previous["sequence"] + 1 if previous is not None else 0
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"attempt": attempt_no, "devices": devices, "plan": plan_doc}, f, sort_keys=True)
+        json.dump({"sequence": sequence, "devices": devices, "plan": plan_doc}, f, sort_keys=True)
     os.replace(tmp, path)
     return previous
 
