@@ -122,3 +122,17 @@ def test_an_unused_agent_stays_until_the_job_ends(tmp_path):
     # it left only after the planned rank had finished: the whole training ran meanwhile
     assert out0.index("waiting for the job to end") < out0.index("the job has ended; leaving"), out0[-4000:]
     assert len(losses(out1)) == 3, out1[-4000:]
+
+
+def test_a_node_is_one_agent_on_one_host(monkeypatch):
+    """Defect 4: two agents on one host were one node (TP profiled across agents, intra-node probe across them)."""
+    import dataclasses
+
+    from poseidon_plugin.runtime import inventory
+
+    infos = [inventory.RankInfo(rank=r, host="h", local_rank=r % 2, device_type="A2-2", device_kind="emulated",
+                                memory_bytes=1, node_tag="A2-2", agent=r // 2) for r in range(4)]
+    monkeypatch.setattr(inventory, "all_gather_json", lambda doc, device: [dataclasses.asdict(i) for i in infos])
+    world = inventory.gather_world(infos[0], None)
+    assert world.nodes == ((0, 1), (2, 3))
+    assert inventory.probe_pairs(world) == {"intra_node": (0, 1), "inter_node": (0, 2)}
