@@ -10,7 +10,6 @@ same one-line message (exit 2 for a user mistake, 1 otherwise), never a hang.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import runpy
 import signal
@@ -20,6 +19,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from poseidon_plugin.errors import PoseidonError
+from poseidon_plugin.runtime import elastic
 from poseidon_plugin.runtime import options as runtime_options
 from poseidon_plugin.runtime.collectives import Liveness, Phases, PhaseFailed, parse_fault
 from poseidon_plugin.runtime.job_flags import JobFlags
@@ -106,7 +106,8 @@ def _stopped(log: Log) -> None:
     if lost:
         log.error(f"stopped by the launcher: lost {'; '.join(lost)}, during Poseidon's start-up")
     else:
-        log.error("stopped by the launcher: another rank failed during Poseidon's start-up (see its message)")
+        log.error("stopped by the launcher during Poseidon's start-up; no rank recorded a failure: a rank of "
+              "another agent, or that agent, was lost (see that agent's output), or the job was interrupted")
     _exit(1)
 
 
@@ -180,11 +181,12 @@ def _run(argv: list[str], rank: int, log: Log) -> int | None:
     devices = _device(job, emulated.cluster if emulated is not None else _declared_cluster(job), emulated)
     device = devices.device
 
-    dist.init_process_group(device.backend, timeout=datetime.timedelta(seconds=job.opts.timeout))
+    # this attempt's own store: torchrun's is shared by every attempt (runtime/elastic.py)
+    elastic.init_process_group(device.backend, rank, world_size, job.opts.timeout)
     store = dist.distributed_c10d._get_default_store()
     phases = Phases(device=device.torch_device, rank=rank, store=store,
-                    fault=parse_fault(os.environ.get(runtime_options.ENV_INJECT_FAULT)),
-                    liveness=Liveness(store, rank, world_size).start())
+                    fault=parse_fault(os.environ.get(runtime_options.ENV_INJECT_FAULT), elastic.attempt()),
+                    liveness=Liveness(store, rank, world_size, prefix=elastic.store_prefix()).start())
     _state["phases"] = phases
     phases.seconds["start-up"] = time.perf_counter() - started
 
@@ -306,12 +308,17 @@ def _inventory(job: _Job, devices: _Devices) -> World:
     from poseidon_plugin.runtime import inventory
     from poseidon_plugin.runtime.devices import GIB
 
+    from poseidon_plugin.runtime.collectives import all_gather_json
+
     device, declared, entry = devices.device, devices.declared, devices.entry
+    # every agent must have been told the same: rank 0's agent is the reference
+    elastic.check_agreement(all_gather_json(elastic.told(runtime_options.to_env(job.opts), job.script_args),
+                                            device.torch_device))
     info = inventory.local_info(
         job.rank, job.local_rank, device,
         declared_type=entry.device_type if entry is not None else None,
         declared_memory=int(declared.device_type(entry.device_type).memory_gb * GIB) if entry is not None else None,
-        node_tag=f"declared-node-{entry.node}" if entry is not None else None)
+        node_tag=f"declared-node-{entry.node}" if entry is not None else None, agent=elastic.agent())
     world = inventory.gather_world(info, device.torch_device)
     declared_world = job.opts.cluster or job.opts.emulate_model  # the emulated cluster's nodes, as declared
     return inventory.world_from_declared(declared, world.ranks) if declared_world else world
@@ -381,7 +388,43 @@ def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) 
                                  script_args=job.script_args)
         return found
 
-    return phases.run("search", lambda: planning.share_plan(search, job.rank, device.torch_device))
+    plan = phases.run("search", lambda: planning.share_plan(search, job.rank, device.torch_device))
+    if job.rank == 0:
+        _log_replan(world, plan, cache_dir, log)
+    return plan
+
+
+def _plan_line(plan: Plan) -> str:
+    return (f"hash {plan.plan_hash()[:12]}  TP {plan.tp} PP {plan.pp} DP {plan.dp} mbs {plan.micro_batch_size} "
+            f"{plan.schedule} V {plan.virtual_stages}  types {'/'.join(s.device_type for s in plan.stages)}  "
+            f"layers {'/'.join(str(n) for n in plan.layers)}  {plan.predicted_iteration_ms:,.1f} ms")
+
+
+def _log_replan(world: World, plan: Plan, cache_dir: str, log: Log) -> None:
+    """Under torchrun, record this attempt's plan for the run (``runs/RUN_ID.json`` in the profile cache);
+    on a later attempt log why it re-planned and the old and the new plan side by side."""
+    import collections
+    import re
+
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id:
+        return
+    devices = dict(collections.Counter(r.device_type for r in world.ranks))
+    path = os.path.join(cache_dir, "runs", re.sub(r"[^A-Za-z0-9_.-]", "_", run_id) + ".json")
+    try:
+        previous = elastic.record_plan(path, {"line": _plan_line(plan), "hash": plan.plan_hash()}, devices)
+    except OSError as exc:
+        log.job_line(f"warning: this attempt's plan not recorded in {path} ({exc.strerror or type(exc).__name__})")
+        return
+    if previous is None:
+        return
+    change = elastic.fleet_change(previous["devices"], devices)
+    same = previous["plan"].get("hash") == plan.plan_hash()
+    log.job_line(f"re-planned for attempt {previous.get('sequence', 0) + 1} of this run ({change}; "
+                 f"{sum(previous['devices'].values())} -> {sum(devices.values())} devices): "
+                 + ("the same plan" if same else "a new plan"))
+    log.job_line(f"  before: {previous['plan'].get('line', '?')}")
+    log.job_line(f"  now:    {_plan_line(plan)}")
 
 
 def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, plan: Plan, log: Log,
@@ -424,9 +467,7 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, p
     phases.run("placement", lambda: placement.regroup(new_rank, plan.world_size, device.backend, opts.timeout))
     me = world.ranks[job.rank]
     if new_rank is None:
-        log.rank_line(f"{me.device_type} device is not used by the plan; leaving")
-        phases.liveness.stop()
-        return None
+        return _wait_unused(job, phases, plan, me.device_type, log)
     stage = placement.stage_of(plan, new_rank)
     if devices.emulated is not None:  # emulated links and DP sync need the plan's placement
         devices.emulated.bind_plan(plan, new_rank, _job_model(job))
@@ -437,11 +478,46 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, p
     if opts.watch_iterations:
         phases.run("hand-over", watch.install)
     log.job_line("overhead: " + phases.summary())
-    phases.liveness.stop()  # from here on, failures are the training script's, and torchrun reports them
-    code = _run_script(job, new_args)
+    # From here on, failures are the training script's, and torchrun reports them; the heartbeat goes on
+    # so that ranks the plan leaves unused can tell a finished job from a lost rank.
+    try:
+        code = _run_script(job, new_args)
+    finally:
+        phases.liveness.stop()
     if opts.watch_iterations and len(watch.measured_ms) < opts.watch_iterations:
         watch.summarize()
+    elastic.mark_done(phases.store, planned=True)
+    _wait_as_store_host(job, phases, log)
     return code
+
+
+def _wait_unused(job: _Job, phases: Phases, plan: Plan, device_type: str, log: Log) -> None:
+    """A rank the plan does not use stays until the planned ranks finish: its agent would otherwise enter
+    torchrun's exit barrier, time out and leave with the rendezvous store (runtime/elastic.py)."""
+    log.rank_line(f"{device_type} device is not used by the plan; waiting for the job to end")
+
+    def stopped(signum, frame) -> None:  # a restart or the job's failure: torchrun stops this rank
+        log.rank_line("unused by the plan; stopped by the launcher")
+        _exit(0)
+
+    signal.signal(signal.SIGTERM, stopped)
+    why = elastic.wait_for_job(phases.store, plan.world_size, phases.lost_ranks)
+    phases.liveness.stop()
+    if why is not None:
+        log.error(f"stopped waiting for the job (unused by the plan): {why}")
+        _exit(1)
+    elastic.mark_done(phases.store, planned=False)
+    _wait_as_store_host(job, phases, log)
+    log.rank_line("the job has ended; leaving")
+    return None
+
+
+def _wait_as_store_host(job: _Job, phases: Phases, log: Log) -> None:
+    """The process hosting the workers' store (a fresh one per round) stays until every rank is done."""
+    if elastic.hosts_store(job.rank) and not elastic.wait_for_everyone(phases.store, job.world_size,
+                                                                        job.opts.timeout):
+        log.rank_line("warning: not every rank finished within --poseidon-timeout; this rank hosts the "
+                      "job's store and leaves now")
 
 
 def _run_script(job: _Job, args: list[str]) -> int | None:

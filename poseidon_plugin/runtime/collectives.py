@@ -93,7 +93,8 @@ class Liveness:
     fall back to not naming the rank.
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, *, beat_s: float = 1.0, silent_s: float = 5.0):
+    def __init__(self, store: Any, rank: int, world_size: int, *, beat_s: float = 1.0, silent_s: float = 5.0,
+                 prefix: str = ""):
         self.rank, self.world_size, self.beat_s, self.silent_s = rank, world_size, beat_s, silent_s
         self.host = socket.gethostname()
         self._stop = threading.Event()
@@ -106,6 +107,8 @@ class Liveness:
             try:
                 self._client = dist.TCPStore(tcp.host, tcp.port, is_master=False,
                                              timeout=datetime.timedelta(seconds=max(5.0, 4 * beat_s)))
+                if prefix:  # one attempt's keys: a restarted rank must not read attempt 0's pids and beats
+                    self._client = dist.PrefixStore(prefix, self._client)
             except Exception:  # noqa: BLE001  (no liveness is better than no start)
                 self._client = None
 
@@ -321,14 +324,18 @@ def _process_alive(pid: int) -> bool:
         return True
 
 
-def parse_fault(text: str | None) -> tuple[str, int, str] | None:
-    """``"profiling:2"`` or ``"profiling:2:exit"`` -> ``("profiling", 2, "exit")``; None when unset."""
+def parse_fault(text: str | None, attempt: int = 0) -> tuple[str, int, str] | None:
+    """``"profiling:2"``, ``"profiling:2:exit"`` -> ``("profiling", 2, "exit")``; ``"hand-over:1:kill:0"`` only on
+    torchrun attempt 0 (restart tests); None when unset or for another attempt."""
     if not text:
         return None
     parts = text.split(":")
-    if len(parts) not in (2, 3) or not parts[1].isdigit() or (len(parts) == 3 and parts[2] not in FAULT_KINDS):
-        raise PoseidonError(f"POSEIDON_INJECT_FAULT={text!r} is not PHASE:RANK[:{'|'.join(FAULT_KINDS)}]")
-    return parts[0], int(parts[1]), parts[2] if len(parts) == 3 else "raise"
+    if (len(parts) not in (2, 3, 4) or not parts[1].isdigit() or (len(parts) >= 3 and parts[2] not in FAULT_KINDS)
+            or (len(parts) == 4 and not parts[3].isdigit())):
+        raise PoseidonError(f"POSEIDON_INJECT_FAULT={text!r} is not PHASE:RANK[:{'|'.join(FAULT_KINDS)}[:ATTEMPT]]")
+    if len(parts) == 4 and int(parts[3]) != attempt:
+        return None
+    return parts[0], int(parts[1]), parts[2] if len(parts) >= 3 else "raise"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -47,7 +47,10 @@ class RankInfo:
     """``cuda`` / ``npu`` / ``cpu`` / ``emulated``."""
     memory_bytes: int
     node_tag: str
-    """Ranks of one host with the same tag form one node (the type, or the emulated node's index)."""
+    """Ranks of one host and agent with the same tag form one node (the type, or the emulated node's index)."""
+    agent: int = 0
+    """torchrun's ``GROUP_RANK``: two agents on one host are two nodes (TP and the intra-node probe stay
+    inside one agent's ranks)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,7 +75,7 @@ class World:
 
 
 def local_info(rank: int, local_rank: int, device: Device, *, declared_type: str | None,
-               declared_memory: int | None, node_tag: str | None) -> RankInfo:
+               declared_memory: int | None, node_tag: str | None, agent: int = 0) -> RankInfo:
     """This rank's entry (declared/emulated type and memory win over detection)."""
     device_type = declared_type or device.name()
     return RankInfo(
@@ -83,15 +86,16 @@ def local_info(rank: int, local_rank: int, device: Device, *, declared_type: str
         device_kind=device.kind,
         memory_bytes=int(declared_memory if declared_memory is not None else device.total_memory()),
         node_tag=node_tag or device_type,
+        agent=agent,
     )
 
 
 def gather_world(info: RankInfo, device: torch.device) -> World:
-    """All-gather every rank's RankInfo and group ranks into nodes (hosts in rank order, then tags)."""
+    """All-gather every rank's RankInfo and group ranks into nodes (host and agent in rank order, then tags)."""
     infos = tuple(RankInfo(**doc) for doc in all_gather_json(dataclasses.asdict(info), device))
-    groups: dict[tuple[str, str], list[RankInfo]] = {}
+    groups: dict[tuple[str, int, str], list[RankInfo]] = {}
     for entry in infos:
-        groups.setdefault((entry.host, entry.node_tag), []).append(entry)
+        groups.setdefault((entry.host, entry.agent, entry.node_tag), []).append(entry)
     nodes = tuple(tuple(e.rank for e in sorted(members, key=lambda e: e.local_rank)) for members in groups.values())
     return World(ranks=infos, nodes=nodes)
 
@@ -110,7 +114,8 @@ def world_from_declared(cluster: ClusterSpec, infos: Sequence[RankInfo]) -> Worl
             nodes.append([])
         nodes[dev.node].append(dev.index)
     for index, members in enumerate(nodes):
-        hosts = sorted({infos[r].host for r in members})
+        hosts = sorted({f"{infos[r].host} (agent {infos[r].agent})" if len({i.agent for i in infos}) > 1
+                        else infos[r].host for r in members})
         if len(hosts) > 1:
             raise PoseidonError(
                 f"--poseidon-cluster {cluster.source}: node {index} (ranks {members[0]}..{members[-1]}) spans "

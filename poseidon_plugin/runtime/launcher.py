@@ -95,6 +95,10 @@ def prepare(opts: runtime_options.RuntimeOptions, rest: list[str]) -> tuple[list
     env = runtime_options.to_env(opts)
     env[runtime_options.ENV_SCRIPT_IS_MODULE] = "1" if args.module else "0"
     env.update({key: value for key, value in RANK_ENV_DEFAULTS.items() if key not in os.environ})
+    from poseidon_plugin.runtime import elastic
+
+    # A fresh worker store per rendezvous round, so that restarts work (runtime/elastic.py explains why).
+    env.update(elastic.launcher_env(os.environ))
     return [*options_part, "--module", BOOTSTRAP_MODULE, script, *script_args], env
 
 
@@ -149,7 +153,9 @@ def _static_world_size(args) -> int | None:
 def launch(torchrun_args: list[str]) -> int:
     """Run torchrun; on failure one summary line (each rank already printed its own message)."""
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     try:
         torchrun.run(torchrun.parse_args(torchrun_args))
@@ -158,7 +164,20 @@ def launch(torchrun_args: list[str]) -> int:
         print(failure_summary(exc.failures, first_rank, first), file=sys.stderr, flush=True)
         codes = [first.exitcode] + [f.exitcode for f in exc.failures.values()]
         return next((code for code in codes if code > 0), 1)
+    except RendezvousError as exc:  # e.g. the agent hosting the rendezvous store is gone
+        print(f"poseidon-run: error: torchrun's rendezvous failed ({type(exc).__name__}: {_first_line(exc)}); "
+              f"the agent hosting the rendezvous store (--rdzv-endpoint) may have ended or been lost, or "
+              f"too few agents joined", file=sys.stderr, flush=True)
+        return 1
+    except SignalException as exc:
+        print(f"poseidon-run: stopped by {exc.sigval.name}", file=sys.stderr, flush=True)
+        return 128 + int(exc.sigval)
     return 0
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def failure_summary(failures: dict, first_rank: int, first) -> str:

@@ -5,7 +5,7 @@ putting stage ``s`` on particular devices means giving the processes on those de
 ``plan.stages[s].ranks``. The launcher's numbering is arbitrary with respect to that, so after planning
 the default process group is re-created with the plan's numbering (same store, a fresh prefix) and
 ``RANK`` / ``WORLD_SIZE`` are updated for the training script. Processes the plan does not use leave
-cleanly. ``LOCAL_RANK`` is untouched: it is still the device this process drives.
+the process group (the bootstrap keeps them until the job ends, ``elastic.py``). ``LOCAL_RANK`` is untouched: it is still the device this process drives.
 """
 
 from __future__ import annotations

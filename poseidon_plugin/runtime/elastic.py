@@ -1,0 +1,222 @@
+"""Restarts and elastic launches: every torchrun attempt gets a key-value store of its own.
+
+torchrun (2.13) shares one TCPStore, hosted by the rendezvous' rank-0 agent and created once for the
+agent's lifetime, with the workers of *every* attempt (``TORCHELASTIC_USE_AGENT_STORE=True``), while the
+workers' ``env://`` rendezvous assumes a fresh store per attempt and adds no prefix
+(``torch/distributed/rendezvous.py``: "We create a new TCPStore for every retry"). A restarted rank that
+reaches ``init_process_group`` before a peer has re-published its address reads the peer's attempt-0
+address: gloo connects to a dead process (``connectFullMesh failed ... Connection refused``) or waits for
+it (plain torchrun hangs). Poseidon's own keys (heartbeats, failure record) go stale the same way.
+
+Two measures (docs/RUNTIME.md, "Restarts and elastic jobs"):
+
+- the launcher sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless the user set it: with the c10d
+  rendezvous every round (a restart or a membership change) then gets a fresh store on a fresh port,
+  hosted by worker rank 0 of that round;
+- where the agent's store is used all the same (the static rendezvous, or a user who set the variable to
+  0), each rank opens the store itself under the prefix ``poseidon/attempt-N`` (N =
+  ``TORCHELASTIC_RESTART_COUNT``), so attempts never mix their keys there either.
+
+A rank the plan leaves unused must not exit while the job runs: its agent would enter torchrun's exit
+barrier, time out (300 s) and leave, taking the rendezvous store with it when it hosts it, and with a
+per-round store the process of launcher rank 0 *is* the store. Unused ranks therefore wait until every
+planned rank has finished (:func:`wait_for_job`); the store's host waits for every rank to be done.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+
+from poseidon_plugin.errors import PoseidonError
+
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+PLANNED_DONE_KEY = "poseidon/planned-done"
+DONE_KEY = "poseidon/done"
+
+
+def attempt(env: Mapping[str, str] = os.environ) -> int:
+    """torchrun's restart count of this attempt (0 outside torchrun)."""
+    try:
+        return int(env.get(RESTART_COUNT_ENV, "0"))
+    except ValueError:
+        return 0
+
+
+def agent(env: Mapping[str, str] = os.environ) -> int:
+    """This rank's agent (torchrun's ``GROUP_RANK``): part of a node's identity, besides its host."""
+    try:
+        return int(env.get("GROUP_RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def store_prefix(env: Mapping[str, str] = os.environ) -> str:
+    """The prefix of every key this attempt writes.
+
+    With a store of its own per round (``TORCHELASTIC_USE_AGENT_STORE`` false: the c10d default this launcher
+    sets) the store already belongs to one attempt. torchrun's agent store outlives attempts: the static
+    rendezvous, whose agents all restart on a failure, so their restart counts agree. The restart count
+    is an agent's own: an agent whose workers were healthy restarts them for another agent's membership
+    change without counting, so it cannot name a c10d round (a shared c10d store is left to the timeout).
+    """
+    if env.get(AGENT_STORE_ENV) != "True":
+        return "poseidon/round"
+    return f"poseidon/attempt-{attempt(env)}"
+
+
+def hosts_store(rank: int, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process hosts the workers' store (torchrun's rule: rank 0 unless the agent hosts it)."""
+    return rank == 0 and env.get(AGENT_STORE_ENV) != "True"
+
+
+def launcher_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What the launcher sets for torchrun's agents: a fresh worker store per rendezvous round."""
+    return {} if SHARE_STORE_ENV in environ else {SHARE_STORE_ENV: "1"}
+
+
+def open_store(rank: int, world_size: int, timeout_s: float, env: Mapping[str, str] = os.environ):
+    """This attempt's store: torchrun's (``MASTER_ADDR:MASTER_PORT``, hosted as torchrun would) under
+    :func:`store_prefix`. Outside torchrun without those variables: None (``env://`` then fails as usual)."""
+    import torch.distributed as dist
+
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        return None
+    tcp = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, hosts_store(rank, env),
+                        datetime.timedelta(seconds=timeout_s), multi_tenant=True)
+    return dist.PrefixStore(store_prefix(env), tcp)
+
+
+def init_process_group(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """``init_process_group`` on this attempt's store (``env://`` when there is no torchrun store)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = open_store(rank, world_size, timeout_s)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+# --- what every agent was told ------------------------------------------------------------------
+
+
+def told(options_env: Mapping[str, str], script_args: list[str]) -> dict:
+    """What this rank was started with, comparable across agents: its agent, options and job flags."""
+    return {"agent": agent(), "options": dict(sorted(options_env.items())), "args": list(script_args)}
+
+
+def check_agreement(everyone: list[dict]) -> None:
+    """PoseidonError naming the first agent and field told differently from rank 0's agent."""
+    first = everyone[0]
+    for rank, other in enumerate(everyone):
+        if other["options"] != first["options"]:
+            keys = sorted(set(first["options"]) | set(other["options"]))
+            key = next(k for k in keys if first["options"].get(k) != other["options"].get(k))
+            raise PoseidonError(
+                f"agent {other['agent']} (rank {rank}) was started with {key}={other['options'].get(key, '(unset)')!r} "
+                f"but agent {first['agent']} (rank 0) with {key}={first['options'].get(key, '(unset)')!r}; "
+                f"give every agent the same --poseidon-* options")
+        if other["args"] != first["args"]:
+            index = next((i for i, (a, b) in enumerate(zip(first["args"], other["args"])) if a != b),
+                         min(len(first["args"]), len(other["args"])))
+            mine = " ".join(other["args"][max(0, index - 1): index + 2]) or "(end)"
+            theirs = " ".join(first["args"][max(0, index - 1): index + 2]) or "(end)"
+            raise PoseidonError(
+                f"agent {other['agent']} (rank {rank}) runs the script with different flags than agent "
+                f"{first['agent']} (rank 0): argument {index + 1} is {mine!r} there, {theirs!r} on rank 0; "
+                f"give every agent the same command line")
+
+
+# --- the end of an attempt ------------------------------------------------------------------------
+
+
+def mark_done(store, *, planned: bool) -> None:
+    """This rank is done (after its script, for a planned rank)."""
+    try:
+        if planned:
+            store.add(PLANNED_DONE_KEY, 1)
+        store.add(DONE_KEY, 1)
+    except Exception:  # noqa: BLE001  (a store that is gone: the others learn it from the launcher)
+        pass
+
+
+def _count(store, key: str) -> int:
+    return int(store.add(key, 0))
+
+
+def wait_for_job(store, planned: int, lost: Callable[[], list[str]], *, poll_s: float = 0.5,
+                 sleep: Callable[[float], None] = time.sleep) -> str | None:
+    """An unused rank waits until the ``planned`` ranks have finished; None then, else why it stopped waiting
+    (a planned rank gone, or the store gone). Never bounded by a clock: the job may run for days."""
+    while True:
+        try:
+            if _count(store, PLANNED_DONE_KEY) >= planned:
+                return None
+        except Exception as exc:  # noqa: BLE001
+            return f"the job's store is gone ({type(exc).__name__})"
+        gone = lost()
+        if gone:
+            try:  # a planned rank that finished and left in the meantime is not lost
+                if _count(store, PLANNED_DONE_KEY) >= planned:
+                    return None
+            except Exception:  # noqa: BLE001
+                pass
+            return "lost " + "; ".join(gone)
+        sleep(poll_s)
+
+
+def wait_for_everyone(store, world_size: int, timeout_s: float, *, poll_s: float = 0.2,
+                      clock: Callable[[], float] = time.monotonic,
+                      sleep: Callable[[float], None] = time.sleep) -> bool:
+    """The store's host waits (at most ``timeout_s``) until every launcher rank is done: its exit ends the
+    store. True when all were."""
+    deadline = clock() + timeout_s
+    while clock() < deadline:
+        try:
+            if _count(store, DONE_KEY) >= world_size:
+                return True
+        except Exception:  # noqa: BLE001
+            return False
+        sleep(poll_s)
+    return False
+
+
+def record_plan(path: str, plan_doc: dict, devices: dict[str, int]) -> dict | None:
+    """Write this attempt's plan summary to ``path`` (atomically, numbered one past the previous record)
+    and return the previous attempt's record, if any (a damaged record counts as none)."""
+    previous = None
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        if (isinstance(doc, dict) and isinstance(doc.get("devices"), dict) and isinstance(doc.get("plan"), dict)
+                and isinstance(doc.get("sequence"), int)
+                and all(isinstance(v, int) for v in doc["devices"].values())):
+            previous = doc
+    except (OSError, ValueError):
+        previous = None
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    sequence = previous["sequence"] + 1 if previous is not None else 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"sequence": sequence, "devices": devices, "plan": plan_doc}, f, sort_keys=True)
+    os.replace(tmp, path)
+    return previous
+
+
+def fleet_change(old: Mapping[str, int], new: Mapping[str, int]) -> str:
+    """``A2-4 x2 gone, A2-2 x1 added`` (or ``same devices``)."""
+    parts = []
+    for name in sorted(set(old) | set(new)):
+        delta = new.get(name, 0) - old.get(name, 0)
+        if delta < 0:
+            parts.append(f"{name} x{-delta} gone")
+        elif delta > 0:
+            parts.append(f"{name} x{delta} added")
+    return ", ".join(parts) or "same devices"

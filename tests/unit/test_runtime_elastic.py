@@ -1,0 +1,112 @@
+"""runtime/elastic.py without processes: attempt scoping, agreement across agents, the end of an attempt."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from poseidon_plugin.errors import PoseidonError
+from poseidon_plugin.runtime import elastic
+
+
+def test_launcher_sets_a_fresh_store_per_round_unless_the_user_chose():
+    assert elastic.launcher_env({}) == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert elastic.launcher_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}) == {}
+
+
+def test_keys_belong_to_one_attempt_where_the_agent_store_outlives_attempts():
+    agent_store = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert elastic.store_prefix({**agent_store, "TORCHELASTIC_RESTART_COUNT": "0"}) == "poseidon/attempt-0"
+    assert elastic.store_prefix({**agent_store, "TORCHELASTIC_RESTART_COUNT": "2"}) == "poseidon/attempt-2"
+    # a store of the round's own: agents' restart counts may differ, the store already is the round's
+    per_round = {"TORCHELASTIC_USE_AGENT_STORE": "False"}
+    assert elastic.store_prefix({**per_round, "TORCHELASTIC_RESTART_COUNT": "0"}) == \
+        elastic.store_prefix({**per_round, "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert elastic.hosts_store(0, per_round) and not elastic.hosts_store(1, per_round)
+    assert not elastic.hosts_store(0, agent_store)
+
+
+def _told(agent, options, args):
+    return {"agent": agent, "options": options, "args": args}
+
+
+def test_agents_told_different_options_are_named_with_the_field():
+    everyone = [_told(0, {"POSEIDON_EMULATE": "A2-2:1,A2-4:1"}, ["--num-layers", "8"]),
+                _told(0, {"POSEIDON_EMULATE": "A2-2:1,A2-4:1"}, ["--num-layers", "8"]),
+                _told(1, {"POSEIDON_EMULATE": "A2-4:1,A2-2:1"}, ["--num-layers", "8"])]
+    with pytest.raises(PoseidonError, match=r"^agent 1 \(rank 2\) was started with POSEIDON_EMULATE='A2-4:1,A2-2:1' "
+                                            r"but agent 0 \(rank 0\) with POSEIDON_EMULATE='A2-2:1,A2-4:1'"):
+        elastic.check_agreement(everyone)
+    missing = [_told(0, {"POSEIDON_KEEP": "1"}, []), _told(1, {}, [])]
+    with pytest.raises(PoseidonError, match=r"POSEIDON_KEEP='\(unset\)' but agent 0 \(rank 0\) with POSEIDON_KEEP='1'"):
+        elastic.check_agreement(missing)
+
+
+def test_agents_running_different_flags_are_named_with_the_argument():
+    everyone = [_told(0, {}, ["--num-layers", "8", "--lr", "0.1"]), _told(1, {}, ["--num-layers", "6", "--lr", "0.1"])]
+    with pytest.raises(PoseidonError, match=r"agent 1 \(rank 1\) runs the script with different flags than agent 0 "
+                                            r"\(rank 0\): argument 2 is '--num-layers 6 --lr' there"):
+        elastic.check_agreement(everyone)
+    elastic.check_agreement([_told(0, {}, ["-x"]), _told(1, {}, ["-x"])])  # the same: no error
+
+
+class _Store:
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+        self.broken = False
+
+    def add(self, key, n):
+        if self.broken:
+            raise RuntimeError("Connection closed")
+        self.counts[key] = self.counts.get(key, 0) + n
+        return self.counts[key]
+
+
+def test_an_unused_rank_waits_until_the_planned_ranks_are_done():
+    store, polls = _Store(), []
+
+    def sleep(s):
+        polls.append(s)
+        if len(polls) == 3:  # the two planned ranks finish while it waits
+            elastic.mark_done(store, planned=True)
+            elastic.mark_done(store, planned=True)
+
+    assert elastic.wait_for_job(store, 2, lambda: [], sleep=sleep) is None
+    assert len(polls) == 3
+    assert store.counts == {elastic.PLANNED_DONE_KEY: 2, elastic.DONE_KEY: 2}
+
+
+def test_an_unused_rank_stops_waiting_for_a_lost_rank_or_a_lost_store():
+    store = _Store()
+    why = elastic.wait_for_job(store, 2, lambda: ["rank 1 (pid 7 on h): its process is gone"], sleep=lambda s: None)
+    assert why == "lost rank 1 (pid 7 on h): its process is gone"
+    store.broken = True
+    assert elastic.wait_for_job(store, 2, lambda: [], sleep=lambda s: None) == "the job's store is gone (RuntimeError)"
+
+
+def test_the_store_host_waits_for_every_rank_with_a_bound():
+    now = [0.0]
+    store = _Store()
+
+    def sleep(s):
+        now[0] += s
+
+    assert not elastic.wait_for_everyone(store, 3, 10.0, clock=lambda: now[0], sleep=sleep)
+    assert now[0] >= 10.0
+    for _ in range(3):
+        elastic.mark_done(store, planned=False)
+    assert elastic.wait_for_everyone(store, 3, 10.0, clock=lambda: now[0], sleep=sleep)
+
+
+def test_each_attempt_records_its_plan_and_reads_the_previous_one(tmp_path):
+    path = str(tmp_path / "runs" / "job.json")
+    assert elastic.record_plan(path, {"hash": "a"}, {"A2-2": 2, "A2-4": 2}) is None
+    previous = elastic.record_plan(path, {"hash": "b"}, {"A2-2": 2})
+    assert previous == {"sequence": 0, "devices": {"A2-2": 2, "A2-4": 2}, "plan": {"hash": "a"}}
+    assert json.loads(open(path).read())["sequence"] == 1
+    assert elastic.fleet_change(previous["devices"], {"A2-2": 2}) == "A2-4 x2 gone"
+    assert elastic.fleet_change({"A2-2": 1}, {"A2-2": 2, "A2-4": 1}) == "A2-2 x1 added, A2-4 x1 added"
+    assert elastic.fleet_change({"A2-2": 1}, {"A2-2": 1}) == "same devices"
+    (tmp_path / "runs" / "job.json").write_text('{"sequence": "x"}')  # damaged: no previous record
+    assert elastic.record_plan(path, {"hash": "c"}, {"A2-2": 1}) is None
