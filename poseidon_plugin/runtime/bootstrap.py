@@ -438,6 +438,10 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, p
         phases.run("hand-over", watch.install)
     log.job_line("overhead: " + phases.summary())
     phases.liveness.stop()  # from here on, failures are the training script's, and torchrun reports them
+    if device.torch_device.type == "cpu":  # Megatron-LM's own loop on CPU ranks (runtime/cpu_training.py)
+        from poseidon_plugin.runtime import cpu_training
+
+        new_args = cpu_training.prepare(job.script, new_args, is_module=job.is_module, log=log.job_line)
     code = _run_script(job, new_args)
     if opts.watch_iterations and len(watch.measured_ms) < opts.watch_iterations:
         watch.summarize()
