@@ -329,7 +329,8 @@ def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) 
         def check() -> Plan:
             plan = Plan.load(opts.plan)
             planning.check_plan_fits(plan, world, job.flags, job.global_batch, f"--poseidon-plan {opts.plan}",
-                                     script_args=job.script_args)
+                                     script_args=job.script_args,
+                                     emulation=devices.emulated.cache_tag() if devices.emulated else "")
             return plan
 
         return phases.run("plan check", check)

@@ -100,6 +100,13 @@ def software_versions() -> dict[str, str]:
     }
 
 
+def profile_software() -> dict[str, str]:
+    """The whole-job profile's ``software``: the versions, and the deterministic emulation it was measured
+    under (plans priced on it carry it in ``priced_for``: fingerprint.py)."""
+    tag = emulation.profile_cache_tag()
+    return {**software_versions(), **({"emulation": tag} if tag else {})}
+
+
 ENTRY_GENERATION = "framework-1"
 """What a cached entry measures; entries of an older generation (no framework fields) are measured again."""
 
@@ -549,7 +556,7 @@ def profile_world(*, world: World, rank: int, device: Device, job: JobFlags, mod
                     unstored.append(why)
     entries = tuple(ProfileEntry(**_entry_fields(merged[req.key])) for req in requests)
     profile = ProfileSpec(model=model.name, seq_length=model.seq_length, dtype=model.dtype, entries=entries,
-                          source="measured", software=software_versions())
+                          source="measured", software=profile_software())
     return ProfileOutcome(profile=profile, reused=len(requests) - len(missing), measured=len(missing),
                           unstored=tuple(unstored))
 
