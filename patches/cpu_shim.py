@@ -113,7 +113,8 @@ def cpu_rng_tracker_class() -> type:
     are per TP rank. On a CPU rank those draws use the CPU's default generator, so the states tracked and
     swapped are that generator's. ``add``, ``fork``, ``get_states``, ``set_states`` and ``reset`` keep
     Megatron's contract (a seed or name added twice is refused; a fork restores the state it interrupted,
-    also when nested); the CUDA tracker's warning that the CPU state changed inside a fork is meaningless
+    also when nested; a tracker nobody seeded forks nothing, as megatron-core's inference tracker); the CUDA
+    tracker's warning that the CPU state changed inside a fork is meaningless
     here, where the CPU state is the one forked.
     """
     cached = _TRACKER_CLASS.get("class")
@@ -137,6 +138,11 @@ def cpu_rng_tracker_class() -> type:
 
         @contextlib.contextmanager
         def fork(self, name: str = "model-parallel-rng"):
+            if not self.states_:
+                # Never seeded (code on bare megatron-core that skips model_parallel_cuda_manual_seed, as it
+                # ran with the inference tracker before): the block draws from the current state.
+                yield
+                return
             if name not in self.states_:
                 raise Exception(f"cuda rng state {name} is not added")
             generator = torch.default_generator
