@@ -146,7 +146,8 @@ def cpu_rng_tracker_class() -> type:
             if name not in self.states_:
                 raise Exception(f"cuda rng state {name} is not added")
             generator = torch.default_generator
-            interrupted, interrupted_name = generator.get_state(), self._current_state_name
+            # megatron-core 0.12's tracker has no current-state name: nested forks then restore by value only
+            interrupted, interrupted_name = generator.get_state(), getattr(self, "_current_state_name", "default-rng")
             if interrupted_name != "default-rng":
                 self.states_[interrupted_name] = interrupted
             generator.set_state(self.states_[name])
@@ -154,7 +155,7 @@ def cpu_rng_tracker_class() -> type:
             try:
                 yield
             finally:
-                if self._current_state_name != name:
+                if getattr(self, "_current_state_name", name) != name:
                     raise Exception(f"current state name {self._current_state_name} is not the same as the "
                                     f"desired state name {name}.")
                 self.states_[name] = generator.get_state()
