@@ -40,6 +40,9 @@ with open(os.path.join("poseidon_plugin", "__init__.py"), encoding="utf-8") as f
     VERSION = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 CPU_STACK = ["torch==2.13.0", "megatron-core==0.16.1"]
+# megatron.training (Megatron-LM's training loop) imports these; triton's CPU-installable wheel of torch 2.13
+MEGATRON_LM_IMPORTS = ["triton==3.9.0", "pydantic>=2", "tqdm>=4", "wrapt>=1.14", "six>=1.16", "regex>=2023",
+                       "einops>=0.7"]
 
 setup(
     name="poseidon-plugin",
@@ -57,7 +60,8 @@ setup(
         # the CPU stack the distributed tests and the CPU demo run on (pinned: see README)
         "cpu": CPU_STACK,
         # the test extra builds on the cpu one
-        "test": [*CPU_STACK, "pytest>=7", "hypothesis>=6"],
+        # and what importing Megatron-LM's own pretrain_gpt.py needs (tests/dist/test_megatron_lm_client.py)
+        "test": [*CPU_STACK, "pytest>=7", "hypothesis>=6", *MEGATRON_LM_IMPORTS],
     },
     entry_points={"console_scripts": [
         "poseidon = poseidon_plugin.cli:main",

@@ -1,13 +1,15 @@
 """CPU stand-ins for the CUDA calls megatron-core makes that are not about compute, as a patch table.
 
 Used by ``poseidon_plugin.runtime.cpu_shim`` (which also pushes the device-rewriting ``TorchFunctionMode``);
-the facts behind each row are in ``/work/shared/MEGATRON-ON-CPU.md``:
+the facts behind each row are in docs/RUNTIME.md ("CPU ranks: what the shim stands in for"):
 
-* megatron-core's CUDA RNG tracker -> its inference tracker (no CUDA generator state); first, so that
-  megatron-core (and torch._dynamo, which it imports and which indexes every torch.cuda function once)
-  is imported while torch.cuda is still the original;
+* megatron-core's CUDA RNG tracker -> the same tracker on CPU generator states (:func:`cpu_rng_tracker_class`:
+  ``fork()`` really switches states, so TP shards start different and dropout streams are per TP rank);
+  first, so that megatron-core (and torch._dynamo, which it imports and which indexes every torch.cuda
+  function once) is imported while torch.cuda is still the original;
 * ``torch.cuda.current_device`` -> the CPU device (buffers are allocated on it), ``synchronize`` /
-  ``set_device`` / ``empty_cache`` -> no-ops, streams and events -> null objects (CPU work is synchronous).
+  ``set_device`` / ``empty_cache`` -> no-ops, streams and events -> null objects (CPU work is synchronous);
+  ``get_rng_state`` / ``set_rng_state`` -> the (empty) state of a CUDA generator a CPU rank does not have.
 
 Every stand-in is a distinct object: torch._dynamo maps each torch.cuda function to a rule and rejects one
 object registered under two names.
@@ -101,27 +103,106 @@ def _stream_context(original: Any):
     return stream
 
 
-def _inference_tracker(original: Any) -> Any:
-    """megatron-core's inference RNG tracker, built by its own ``initialize_rng_tracker`` on a clean slate;
-    the module's globals are left as found (the table sets them). Works on 0.12 (no ``force_reset``) and 0.16."""
+def cpu_rng_tracker_class() -> type:
+    """megatron-core's ``CudaRNGStatesTracker`` with CPU generator states (built on first use: it imports
+    megatron-core).
+
+    Megatron's tracker keeps one named generator state per parallel role (``model-parallel-rng``: a seed per
+    TP rank; ``data-parallel-rng``; ``expert-parallel-rng``) and ``fork(name)`` runs a block on that state:
+    weight init of TP shards and dropout in TP regions draw from it, so TP ranks differ and dropout streams
+    are per TP rank. On a CPU rank those draws use the CPU's default generator, so the states tracked and
+    swapped are that generator's. ``add``, ``fork``, ``get_states``, ``set_states`` and ``reset`` keep
+    Megatron's contract (a seed or name added twice is refused; a fork restores the state it interrupted,
+    also when nested; a tracker nobody seeded forks nothing, as megatron-core's inference tracker); the CUDA
+    tracker's warning that the CPU state changed inside a fork is meaningless
+    here, where the CPU state is the one forked.
+    """
+    cached = _TRACKER_CLASS.get("class")
+    if cached is not None:
+        return cached
     import importlib
 
-    random = importlib.import_module(_RANDOM)
-    saved = (random._CUDA_RNG_STATE_TRACKER, random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
-    random._CUDA_RNG_STATE_TRACKER, random._CUDA_RNG_STATE_TRACKER_INITIALIZED = None, False
-    try:
-        random.initialize_rng_tracker(inference_rng_tracker=True)
-        return random._CUDA_RNG_STATE_TRACKER
-    finally:
-        random._CUDA_RNG_STATE_TRACKER, random._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved
+    base = importlib.import_module(_RANDOM).CudaRNGStatesTracker
+
+    class CpuRNGStatesTracker(base):  # type: ignore[valid-type, misc]
+        """Megatron's RNG-state tracker on the CPU's default generator (``patches/cpu_shim.py``)."""
+
+        def add(self, name: str, seed: int) -> None:
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"cuda rng state {name} already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name: str = "model-parallel-rng"):
+            if not self.states_:
+                # Never seeded (code on bare megatron-core that skips model_parallel_cuda_manual_seed, as it
+                # ran with the inference tracker before): the block draws from the current state.
+                yield
+                return
+            if name not in self.states_:
+                raise Exception(f"cuda rng state {name} is not added")
+            generator = torch.default_generator
+            # megatron-core 0.12's tracker has no current-state name: nested forks then restore by value only
+            interrupted, interrupted_name = generator.get_state(), getattr(self, "_current_state_name", "default-rng")
+            if interrupted_name != "default-rng":
+                self.states_[interrupted_name] = interrupted
+            generator.set_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                if getattr(self, "_current_state_name", name) != name:
+                    raise Exception(f"current state name {self._current_state_name} is not the same as the "
+                                    f"desired state name {name}.")
+                self.states_[name] = generator.get_state()
+                generator.set_state(self.states_[interrupted_name] if interrupted_name != "default-rng"
+                                    else interrupted)
+                self._current_state_name = interrupted_name
+
+    _TRACKER_CLASS["class"] = CpuRNGStatesTracker
+    return CpuRNGStatesTracker
+
+
+_TRACKER_CLASS: dict[str, type] = {}
+
+
+def _cpu_tracker(original: Any) -> Any:
+    """A fresh :func:`cpu_rng_tracker_class` tracker (what ``model_parallel_cuda_manual_seed`` then seeds)."""
+    return cpu_rng_tracker_class()()
+
+
+def _initialize_rng_tracker(original: Any):
+    def initialize_rng_tracker(use_te_rng_tracker: bool = False, inference_rng_tracker: bool = False,
+                               use_cudagraphable_rng: bool = False, force_reset: bool = False) -> None:
+        # The tracker the table installed stays (TE's and the CUDA-graph trackers need CUDA); a forced
+        # reset empties it, as a new tracker would be.
+        import importlib
+
+        random = importlib.import_module(_RANDOM)
+        if force_reset and random._CUDA_RNG_STATE_TRACKER is not None:
+            random._CUDA_RNG_STATE_TRACKER.reset()
+        random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    return initialize_rng_tracker
+
+
+def _no_cuda_generator_state(original: Any):
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        # There is no CUDA generator on a CPU rank: its state is empty (saved and restored as such).
+        return torch.empty(0, dtype=torch.uint8)
+    return get_rng_state
 
 
 def _rows() -> tuple[Patch, ...]:
     rows: list[Patch] = []
     if importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None:
-        rows += [Patch(target=f"{_RANDOM}._CUDA_RNG_STATE_TRACKER", make=_inference_tracker, value=True),
+        rows += [Patch(target=f"{_RANDOM}._CUDA_RNG_STATE_TRACKER", make=_cpu_tracker, value=True),
                  Patch(target=f"{_RANDOM}._CUDA_RNG_STATE_TRACKER_INITIALIZED", make=lambda original: True,
-                       value=True)]
+                       value=True),
+                 Patch(target=f"{_RANDOM}.initialize_rng_tracker", make=_initialize_rng_tracker, sweep=True)]
     rows += [
         Patch(target="torch.cuda.current_device", make=_current_device),
         Patch(target="torch.cuda.synchronize", make=_no_op),
@@ -132,6 +213,8 @@ def _rows() -> tuple[Patch, ...]:
         Patch(target="torch.cuda.Stream", make=lambda original: NullStream),
         Patch(target="torch.cuda.Event", make=lambda original: NullEvent),
         Patch(target="torch.cuda.stream", make=_stream_context),
+        Patch(target="torch.cuda.get_rng_state", make=_no_cuda_generator_state),
+        Patch(target="torch.cuda.set_rng_state", make=_no_op),
     ]
     return tuple(rows)
 

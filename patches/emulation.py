@@ -4,7 +4,7 @@ Used only with ``--poseidon-emulate`` / a declared cluster on CPU (``poseidon_pl
 documents both modes). Two modes, one table:
 
 * *stretch* (:func:`set_factor`): each patched ``forward`` sleeps ``(factor - 1) x`` its own measured
-  compute time right after computing; for backward, an identity autograd function on the module's output
+  compute time right after computing; for backward, a hook on the module's output tensor
   notes when its gradient arrives (backward start) and one on its input sleeps ``(factor - 1) x`` the
   elapsed time when the input's gradient is complete (backward end). With ``factor == 1`` every wrapper
   falls through to the original, so a rank of the fastest emulated type runs the stock code path.
@@ -60,20 +60,6 @@ class _Clock:
 
     def __init__(self) -> None:
         self.backward_start: float | None = None
-
-
-class _BackwardStart(torch.autograd.Function):
-    """Identity; its backward runs when the module's output gradient arrives."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, clock: _Clock) -> torch.Tensor:
-        ctx.clock = clock
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.clock.backward_start = time.perf_counter()
-        return grad, None
 
 
 class _BackwardEnd(torch.autograd.Function):
@@ -177,11 +163,17 @@ def _stretched(inputs: tuple[str, ...], part: str = "layer", batch_dim: int = 1)
 
 
 def _mark_output(output: Any, clock: _Clock) -> Any:
-    if isinstance(output, torch.Tensor):
-        return _BackwardStart.apply(output, clock) if output.requires_grad else output
-    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor) and output[0].requires_grad:
-        return (_BackwardStart.apply(output[0], clock), *output[1:])
+    """Note on ``clock`` when the output's gradient arrives (backward start), with a hook on the output tensor
+    itself: Megatron-LM frees a stage's output after sending it (``deallocate_pipeline_outputs``) and refuses a
+    view of another tensor, so the module's output is handed back as it is, never wrapped."""
+    tensor = output[0] if isinstance(output, tuple) and output else output
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+        tensor.register_hook(functools.partial(_note_backward_start, clock))
     return output
+
+
+def _note_backward_start(clock: _Clock, grad: torch.Tensor) -> None:
+    clock.backward_start = time.perf_counter()
 
 
 _LAYER = Patch(target="megatron.core.transformer.transformer_layer.TransformerLayer.forward",

@@ -104,7 +104,9 @@ class PatchTable:
     def _problems(self) -> list[str]:
         problems = []
         for entry in self._applied:
-            current = _unwrap(vars(entry.owner).get(entry.name))
+            # a config object (torch._dynamo.config) holds its values behind attribute access, not in vars()
+            held = vars(entry.owner)
+            current = _unwrap(held[entry.name] if entry.name in held else getattr(entry.owner, entry.name, None))
             if current is not entry.replacement:
                 problems.append(f"{_describe(entry.owner)}.{entry.name} is not patched")
             for module, attr in entry.copies:

@@ -596,7 +596,7 @@ class CostModel:
                     # Megatron-LM's default; target.search_plan sets the planned value
                     overlap_p2p_comm=cand.schedule == "interleaved-1f1b",
                     priced_for=priced_for(self.cluster, model, "analytic" if self.profile.source == "analytic"
-                                          else "measured"),
+                                          else "measured", emulation=self.profile.software.get("emulation", "")),
                     alternatives=tuple(alternatives),
                     # normalised through JSON so that to_json/from_json round-trips it exactly
                     search_stats=json.loads(json.dumps(dict(search_stats or {}), allow_nan=False)))

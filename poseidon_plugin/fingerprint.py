@@ -10,7 +10,9 @@ Keys:
 - ``model.<field>``: every ModelSpec field that changes time or memory (``MODEL_FIELDS``), including the
   global batch size and sequence length;
 - ``cluster.devices``: per device type, its count and memory (``A2-2 x2 64 GiB; A2-4 x2 32 GiB``);
-- ``profile``: ``analytic`` (FLOPs / peak of the named device types) or ``measured``.
+- ``profile``: ``analytic`` (FLOPs / peak of the named device types) or ``measured``;
+- ``emulation``: only for a profile measured under ``--poseidon-emulate-model``: what the emulation priced
+  (``deterministic:MODEL:SCALE:LINKS``); a plan carrying it runs only under the same emulation.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ MODEL_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "ff
                "num_experts": "--num-experts", "moe_top_k": "--moe-router-topk", "swiglu": "--swiglu",
                "tie_embeddings": "--untie-embeddings-and-output-weights",
                "distributed_optimizer": "--use-distributed-optimizer",
-               "sequence_parallel": "--sequence-parallel"}
+               "sequence_parallel": "--sequence-parallel", "emulation": "--poseidon-emulate-model MODEL:SCALE:LINKS"}
 
 
 def _text(value: Any) -> str:
@@ -48,10 +50,22 @@ def devices_part(cluster: Any) -> str:
                      for t in cluster.device_types)
 
 
-def priced_for(cluster: Any, model: Any, profile_source: str) -> tuple[tuple[str, str], ...]:
-    """The fingerprint of a plan priced on ``cluster``, ``model`` and a profile of ``profile_source``."""
+def priced_for(cluster: Any, model: Any, profile_source: str, emulation: str = "") -> tuple[tuple[str, str], ...]:
+    """The fingerprint of a plan priced on ``cluster``, ``model`` and a profile of ``profile_source``
+    (measured under ``emulation``, the emulation's tag; empty: none)."""
     doc = {**model_part(model), "cluster.devices": devices_part(cluster), "profile": profile_source}
+    if emulation:
+        doc["emulation"] = emulation
     return tuple(sorted(doc.items()))
+
+
+def emulation_mismatches(fingerprint: Sequence[tuple[str, str]], live: str | None) -> list[tuple[str, str, str]]:
+    """``[("emulation", planned, live)]`` when the plan was priced under an emulation this job does not run
+    (``live``: this job's emulation tag, ``""`` for none; None: not known here, nothing compared)."""
+    planned = dict(fingerprint).get("emulation")
+    if planned is None or live is None or planned == live:
+        return []
+    return [("emulation", planned, live or "none")]
 
 
 def model_mismatches(fingerprint: Sequence[tuple[str, str]], model: Any) -> list[tuple[str, str, str]]:

@@ -28,6 +28,28 @@ from poseidon_plugin.target import TargetRuntime, plan_as_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = "scripts/pretrain_gpt.py"
+MEGATRON_LM_ENV = "POSEIDON_MEGATRON_LM"
+MEGATRON_LM_DEFAULT = os.path.join(os.path.dirname(REPO), "shared", "megatron-lm", "core_v0.16.1")
+# What Megatron-LM's own script needs besides the job's flags on this machine: data, a position table as long
+# as the sequence, a log line per iteration (its wall time is read like the project script's)
+MEGATRON_LM_FLAGS = ["--max-position-embeddings", "32", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                     "--log-interval", "1"]
+_client: dict[str, Any] = {"script": SCRIPT, "extra": []}
+
+
+def use_client(name: str) -> str:
+    """``--client``: ``poseidon`` (scripts/pretrain_gpt.py) or ``megatron-lm`` (Megatron-LM's own pretrain_gpt.py
+    from the checkout in POSEIDON_MEGATRON_LM, default ../shared/megatron-lm/core_v0.16.1); the script used."""
+    if name == "megatron-lm":
+        folder = os.environ.get(MEGATRON_LM_ENV) or MEGATRON_LM_DEFAULT
+        script = os.path.join(folder, "pretrain_gpt.py")
+        if not os.path.isfile(script):
+            raise SystemExit(f"--client megatron-lm: {script} not found; set {MEGATRON_LM_ENV} to a Megatron-LM "
+                             f"checkout (tag core_v0.16.1)")
+        _client.update(script=script, extra=list(MEGATRON_LM_FLAGS))
+    else:
+        _client.update(script=SCRIPT, extra=[])
+    return _client["script"]
 COMM_MODEL = "megatron"  # what poseidon-run plans with (runtime/planning.py)
 WARMUP_ITERS = 2
 MEASURED_ITERS = 5
@@ -208,9 +230,14 @@ SCRIPT_ITERATION = re.compile(r"^iteration \d+/\d+ \| lm loss \S+ \| ([\d.]+) s"
 """``scripts/pretrain_gpt.py``'s line per training iteration; the group is its wall time in seconds."""
 
 
+MEGATRON_LM_ITERATION = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
+"""Megatron-LM's ``training_log`` line (``--log-interval 1``); the group is the iteration's wall time in ms."""
+
+
 def iteration_seconds(output: str) -> list[float]:
-    """The wall seconds of each training iteration the script logged in ``output``."""
-    return [float(m) for m in SCRIPT_ITERATION.findall(output)]
+    """The wall seconds of each training iteration the script logged in ``output`` (either client)."""
+    return ([float(m) for m in SCRIPT_ITERATION.findall(output)]
+            or [float(m) / 1e3 for m in MEGATRON_LM_ITERATION.findall(output)])
 
 
 def launch(case: ClusterCase, *, iters: int, cache_dir: str, plan_file: str | None, save_plan: str | None,
@@ -218,8 +245,8 @@ def launch(case: ClusterCase, *, iters: int, cache_dir: str, plan_file: str | No
     """One ``python -m poseidon_plugin.runtime.launcher`` run of the case (sequential; bounded)."""
     import time
 
-    args = [sys.executable, "-m", "poseidon_plugin.runtime.launcher", "--nproc-per-node", str(case.ranks), SCRIPT,
-            *case.job(), "--train-iters", str(iters), "--poseidon-emulate", case.emulate,
+    args = [sys.executable, "-m", "poseidon_plugin.runtime.launcher", "--nproc-per-node", str(case.ranks),
+            _client["script"], *case.job(), *_client["extra"], "--train-iters", str(iters), "--poseidon-emulate", case.emulate,
             "--poseidon-emulate-model", case.model, "--poseidon-watch-iterations", str(iters),
             "--poseidon-profile-cache", cache_dir]
     if plan_file:

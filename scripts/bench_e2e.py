@@ -3,6 +3,7 @@
     python scripts/bench_e2e.py            # every cluster of _e2e_runs.CLUSTERS (about half an hour on 2 cores)
     python scripts/bench_e2e.py --quick    # one 4-rank cluster, 4 plans (under 5 minutes)
     python scripts/bench_e2e.py --only "wan,mem" --json
+    python scripts/bench_e2e.py --client megatron-lm   # Megatron-LM's own pretrain_gpt.py, same clusters and plans
 
 For each emulated cluster (``--poseidon-emulate`` + ``--poseidon-emulate-model``: layers, embedding, head,
 links and DP sync take the analytic times of a real model on the emulated devices, scaled; see
@@ -41,7 +42,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 from _e2e_runs import (CLUSTERS, MEASURED_ITERS, MIN_ITERS, QUICK, WARMUP_ITERS, ClusterCase,  # noqa: E402
-                       candidate_of, cost_model, emulation_state, launch, plan_key, random_plans, uniform_plan)
+                       candidate_of, cost_model, emulation_state, launch, plan_key, random_plans, uniform_plan,
+                       use_client)
 from poseidon_plugin.plan import Plan  # noqa: E402
 from poseidon_plugin.target import plan_as_run  # noqa: E402
 
@@ -217,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=MIN_ITERS,
                         help=f"training iterations per run (>= {MIN_ITERS}: {WARMUP_ITERS} warm-up, then at least "
                              f"{MEASURED_ITERS} timed; the watch cannot time a run's last one)")
+    parser.add_argument("--client", choices=("poseidon", "megatron-lm"), default="poseidon",
+                        help="the training script: scripts/pretrain_gpt.py, or Megatron-LM's own pretrain_gpt.py "
+                             "(checkout in POSEIDON_MEGATRON_LM, default ../shared/megatron-lm/core_v0.16.1)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     parser.add_argument("--render", metavar="JSON", help="print the table of a saved --json output and exit")
     args = parser.parse_args(argv)
@@ -228,11 +233,13 @@ def main(argv: list[str] | None = None) -> int:
             doc = json.load(f)
         print(render(doc["clusters"], doc["wall_s"]))
         return 0
+    script = use_client(args.client)
     cases = [c for c in CLUSTERS if not args.quick or c.name in QUICK]
     if args.only:
         wanted = [w.strip() for w in args.only.split(",") if w.strip()]
         cases = [c for c in cases if any(w in c.name for w in wanted)]
     log = (lambda line: print(line, file=sys.stderr, flush=True))
+    log(f"client: {script}")
     start = time.perf_counter()
     records = []
     for case in cases:

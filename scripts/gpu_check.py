@@ -8,6 +8,10 @@
    and the search. Then the measured profile is printed beside the analytic one (FLOPs over the GPU's
    peak x the documented efficiency) for the same device.
 2. ``poseidon-run --nproc-per-node 1`` training that job for a few iterations on CUDA, with the watch.
+3. Megatron-LM's own ``pretrain_gpt.py`` (unmodified, ``--mock-data``) through ``poseidon-run`` on the same
+   device, when a Megatron-LM checkout is found: ``POSEIDON_MEGATRON_LM``, else ``shared/megatron-lm/
+   core_v0.16.1`` in or beside the repository (the device run carries the repository's ``shared/``). On
+   CUDA none of the CPU ranks' adjustments may appear (no ``CPU rank:`` line).
 
 Needs torch with CUDA and megatron-core importable (the launcher's own requirement); without the built
 Cython core it runs on the pure-Python twins (POSEIDON_PURE_PYTHON=1 is set when the core is missing).
@@ -82,6 +86,23 @@ def compare(profile_path: str, model_args: list[str]) -> None:
             print(f"{entry.tp:>3} {entry.mbs:>4} {field:<24} {m:>12.4g} {a:>12.4g} {ratio:>18}")
 
 
+MEGATRON_LM_JOB = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
+                   "--max-position-embeddings", "1024", "--micro-batch-size", "1", "--global-batch-size", "4",
+                   "--train-iters", "4", "--lr", "1e-4", "--bf16", "--mock-data", "--tokenizer-type",
+                   "NullTokenizer", "--vocab-size", "32000", "--eval-interval", "1000", "--eval-iters", "0",
+                   # a GPU machine without Transformer Engine / Apex: Megatron-LM's own unfused paths
+                   "--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion"]
+
+
+def megatron_lm_checkout() -> str | None:
+    """The Megatron-LM checkout step 3 runs (None: none found)."""
+    for folder in (os.environ.get("POSEIDON_MEGATRON_LM"), os.path.join(REPO, "shared", "megatron-lm", "core_v0.16.1"),
+                   os.path.join(os.path.dirname(REPO), "shared", "megatron-lm", "core_v0.16.1")):
+        if folder and os.path.isfile(os.path.join(folder, "pretrain_gpt.py")):
+            return folder
+    return None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/poseidon-gpu-check"))
@@ -122,6 +143,19 @@ def main() -> int:
     code, out = run([*launcher, *job, "--train-iters", str(args.iters), "--poseidon-profile-cache", cache], env, 240)
     failed |= code != 0
     summary = {"watch": re.findall(r"poseidon: (watch: .*)", out), "overhead": re.findall(r"poseidon: (overhead: .*)", out)}
+    checkout = megatron_lm_checkout()
+    if checkout is None:
+        print("step 3 skipped: no Megatron-LM checkout (set POSEIDON_MEGATRON_LM, or carry shared/megatron-lm/"
+              "core_v0.16.1)")
+        failed = 1
+    else:
+        code, out = run([*launcher, os.path.join(checkout, "pretrain_gpt.py"), *MEGATRON_LM_JOB,
+                         "--poseidon-profile-cache", cache, "--poseidon-micro-batch-sizes", "1"], env, 200)
+        losses = re.findall(r"\| lm loss: ([-+\w.]+) \|", out)
+        cpu_lines = re.findall(r"poseidon: CPU rank: .*", out)
+        failed |= code != 0 or not losses or bool(cpu_lines)
+        summary["megatron-lm"] = {"code": code, "lm loss": losses, "cpu-only lines (must be none)": cpu_lines,
+                                  "watch": re.findall(r"poseidon: (watch: .*)", out)}
     print(json.dumps(summary, indent=2))
     return 1 if failed else 0
 

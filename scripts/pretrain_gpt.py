@@ -147,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=_virtual_stages(args),
     )
-    if torch.cuda.is_available():
-        model_parallel_cuda_manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)  # on CPU: the shim's tracker on CPU generator states
     on_cpu = device.type == "cpu"
     overrides = {}
     if args.decoder_first_pipeline_num_layers is not None:

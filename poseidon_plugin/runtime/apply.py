@@ -77,7 +77,8 @@ class Rewritten:
     planned: list[str]
     """The flags Poseidon put in (the plan's, plus any the style adds)."""
     notes: tuple[str, ...] = ()
-    """One log line per flag the style dropped or added, and why."""
+    """One log line per user flag the plan replaced (old and new value) or dropped, and per flag the style
+    dropped or added, and why."""
 
 
 def rewrite_args(plan: Plan, style: str, global_batch_size: int, user_args: Sequence[str]) -> Rewritten:
@@ -85,7 +86,8 @@ def rewrite_args(plan: Plan, style: str, global_batch_size: int, user_args: Sequ
     that does not fit the user's context / expert parallelism."""
     planned = planned_flags(plan, style, global_batch_size)
     if style not in MINDSPEED_STYLES:
-        return Rewritten(args=job_flags.rewrite(user_args, planned), planned=planned)
+        return Rewritten(args=job_flags.rewrite(user_args, planned), planned=planned,
+                         notes=tuple(job_flags.replaced_flags(user_args, planned)))
     user = job_flags.flag_values(user_args)
     cp, ep, etp = mindspeed.user_cp_ep(user)
     mindspeed.data_parallel_size(plan.world_size, plan.tp, plan.pp, cp, ep, etp)
@@ -94,7 +96,7 @@ def rewrite_args(plan: Plan, style: str, global_batch_size: int, user_args: Sequ
                                           num_experts=int(experts) if experts.isdigit() else 0)
     planned = planned + list(decision.add)
     return Rewritten(args=job_flags.rewrite(user_args, planned, drop=decision.drop), planned=planned,
-                     notes=decision.notes)
+                     notes=(*job_flags.replaced_flags(user_args, planned), *decision.notes))
 
 
 def layer_patches(plan: Plan, style: str, *,

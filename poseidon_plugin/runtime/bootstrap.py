@@ -336,7 +336,8 @@ def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) 
         def check() -> Plan:
             plan = Plan.load(opts.plan)
             planning.check_plan_fits(plan, world, job.flags, job.global_batch, f"--poseidon-plan {opts.plan}",
-                                     script_args=job.script_args)
+                                     script_args=job.script_args,
+                                     emulation=devices.emulated.cache_tag() if devices.emulated else "")
             return plan
 
         return phases.run("plan check", check)
@@ -481,6 +482,10 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, p
     # From here on, failures are the training script's, and torchrun reports them; the heartbeat goes on
     # so that ranks the plan leaves unused can tell a finished job from a lost rank.
     try:
+        if device.torch_device.type == "cpu":  # Megatron-LM's own loop on CPU ranks (runtime/cpu_training.py)
+            from poseidon_plugin.runtime import cpu_training
+
+            new_args = cpu_training.prepare(job.script, new_args, is_module=job.is_module, log=log.job_line)
         code = _run_script(job, new_args)
     finally:
         phases.liveness.stop()

@@ -3,7 +3,7 @@
 megatron-core assumes CUDA in a handful of places that are not about compute (buffers allocated on
 ``torch.cuda.current_device()``, ``torch.cuda.synchronize()`` after batched p2p, ``device="cuda"`` factory
 calls in the schedules, the CUDA RNG tracker, DDP stream handles). The facts behind each stand-in are in
-``/work/shared/MEGATRON-ON-CPU.md``. This module replaces exactly those calls, and nothing that does
+docs/RUNTIME.md ("CPU ranks: what the shim stands in for"). This module replaces exactly those calls, and nothing that does
 compute, so that the schedules, DDP and ``finalize_model_grads`` run unchanged on gloo: the attributes
 through the patch table ``patches/cpu_shim.py`` (applied, verified, reverted like every other patch), the
 ``device="cuda"`` arguments through a ``TorchFunctionMode``.
@@ -19,8 +19,9 @@ or ``with cpu_shim.cpu_shim(): ...``. ``install()`` is idempotent and counts not
 undoes it. The device-rewriting ``TorchFunctionMode`` is thread-local (a torch rule), so call ``install()``
 on the thread that runs the training loop; the other stand-ins are process-wide.
 
-Not covered (configure instead): gradient clipping asserts ``torch.cuda.FloatTensor`` (use
-``clip_grad=0.0``); the distributed optimizer and ``--sequence-parallel`` with the local spec fail on CPU.
+Not covered (configure instead): megatron-core's gradient clipping asserts ``torch.cuda.FloatTensor`` (use
+``clip_grad=0.0``, or Megatron-LM's loop, where ``runtime/cpu_training.py`` makes it run); the distributed
+optimizer and ``--sequence-parallel`` with the local spec fail on CPU.
 """
 
 from __future__ import annotations

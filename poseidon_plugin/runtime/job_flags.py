@@ -214,6 +214,23 @@ def rewrite(args: Sequence[str], planned: Sequence[str], drop: Sequence[str] = (
     return argv.remove_flags(args, drop, _SWITCHES) + list(planned)
 
 
+def replaced_flags(args: Sequence[str], planned: Sequence[str], drop: Sequence[str] = ()) -> list[str]:
+    """One line per user flag :func:`rewrite` takes out whose value the planned command does not keep: the
+    old value and the plan's, or that it was dropped (the plan decides it another way)."""
+    user = flag_values(args)
+    new = flag_values(planned)
+    lines = []
+    for flag in [f for f in user if f in set(PLANNED_FLAGS) | set(new) | set(drop)]:
+        old = user[flag]
+        shown = f"{flag} {old}" if old else flag
+        if flag in new:
+            if new[flag] != old:
+                lines.append(f"{shown} replaced by the plan's {flag} {new[flag]}".rstrip())  # a switch has no value
+        else:
+            lines.append(f"{shown} dropped: the plan's flags decide it ({shlex.join(planned)})")
+    return lines
+
+
 def command_line(script: str, args: Sequence[str]) -> str:
     """A shell-quoted one-line rendering of ``script args`` (for the log)."""
     return shlex.join([script, *args])

@@ -102,7 +102,7 @@ def share_plan(search: Callable[[], Plan] | None, rank: int, device: torch.devic
 
 
 def check_plan_fits(plan: Plan, world: World, job: JobFlags, global_batch_size: int, source: str, *,
-                    script_args: Sequence[str] = ()) -> None:
+                    script_args: Sequence[str] = (), emulation: str | None = None) -> None:
     """A plan (saved or searched) must match this job and this world; PoseidonError naming the mismatch.
 
     ``script_args`` (the user's flags) give the context and expert parallelism the plan must fit:
@@ -111,7 +111,7 @@ def check_plan_fits(plan: Plan, world: World, job: JobFlags, global_batch_size: 
     """
     from poseidon_plugin.runtime.precheck import check_plan_job
 
-    check_plan_job(plan, source, job, global_batch_size)
+    check_plan_job(plan, source, job, global_batch_size, emulation)
 
     def fail(reason: str) -> PoseidonError:
         return PoseidonError(f"{source} does not match this job: {reason}; re-plan (drop --poseidon-plan) or "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from poseidon_plugin.errors import PoseidonError
-from poseidon_plugin.fingerprint import describe_mismatch, model_mismatches
+from poseidon_plugin.fingerprint import describe_mismatch, emulation_mismatches, model_mismatches
 from poseidon_plugin.plan import Plan
 from poseidon_plugin.runtime.job_flags import JobFlags
 from poseidon_plugin.runtime.options import RuntimeOptions
@@ -47,13 +47,15 @@ def declared_cluster(opts: RuntimeOptions, world_size: int | None) -> ClusterSpe
     }, f"{emulation.FLAG} {opts.emulate}")
 
 
-def check_plan_job(plan: Plan, source: str, job: JobFlags, global_batch_size: int) -> None:
-    """A saved plan must have been priced for this job: the model shape, sequence, batch and heads."""
+def check_plan_job(plan: Plan, source: str, job: JobFlags, global_batch_size: int,
+                   emulation: str | None = None) -> None:
+    """A saved plan must have been priced for this job: the model shape, sequence, batch and heads, and the
+    emulation its profile was measured under (``emulation``: this job's tag, "" for none; None: unknown)."""
     from poseidon_plugin.runtime.planning import model_spec
 
     if plan.priced_for:
         live = model_spec(job, global_batch_size=global_batch_size, name=plan.model)
-        mismatches = model_mismatches(plan.priced_for, live)
+        mismatches = model_mismatches(plan.priced_for, live) + emulation_mismatches(plan.priced_for, emulation)
         if mismatches:
             raise PoseidonError(describe_mismatch(source, mismatches))
 

@@ -100,6 +100,13 @@ def software_versions() -> dict[str, str]:
     }
 
 
+def profile_software() -> dict[str, str]:
+    """The whole-job profile's ``software``: the versions, and the deterministic emulation it was measured
+    under (plans priced on it carry it in ``priced_for``: fingerprint.py)."""
+    tag = emulation.profile_cache_tag()
+    return {**software_versions(), **({"emulation": tag} if tag else {})}
+
+
 ENTRY_GENERATION = "framework-1"
 """What a cached entry measures; entries of an older generation (no framework fields) are measured again."""
 
@@ -224,12 +231,25 @@ class _Hooks:
             handle.remove()
 
 
+def _seed_tracker(groups: Any) -> None:
+    """Megatron's RNG tracker seeded for the profiling TP group, as the training script seeds it for its own:
+    weight init and dropout of TP regions fork its per-TP-rank state, and fork() refuses an unseeded one."""
+    from megatron.core.tensor_parallel import random as mc_random
+
+    tp_rank = groups.tp.rank() if getattr(groups, "tp", None) is not None else 0
+    try:
+        mc_random.model_parallel_cuda_manual_seed(1234, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+    except TypeError:  # megatron-core 0.12: the ranks come from parallel_state (pointed at the group here)
+        mc_random.model_parallel_cuda_manual_seed(1234)
+
+
 def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest, *, warmup: int,
             iters: int) -> dict[str, Any]:
     """Profile one (TP, mbs) on this rank's TP group; the ProfileEntry fields as a dict."""
     on_cpu = device.torch_device.type == "cpu"
     config = transformer_config(job, tensor_parallel=request.tp, num_layers=1, on_cpu=on_cpu)
     with parallel_state_for(groups):
+        _seed_tracker(groups)
         model = gpt_model(job, config, pre_process=True, post_process=True, pg_collection=groups)
         if not on_cpu:
             model.to(device.torch_device)
@@ -549,7 +569,7 @@ def profile_world(*, world: World, rank: int, device: Device, job: JobFlags, mod
                     unstored.append(why)
     entries = tuple(ProfileEntry(**_entry_fields(merged[req.key])) for req in requests)
     profile = ProfileSpec(model=model.name, seq_length=model.seq_length, dtype=model.dtype, entries=entries,
-                          source="measured", software=software_versions())
+                          source="measured", software=profile_software())
     return ProfileOutcome(profile=profile, reused=len(requests) - len(missing), measured=len(missing),
                           unstored=tuple(unstored))
 

@@ -207,7 +207,7 @@ def test_cpu_shim_is_a_verified_reversible_table():
         assert {row.target.rsplit(".", 1)[1] for row in shim_table.TABLE.rows} >= {
             "_CUDA_RNG_STATE_TRACKER", "current_device", "synchronize", "Stream", "Event"}
         assert mc_random._CUDA_RNG_STATE_TRACKER_INITIALIZED is True
-        assert type(mc_random.get_cuda_rng_tracker()).__name__ == "InferenceCudaRNGStatesTracker"
+        assert type(mc_random.get_cuda_rng_tracker()).__name__ == "CpuRNGStatesTracker"
         torch.cuda.synchronize = lambda device=None: None  # someone else's patch on top: verify() notices
         assert shim_table.TABLE.verify() == ["torch.cuda.synchronize is not patched"]
     finally:

@@ -89,7 +89,8 @@ def test_mindspeed_rewrite_drops_conflicts_and_keeps_the_rest():
     assert out.args[:4] == ["--num-layers", "8", "--lr", "0.1"]
     assert "--pipeline-num-transformer-layers" not in values
     assert (values["--num-layer-list"], values["--pipeline-model-parallel-size"]) == ("3,5", "2")
-    assert out.planned == out.args[4:] and len(out.notes) == 1 and "dropped --pipeline-num-transformer-layers" in out.notes[0]
+    assert out.planned == out.args[4:] and "dropped --pipeline-num-transformer-layers" in out.notes[-1]
+    assert out.notes[0] == "--pipeline-model-parallel-size 4 replaced by the plan's --pipeline-model-parallel-size 2"
 
 
 def test_mindspeed_rewrite_adds_sequence_parallel_for_moe_with_tp_and_ep():

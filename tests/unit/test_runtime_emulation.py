@@ -302,3 +302,44 @@ def test_emulate_model_option_needs_emulate_and_round_trips():
     opts, rest = options.parse(["--poseidon-emulate", "A2-2:1", "--poseidon-emulate-model=llama3-8b:0.5", "x.py"], {})
     assert opts.emulate_model == "llama3-8b:0.5" and rest == ["x.py"]
     assert options.resolve({}, options.to_env(opts)).emulate_model == "llama3-8b:0.5"
+
+
+def test_plan_priced_under_another_emulation_is_refused_by_name():
+    """Defect: a plan priced at emulation scale 0.81 ran silently at 1.61 (+78 % watch errors)."""
+    import dataclasses
+
+    import pytest
+
+    from poseidon_plugin.costmodel import Candidate, CostModel
+    from poseidon_plugin.errors import PoseidonError
+    from poseidon_plugin.runtime.job_flags import read_job
+    from poseidon_plugin.runtime.planning import model_spec
+    from poseidon_plugin.runtime.precheck import check_plan_job
+    from poseidon_plugin.specs import ProfileSpec, parse_cluster
+    from poseidon_plugin.runtime import emulation
+
+    args = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--global-batch-size", "8"]
+    flags = read_job("pretrain_gpt.py", args)
+    state = emulation.deterministic_state(emulate="A2-2:2,A2-4:2", emulate_model="llama2-13b:0.81", rank=0,
+                                          world_size=4, num_layers=8, global_batch=8, micro_batch_size=1)
+    job = model_spec(flags, global_batch_size=8, name="m")
+    from poseidon_plugin.specs import ProfileEntry
+
+    entries = tuple(ProfileEntry(**state.emulated_entry(t, 1, 1)) for t in ("A2-2", "A2-4"))
+    profile = ProfileSpec(model="m", seq_length=32, dtype=job.dtype, entries=entries,
+                          software={"emulation": state.cache_tag()})
+    plan = CostModel(state.cluster, job, profile).make_plan(
+        Candidate(tp=1, pp=2, dp=2, mbs=1, stage_types=("A2-2", "A2-4"), layers=(4, 4)))
+    assert dict(plan.priced_for)["emulation"] == "deterministic:llama2-13b:0.81:npu"
+    check_plan_job(plan, "--poseidon-plan p.json", flags, 8, state.cache_tag())  # the same emulation runs
+    for live, shown in (("deterministic:llama2-13b:1.61:npu", "deterministic:llama2-13b:1.61:npu"), ("", "none")):
+        with pytest.raises(PoseidonError) as info:
+            check_plan_job(plan, "--poseidon-plan p.json", flags, 8, live)
+        assert str(info.value) == (
+            f"--poseidon-plan p.json was priced for another model or job: emulation "
+            f"deterministic:llama2-13b:0.81:npu (this job: {shown}, --poseidon-emulate-model MODEL:SCALE:LINKS); "
+            f"its memory and time do not hold here: re-plan (drop --poseidon-plan), or run the job it was made for")
+    # a plan priced without an emulation (analytic, or real devices) carries no tag and is not refused for it
+    bare = dataclasses.replace(plan, priced_for=tuple(kv for kv in plan.priced_for if kv[0] != "emulation"))
+    check_plan_job(bare, "--poseidon-plan p.json", flags, 8, "deterministic:llama2-13b:1.61:npu")

@@ -121,3 +121,21 @@ def test_rewrite_matches_reference(items):
     assert rewrite(args, planned_flags) == kept + planned_flags
     values = flag_values(rewrite(args, planned_flags))
     assert values["--tensor-model-parallel-size"] == "2" and values["--micro-batch-size"] == "1"
+
+
+def test_each_user_flag_the_plan_replaces_is_named_with_old_and_new_value():
+    """Defect: --decoder-first-pipeline-num-layers and a changed --pipeline-model-parallel-size vanished."""
+    from poseidon_plugin.runtime.job_flags import replaced_flags
+
+    user = ["--num-layers", "8", "--decoder-first-pipeline-num-layers", "2", "--pipeline-model-parallel-size", "2",
+            "--micro-batch-size", "1", "--no-overlap-p2p-communication", "--lr", "1e-4"]
+    planned = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
+               "--pipeline-model-parallel-layout", "Et|t|t|tL", "--micro-batch-size", "1"]
+    lines = replaced_flags(user, planned)
+    assert lines == [
+        "--decoder-first-pipeline-num-layers 2 dropped: the plan's flags decide it (--tensor-model-parallel-size 2 "
+        "--pipeline-model-parallel-size 4 --pipeline-model-parallel-layout 'Et|t|t|tL' --micro-batch-size 1)",
+        "--pipeline-model-parallel-size 2 replaced by the plan's --pipeline-model-parallel-size 4",
+        "--no-overlap-p2p-communication dropped: the plan's flags decide it (--tensor-model-parallel-size 2 "
+        "--pipeline-model-parallel-size 4 --pipeline-model-parallel-layout 'Et|t|t|tL' --micro-batch-size 1)"]
+    assert replaced_flags(["--num-layers", "8", "--lr", "1"], planned) == []

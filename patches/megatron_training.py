@@ -1,0 +1,142 @@
+"""CPU stand-ins for the CUDA calls Megatron-LM's training loop (``megatron.training``) makes, as a patch table.
+
+Applied on CPU ranks only, after the megatron-core shim (``patches/cpu_shim.py``), when the training script
+runs on ``megatron.training`` (``runtime/cpu_training.py`` decides and logs each row once). Each row
+replaces one call that is about the CUDA runtime, never about compute; the facts are in docs/RUNTIME.md
+("Megatron-LM's own pretrain_gpt.py on CPU ranks"):
+
+* ``initialize_megatron`` asserts ``torch.cuda.is_available()``: called with its own ``allow_no_cuda=True``;
+* ``_initialize_distributed`` builds the model-parallel groups and ``_set_random_seed`` seeds the
+  model-parallel RNG tracker only when ``torch.cuda.device_count() > 0``: both run with the count of
+  this rank's one compute device (the CPU), only for the length of the call;
+* ``_compile_dependencies`` builds the dataset helper with ``make`` and the fused kernels with nvcc: skipped
+  (the wheel ships the built helper; the fused kernels are CUDA code);
+* ``set_jit_fusion_options`` warms up the fused CUDA kernels: skipped; ``torch._dynamo`` is disabled, so that
+  the ``torch.compile``-fused functions run eagerly on CPU;
+* ``get_device_arch_version`` asks the GPU's compute capability: 0 (no CUDA architecture; the pre-Blackwell
+  rules, which ``poseidon-run``'s ``CUDA_DEVICE_MAX_CONNECTIONS=1`` satisfies);
+* ``clip_grad_by_total_norm_fp32`` asserts that every gradient is a ``torch.cuda.FloatTensor``: the check
+  reads the gradients' CUDA type name during that call; the clipping itself is Megatron's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .table import Patch, PatchTable
+
+_INIT = "megatron.training.initialize"
+
+ROW_NOTES: dict[str, str] = {
+    f"{_INIT}.initialize_megatron": "initialize_megatron(allow_no_cuda=True): it asserts torch.cuda.is_available()",
+    f"{_INIT}._initialize_distributed": "model-parallel groups built with the CPU as the rank's one device "
+                                        "(Megatron-LM builds them only when torch.cuda.device_count() > 0)",
+    f"{_INIT}._set_random_seed": "model-parallel RNG seeded with the CPU as the rank's one device (Megatron-LM "
+                                 "seeds its tracker only when torch.cuda.device_count() > 0)",
+    f"{_INIT}._compile_dependencies": "skipped helper compilation (make in megatron/core/datasets, nvcc fused "
+                                      "kernels)",
+    "megatron.training.training.set_jit_fusion_options": "skipped the fused-kernel warm-up; torch._dynamo "
+                                                         "disabled (torch.compile-fused functions run eagerly)",
+    "torch._dynamo.config.disable": "",
+    "megatron.training.utils.get_device_arch_version": "CUDA architecture 0 (no GPU)",
+    "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32": "gradient clipping on CPU gradients "
+                                                                        "(its torch.cuda.FloatTensor check "
+                                                                        "reads their CUDA type name)",
+}
+"""What each row does, for the one log line per CPU-only adjustment (rows without a note share the previous
+row's line)."""
+
+
+@contextlib.contextmanager
+def _one_device() -> Iterator[None]:
+    """``torch.cuda.device_count()`` counts the rank's one compute device while Megatron-LM decides whether to
+    set up model parallelism; restored right after (nothing else sees it)."""
+    original = torch.cuda.device_count
+    torch.cuda.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        torch.cuda.device_count = original
+
+
+def _allow_no_cuda(original: Any):
+    @functools.wraps(original)
+    def initialize_megatron(*args: Any, **kwargs: Any) -> Any:
+        kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+    return initialize_megatron
+
+
+def _with_one_device(original: Any):
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _one_device():
+            return original(*args, **kwargs)
+    return call
+
+
+def _skipped(original: Any):
+    @functools.wraps(original)
+    def skipped(*args: Any, **kwargs: Any) -> None:
+        return None
+    return skipped
+
+
+def _no_cuda_arch(original: Any):
+    @functools.wraps(original)
+    def get_device_arch_version() -> int:
+        return 0
+    return get_device_arch_version
+
+
+class _CudaTypeNames(TorchFunctionMode):
+    """``Tensor.type()`` (no argument) answers the CUDA tensor type name of the tensor's dtype."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(result, str):
+            return result.replace("torch.", "torch.cuda.", 1) if not result.startswith("torch.cuda.") else result
+        return result
+
+
+def _clip_on_cpu(original: Any):
+    @functools.wraps(original)
+    def clip_grad_by_total_norm_fp32(*args: Any, **kwargs: Any) -> Any:
+        with _CudaTypeNames():
+            return original(*args, **kwargs)
+    return clip_grad_by_total_norm_fp32
+
+
+def _rows() -> tuple[Patch, ...]:
+    return (
+        Patch(target=f"{_INIT}.initialize_megatron", make=_allow_no_cuda, sweep=True),
+        Patch(target=f"{_INIT}._initialize_distributed", make=_with_one_device),
+        Patch(target=f"{_INIT}._set_random_seed", make=_with_one_device),
+        Patch(target=f"{_INIT}._compile_dependencies", make=_skipped),
+        Patch(target="megatron.training.training.set_jit_fusion_options", make=_skipped, sweep=True),
+        Patch(target="torch._dynamo.config.disable", make=lambda original: True, value=True),
+        Patch(target="megatron.training.utils.get_device_arch_version", make=_no_cuda_arch, sweep=True),
+        Patch(target="megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32", make=_clip_on_cpu,
+              sweep=True),
+    )
+
+
+class _LazyTable(PatchTable):
+    """Rows built when applied: importing ``megatron.training`` is the training script's business."""
+
+    def __init__(self) -> None:
+        super().__init__("megatron_training", ())
+
+    def apply(self) -> None:
+        if not self.applied:
+            self.rows = _rows()
+        super().apply()
+
+
+TABLE = _LazyTable()

@@ -1,0 +1,97 @@
+"""CPU ranks keep Megatron's RNG semantics, and the emulation hands Megatron its own output tensors.
+
+Defect 2 of Megatron-LM's loop on CPU: the shim used megatron-core's inference tracker, whose ``fork()``
+does nothing, so tensor-parallel shards started identical and dropout streams were shared. Defect 1: the
+emulation's backward-start mark returned ``output.view_as(output)``, which Megatron-LM refuses to free
+(``deallocate_pipeline_outputs``: "counter-productive to free a view of another tensor").
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from poseidon_plugin.patches import cpu_shim as shim_table
+
+
+def _tracker():
+    return shim_table.cpu_rng_tracker_class()()
+
+
+def test_fork_draws_from_each_tp_rank_own_state_and_restores_the_default():
+    """Two TP ranks (seed + 2718 + tp_rank, as model_parallel_cuda_manual_seed adds them) draw different
+    shards under fork(); the default stream continues as if the fork had not happened."""
+    shards = []
+    for tp_rank in (0, 1):
+        torch.manual_seed(1234)
+        tracker = _tracker()
+        tracker.add("data-parallel-rng", 1234)
+        tracker.add("model-parallel-rng", 1234 + 2718 + tp_rank)
+        with tracker.fork():
+            shards.append(torch.randn(8))
+        after_fork = torch.randn(4)
+        torch.manual_seed(1234)
+        assert torch.equal(after_fork, torch.randn(4))  # the fork did not consume the default stream
+    assert not torch.equal(shards[0], shards[1])
+
+
+def test_fork_continues_its_stream_nests_and_keeps_megatron_checks():
+    tracker = _tracker()
+    tracker.add("model-parallel-rng", 7)
+    tracker.add("expert-parallel-rng", 8)
+    with tracker.fork():
+        first = torch.randn(3)
+        with tracker.fork("expert-parallel-rng"):
+            expert = torch.randn(3)
+        second = torch.randn(3)
+    reference = torch.Generator().manual_seed(7)
+    assert torch.equal(torch.cat([first, second]), torch.randn(6, generator=reference))
+    assert torch.equal(expert, torch.randn(3, generator=torch.Generator().manual_seed(8)))
+    with pytest.raises(Exception, match="seed 7 already exists"):
+        tracker.add("other", 7)
+    with pytest.raises(Exception, match="is not added"):
+        with tracker.fork("missing"):
+            pass
+    states = tracker.get_states()  # what checkpointing and the rerun state machine save and restore
+    with tracker.fork():
+        drawn = torch.randn(3)
+    tracker.set_states(states)
+    with tracker.fork():
+        assert torch.equal(torch.randn(3), drawn)
+
+
+def test_shim_seeds_tp_shards_differently_through_megatron_own_seeding():
+    """megatron-core's model_parallel_cuda_manual_seed on the shim's tracker: the TP weights initialised
+    under fork() differ between TP ranks (they were equal with the inference tracker)."""
+    from megatron.core.tensor_parallel import random as mc_random
+
+    from poseidon_plugin.runtime import cpu_shim
+
+    installed_here = not cpu_shim.installed()
+    cpu_shim.install(force=True)
+    try:
+        draws = []
+        for tp_rank in (0, 1):
+            mc_random.model_parallel_cuda_manual_seed(1234, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+            with mc_random.get_cuda_rng_tracker().fork():
+                draws.append(torch.empty(16).normal_())
+        assert type(mc_random.get_cuda_rng_tracker()).__name__ == "CpuRNGStatesTracker"
+        assert not torch.equal(draws[0], draws[1])
+    finally:
+        if installed_here:
+            cpu_shim.uninstall()
+
+
+def test_emulated_output_is_not_a_view_and_still_marks_backward_start():
+    """deallocate_output_tensor asserts ``out._base is None`` on a stage's output."""
+    from poseidon_plugin.patches import emulation
+
+    x = torch.randn(4, 3, requires_grad=True)
+    out = x * 2
+    clock = emulation._Clock()
+    marked = emulation._mark_output(out, clock)
+    assert marked is out and marked._base is None
+    pair = emulation._mark_output((x * 3, None), emulation._Clock())
+    assert pair[0]._base is None
+    marked.sum().backward()
+    assert clock.backward_start is not None
