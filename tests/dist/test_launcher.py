@@ -184,7 +184,7 @@ def test_search_trains_then_second_launch_reuses_cache(tmp_path):
     for launcher_rank, global_rank, stage, device_type in placed:  # each stage runs on its planned type
         assert plan.stages[int(stage)].device_type == device_type == emulated[launcher_rank]
         assert int(global_rank) in plan.stages[int(stage)].ranks
-    assert len(re.findall(r"device is not used by the plan; leaving", out)) == 4 - plan.world_size
+    assert len(re.findall(r"device is not used by the plan; waiting for the job to end", out)) == 4 - plan.world_size
     assert re.search(r"poseidon: iteration 1: measured [\d.]+ ms, predicted [\d.]+ ms", out)
     assert re.search(r"poseidon: overhead: .*probing [\d.]+ s \| profiling [\d.]+ s .*\| search [\d.]+ s", out)
 
