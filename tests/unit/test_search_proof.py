@@ -90,25 +90,6 @@ def test_target_variants_combined(seed):
     assert res.plan.search_stats["complete"] is True
 
 
-def test_target_variant_out_of_time_names_it(monkeypatch):
-    import poseidon_plugin.search as search_pkg
-    from poseidon_plugin.search.options import TimeLimitError
-    cm = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"), micro_batch_sizes=(1,))
-    real, calls = search_pkg.search, []
-
-    def second_runs_out(cm_, opts, **kw):
-        calls.append(opts.comm_model)
-        if len(calls) == 2:
-            raise TimeLimitError(opts.time_limit_s, lower_bound_ms=1.0)
-        return real(cm_, opts, **kw)
-    monkeypatch.setattr(search_pkg, "search", second_runs_out)
-    res = search_plan(cm, TargetRuntime(micro_batch_sizes=(1,)), SearchOptions(time_limit_s=300.0))
-    stats = res.plan.search_stats
-    agree(stats, res.plan.predicted_iteration_ms)
-    assert "the time limit stopped it before any plan" in stats["unproven"]
-    assert "p2p overlap" in stats["unproven"] or "1f1b" in stats["unproven"]
-
-
 def test_tiny_gaps_are_not_rounded_to_zero():
     assert round_gap(3e-9) > 0.0 and round_gap(0.0) == 0.0 and round_gap(math.inf) is None
     assert format_gap(4.2e-5) == "0.0042 %" and format_gap(0.027) == "2.7 %" and format_gap(0.0) == "0 %"

@@ -280,6 +280,9 @@ def test_a_variant_out_of_time_without_a_plan_leaves_the_others_plan(monkeypatch
     res = search_plan(cm, TargetRuntime(micro_batch_sizes=(1,)), SearchOptions(time_limit_s=300.0))
     stats = res.plan.search_stats
     assert len(calls) == 2 and stats["complete"] is False and stats["lower_bound_ms"] == 1.0
+    assert stats["gap"] > 0  # complete and gap agree: the unfinished variant is named as the unproven part
+    assert "the time limit stopped it before any plan" in stats["unproven"]
+    assert "p2p overlap" in stats["unproven"] or "1f1b" in stats["unproven"]
     monkeypatch.setattr(search_pkg, "search", lambda cm_, opts, **kw: (_ for _ in ()).throw(
         TimeLimitError(opts.time_limit_s)))
     with pytest.raises(TimeLimitError, match="--time-limit 300 s ran out"):
