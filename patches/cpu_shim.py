@@ -18,6 +18,7 @@ object registered under two names.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 from typing import Any
 
@@ -103,9 +104,10 @@ def _stream_context(original: Any):
     return stream
 
 
+@functools.cache
 def cpu_rng_tracker_class() -> type:
     """megatron-core's ``CudaRNGStatesTracker`` with CPU generator states (built on first use: it imports
-    megatron-core).
+    megatron-core; one class for the process).
 
     Megatron's tracker keeps one named generator state per parallel role (``model-parallel-rng``: a seed per
     TP rank; ``data-parallel-rng``; ``expert-parallel-rng``) and ``fork(name)`` runs a block on that state:
@@ -117,9 +119,6 @@ def cpu_rng_tracker_class() -> type:
     tracker's warning that the CPU state changed inside a fork is meaningless
     here, where the CPU state is the one forked.
     """
-    cached = _TRACKER_CLASS.get("class")
-    if cached is not None:
-        return cached
     import importlib
 
     base = importlib.import_module(_RANDOM).CudaRNGStatesTracker
@@ -163,11 +162,7 @@ def cpu_rng_tracker_class() -> type:
                                     else interrupted)
                 self._current_state_name = interrupted_name
 
-    _TRACKER_CLASS["class"] = CpuRNGStatesTracker
     return CpuRNGStatesTracker
-
-
-_TRACKER_CLASS: dict[str, type] = {}
 
 
 def _cpu_tracker(original: Any) -> Any:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .table import Patch, PatchTable
+from .table import LazyPatchTable, Patch
 
 _state: dict[str, Any] = {"factor": 1.0, "targets": None}
 
@@ -194,17 +194,4 @@ def _rows() -> tuple[Patch, ...]:
     return (_LAYER, _EMBEDDING, _HEAD) if hasattr(GPTModel, "_postprocess") else (_LAYER, _EMBEDDING)
 
 
-class _DetectedTable(PatchTable):
-    """A table whose rows are chosen when it is applied (importing megatron then, not at import)."""
-
-    def __init__(self, name: str, rows) -> None:
-        super().__init__(name, ())
-        self._choose = rows
-
-    def apply(self) -> None:
-        if not self.applied:
-            self.rows = tuple(self._choose())
-        super().apply()
-
-
-TABLE = _DetectedTable("emulation", _rows)
+TABLE = LazyPatchTable("emulation", _rows)

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .table import Patch, PatchTable
+from .table import LazyPatchTable, Patch
 
 _INIT = "megatron.training.initialize"
 
@@ -73,12 +73,15 @@ def _allow_no_cuda(original: Any):
     return initialize_megatron
 
 
-def _with_one_device(original: Any):
-    @functools.wraps(original)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        with _one_device():
-            return original(*args, **kwargs)
-    return call
+def _inside(context: Callable[[], contextlib.AbstractContextManager]):
+    """Wrapper factory: the original runs inside a fresh ``context()``, and nothing outside the call sees it."""
+    def make(original: Any):
+        @functools.wraps(original)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with context():
+                return original(*args, **kwargs)
+        return call
+    return make
 
 
 def _skipped(original: Any):
@@ -105,38 +108,20 @@ class _CudaTypeNames(TorchFunctionMode):
         return result
 
 
-def _clip_on_cpu(original: Any):
-    @functools.wraps(original)
-    def clip_grad_by_total_norm_fp32(*args: Any, **kwargs: Any) -> Any:
-        with _CudaTypeNames():
-            return original(*args, **kwargs)
-    return clip_grad_by_total_norm_fp32
-
-
 def _rows() -> tuple[Patch, ...]:
+    """The rows, built when the table is applied: importing ``megatron.training`` is the training script's
+    business."""
     return (
         Patch(target=f"{_INIT}.initialize_megatron", make=_allow_no_cuda, sweep=True),
-        Patch(target=f"{_INIT}._initialize_distributed", make=_with_one_device),
-        Patch(target=f"{_INIT}._set_random_seed", make=_with_one_device),
+        Patch(target=f"{_INIT}._initialize_distributed", make=_inside(_one_device)),
+        Patch(target=f"{_INIT}._set_random_seed", make=_inside(_one_device)),
         Patch(target=f"{_INIT}._compile_dependencies", make=_skipped),
         Patch(target="megatron.training.training.set_jit_fusion_options", make=_skipped, sweep=True),
         Patch(target="torch._dynamo.config.disable", make=lambda original: True, value=True),
         Patch(target="megatron.training.utils.get_device_arch_version", make=_no_cuda_arch, sweep=True),
-        Patch(target="megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32", make=_clip_on_cpu,
-              sweep=True),
+        Patch(target="megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
+              make=_inside(_CudaTypeNames), sweep=True),
     )
 
 
-class _LazyTable(PatchTable):
-    """Rows built when applied: importing ``megatron.training`` is the training script's business."""
-
-    def __init__(self) -> None:
-        super().__init__("megatron_training", ())
-
-    def apply(self) -> None:
-        if not self.applied:
-            self.rows = _rows()
-        super().apply()
-
-
-TABLE = _LazyTable()
+TABLE = LazyPatchTable("megatron_training", _rows)

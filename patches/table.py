@@ -127,6 +127,20 @@ class PatchTable:
                     setattr(module, attr, entry.original)
 
 
+class LazyPatchTable(PatchTable):
+    """A table whose rows are built when it is first applied (by ``rows()``), so that importing the table
+    imports nothing of what it patches: feature detection, or a package that is the script's business."""
+
+    def __init__(self, name: str, rows: Callable[[], Iterable[Patch]]) -> None:
+        super().__init__(name, ())
+        self._build_rows = rows
+
+    def apply(self) -> None:
+        if not self.applied:
+            self.rows = tuple(self._build_rows())
+        super().apply()
+
+
 def resolve(target: str) -> tuple[Any, str]:
     """``(owner, attribute name)`` for a dotted target: the longest importable module prefix, then attributes."""
     parts = target.split(".")
@@ -189,3 +203,4 @@ def _unwrap(raw: Any) -> Any:
 
 def _describe(owner: Any) -> str:
     return getattr(owner, "__module__", "") + "." + owner.__qualname__ if isinstance(owner, type) else owner.__name__
+

@@ -210,11 +210,11 @@ class Phases:
                 lost = self.lost_ranks()
                 raise PhaseFailed(
                     f"{name}: lost contact with {'; '.join(lost)}" if lost else
-                    f"{name}: lost contact with the other ranks ({type(exc).__name__}: {_first_line(exc)}); "
+                    f"{name}: lost contact with the other ranks ({type(exc).__name__}: {first_line(exc)}); "
                     f"another rank died or did not answer within the timeout, see its output above",
                     user_error=False,
                 ) from None
-            self.fail(name, f"{type(exc).__name__}: {_first_line(exc)}", user_error=False)
+            self.fail(name, f"{type(exc).__name__}: {first_line(exc)}", user_error=False)
         finally:
             done.set()
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
@@ -338,6 +338,7 @@ def parse_fault(text: str | None, attempt: int = 0) -> tuple[str, int, str] | No
     return parts[0], int(parts[1]), parts[2] if len(parts) >= 3 else "raise"
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when the message is empty)."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from poseidon_plugin.errors import PoseidonError
+from poseidon_plugin.specs.fields import write_json_atomic
 
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -201,12 +202,8 @@ def record_plan(path: str, plan_doc: dict, devices: dict[str, int]) -> dict | No
             previous = doc
     except (OSError, ValueError):
         previous = None
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
     sequence = previous["sequence"] + 1 if previous is not None else 0
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"sequence": sequence, "devices": devices, "plan": plan_doc}, f, sort_keys=True)
-    os.replace(tmp, path)
+    write_json_atomic(path, {"sequence": sequence, "devices": devices, "plan": plan_doc})
     return previous
 
 

@@ -157,6 +157,8 @@ def launch(torchrun_args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
+    from poseidon_plugin.runtime.collectives import first_line
+
     try:
         torchrun.run(torchrun.parse_args(torchrun_args))
     except ChildFailedError as exc:
@@ -165,7 +167,7 @@ def launch(torchrun_args: list[str]) -> int:
         codes = [first.exitcode] + [f.exitcode for f in exc.failures.values()]
         return next((code for code in codes if code > 0), 1)
     except RendezvousError as exc:  # e.g. the agent hosting the rendezvous store is gone
-        print(f"poseidon-run: error: torchrun's rendezvous failed ({type(exc).__name__}: {_first_line(exc)}); "
+        print(f"poseidon-run: error: torchrun's rendezvous failed ({type(exc).__name__}: {first_line(exc)}); "
               f"the agent hosting the rendezvous store (--rdzv-endpoint) may have ended or been lost, or "
               f"too few agents joined", file=sys.stderr, flush=True)
         return 1
@@ -173,11 +175,6 @@ def launch(torchrun_args: list[str]) -> int:
         print(f"poseidon-run: stopped by {exc.sigval.name}", file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
     return 0
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def failure_summary(failures: dict, first_rank: int, first) -> str:

@@ -84,16 +84,16 @@ class RuntimeOptions:
     """Untimed repetitions before the timed ones."""
     watch_iterations: int = 3
     """Training iterations timed to compare with the prediction (0 disables the watch)."""
+    flag_style: str = "auto"
+    """How the layer split reaches Megatron: ``megatron`` (layout flag), ``mindspeed-layout`` (MindSpeed-LLM
+    with MindSpeed's layout backport), ``mindspeed`` (MindSpeed-LLM, ``--num-layer-list`` + layer patches),
+    ``patch`` (layer patches only) or ``auto`` (see ``runtime/apply.py``)."""
+
     @property
     def search_budget_s(self) -> float:
         """The search's time limit at launch: ``search_time_limit``, and never more than half of ``timeout``
         (the other ranks' wait for the plan must not run out first)."""
         return min(self.search_time_limit, self.timeout / 2)
-
-    flag_style: str = "auto"
-    """How the layer split reaches Megatron: ``megatron`` (layout flag), ``mindspeed-layout`` (MindSpeed-LLM
-    with MindSpeed's layout backport), ``mindspeed`` (MindSpeed-LLM, ``--num-layer-list`` + layer patches),
-    ``patch`` (layer patches only) or ``auto`` (see ``runtime/apply.py``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
