@@ -422,7 +422,7 @@ class EmulationState:
                               entries=entries, source="analytic", software={})
         cand = Candidate(tp=plan.tp, pp=plan.pp, dp=plan.dp, mbs=plan.micro_batch_size, stage_types=stage_types,
                          layers=tuple(plan.layers), schedule=plan.schedule, virtual_stages=plan.virtual_stages,
-                         devices=tuple(tuple(s.devices) for s in plan.stages))
+                         devices=tuple(tuple(s.devices) for s in plan.stages), ep=plan.ep, etp=plan.etp)
         _f, _b, _s, allreduce = CostModel(self.cluster, job_model, profile).stage_times(cand)
         stage = next(s.index for s in plan.stages if global_rank in s.ranks)
         self.sync_ms = allreduce[stage]

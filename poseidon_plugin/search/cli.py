@@ -171,7 +171,7 @@ def write_trace(cm, plan, path: str, comm_model: str | None = None) -> None:
     from ..simulator.trace import trace_events, write_json_atomic
     cand = Candidate(tp=plan.tp, pp=plan.pp, dp=plan.dp, mbs=plan.micro_batch_size,
                      stage_types=plan.stage_types, layers=plan.layers, schedule=plan.schedule,
-                     virtual_stages=plan.virtual_stages)
+                     virtual_stages=plan.virtual_stages, ep=plan.ep, etp=plan.etp)
     sim = Simulator(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages, comm_model)
     try:
         write_json_atomic(path, trace_events(sim, *cm.stage_times(cand)))
