@@ -198,6 +198,13 @@ def expert_layouts(model: ModelSpec, tp: int, dp: int,
     MoE model every EP in ``eps`` (default: every divisor of the experts) with the expert TP ``tp``
     (Megatron's default, ``None``) or 1 (experts whole, the usual choice with EP), those
     :func:`check_expert_layout` accepts; a dense model has only ``(1, None)``."""
+    for ep in eps or ():
+        if not model.num_experts and ep != 1:
+            raise InputError(f"--ep {ep} is not possible for {model.name}: it is dense (no experts); drop --ep")
+        if model.num_experts and model.num_experts % ep:
+            sizes = ", ".join(str(d) for d in range(1, model.num_experts + 1) if model.num_experts % d == 0)
+            raise InputError(f"--ep {ep} is not possible for {model.name}: expert-parallel sizes divide "
+                             f"num_experts = {model.num_experts} ({sizes})")
     if not model.num_experts:
         return ((1, None),)
     out: list[tuple[int, int | None]] = []
