@@ -43,8 +43,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add = p.add_argument
     # Model (read again, with the same rules as the profiler, by job_flags.read_job).
     for flag in ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
-                 "--seq-length", "--max-position-embeddings", "--vocab-size", "--num-experts", "--moe-router-topk"):
+                 "--seq-length", "--max-position-embeddings", "--vocab-size", "--num-experts", "--moe-router-topk",
+                 "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size"):
         add(flag, type=int)
+    add("--moe-expert-capacity-factor", type=float, default=None)
+    add("--moe-pad-expert-input-to-capacity", action="store_true")
     for flag in ("--hidden-dropout", "--attention-dropout"):
         add(flag, type=float)
     add("--normalization", choices=("LayerNorm", "RMSNorm"))
@@ -64,6 +67,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--decoder-last-pipeline-num-layers", type=int, default=None)
     add("--num-layer-list", type=str, default=None)  # MindSpeed-LLM's uneven split: one count per stage
     add("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
+    add("--expert-model-parallel-size", type=int, default=1)
+    add("--expert-tensor-parallel-size", type=int, default=None)
+    add("--moe-token-dispatcher-type", default="allgather", choices=("allgather", "alltoall"))
     add("--micro-batch-size", type=int, default=1)
     add("--global-batch-size", type=int, default=None)
     # Training.
@@ -146,10 +152,16 @@ def main(argv: list[str] | None = None) -> int:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=_virtual_stages(args),
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
     model_parallel_cuda_manual_seed(args.seed)  # on CPU: the shim's tracker on CPU generator states
     on_cpu = device.type == "cpu"
     overrides = {}
+    if job.num_experts:     # the expert layout (the plan's flags under poseidon-run)
+        overrides.update(expert_model_parallel_size=args.expert_model_parallel_size,
+                         expert_tensor_parallel_size=args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
+                         moe_token_dispatcher_type=args.moe_token_dispatcher_type)
     if args.decoder_first_pipeline_num_layers is not None:
         overrides["num_layers_in_first_pipeline_stage"] = args.decoder_first_pipeline_num_layers
     if args.decoder_last_pipeline_num_layers is not None:

@@ -253,3 +253,32 @@ def test_job_flags_refuse_what_the_planner_cannot_price(extra, match):
 
     with pytest.raises(PoseidonError, match=match):
         read_job("pretrain_gpt.py", JOB + extra)
+
+
+# --- the deterministic emulation -----------------------------------------------------------------
+
+def test_the_deterministic_emulation_times_the_plan_s_all_to_all_in_each_moe_layer():
+    """Bound to an EP plan, an emulated rank's MoE layer deadline grows by what the cost model added for the
+    expert layout (the all-to-all blocks the layer), so the emulated job runs what was predicted."""
+    from poseidon_plugin.runtime import emulation
+    from poseidon_plugin.specs import ModelSpec, ProfileEntry, ProfileSpec
+
+    state = emulation.deterministic_state(emulate="A2-2:2,A2-4:2", emulate_model="mixtral-8x7b:0.25", rank=2,
+                                          world_size=4, num_layers=4, global_batch=8, micro_batch_size=1)
+    job = ModelSpec(name="job", num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                    num_query_groups=4, vocab_size=512, seq_length=32, global_batch_size=8, dtype="fp32",
+                    num_experts=4, moe_top_k=2)
+    entries = tuple(ProfileEntry(**state.emulated_entry(t, 1, 1)) for t in ("A2-2", "A2-4"))
+    cm = CostModel(state.cluster, job, ProfileSpec(model="job", seq_length=32, dtype="fp32", entries=entries,
+                                                   source="measured"))
+    before = state.targets_ms("layer", 1, 1)
+    plan = cm.make_plan(Candidate(tp=1, pp=2, dp=2, mbs=1, stage_types=("A2-2", "A2-4"), layers=(2, 2), ep=2),
+                        comm_model="megatron")
+    state.bind_plan(plan, 2, job)
+    group = cm.group("A2-4", 1, 1, 2, 2)
+    extra = (group.forward_ms - entries[1].forward_ms, group.backward_ms - entries[1].backward_ms)
+    assert extra[0] > 0 and extra[1] > 0
+    after = state.targets_ms("layer", 1, 1)
+    assert after == pytest.approx((before[0] + extra[0], before[1] + extra[1]), rel=1e-12)
+    # the planned stage time is the emulated one: layers x the deadline
+    assert plan.stages[1].forward_ms[0] == pytest.approx(2 * after[0] + state.targets_ms("head", 1, 1)[0], rel=1e-9)
