@@ -128,6 +128,14 @@ def synthetic_batches(args: argparse.Namespace, vocab: int, device: torch.device
         yield {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "position_ids": positions}
 
 
+def _print_local_experts(chunks) -> None:
+    """One line per rank: the experts its MoE layers hold (``num_experts / EP`` of them)."""
+    held = sorted({int(i) for chunk in chunks for module in chunk.modules()
+                   for i in getattr(module, "local_expert_indices", ())})
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    print(f"rank {dist.get_rank()}: experts {','.join(map(str, held))} of its MoE layers (EP {ep})", flush=True)
+
+
 def forward_step(data_iterator, model):
     """Megatron's forward-step contract: (output tensor, loss function of that output)."""
     batch = next(data_iterator)
@@ -183,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
 
     _apply_layer_list(args)
     chunks = build_model(args, job, config)
+    if job.num_experts:
+        _print_local_experts(chunks)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [chunk.no_sync for chunk in chunks] if len(chunks) > 1 else chunks[0].no_sync
     optimizer = get_megatron_optimizer(

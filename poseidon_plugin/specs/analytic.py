@@ -46,8 +46,11 @@ def constants_for(cluster: ClusterSpec, model: ModelSpec,
 
 def valid_tp_degrees(cluster: ClusterSpec, model: ModelSpec, device_type: str) -> tuple[int, ...]:
     """TP degrees allowed for a device type: powers of two that fit in one of its nodes and divide the
-    attention heads, the KV groups and the MLP width (Megatron's divisibility rules)."""
+    attention heads, the KV groups and the MLP width (Megatron's divisibility rules); an MoE model without
+    sequence parallelism only TP 1 (megatron-core's MoE layer refuses to train TP > 1 without it)."""
     limit = cluster.devices_per_node(device_type)
+    if model.num_experts and not model.sequence_parallel:
+        limit = 1
     out = []
     tp = 1
     while tp <= limit:

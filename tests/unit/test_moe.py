@@ -282,3 +282,12 @@ def test_the_deterministic_emulation_times_the_plan_s_all_to_all_in_each_moe_lay
     assert after == pytest.approx((before[0] + extra[0], before[1] + extra[1]), rel=1e-12)
     # the planned stage time is the emulated one: layers x the deadline
     assert plan.stages[1].forward_ms[0] == pytest.approx(2 * after[0] + state.targets_ms("head", 1, 1)[0], rel=1e-9)
+
+
+def test_moe_without_sequence_parallelism_plans_tp_1_only():
+    """megatron-core's MoE layer refuses to train with TP > 1 and no sequence parallelism (moe_layer.py)."""
+    from poseidon_plugin.specs import valid_tp_degrees
+
+    cluster = two_node_cluster()
+    assert valid_tp_degrees(cluster, moe_model(), "A2-2") == (1, 2, 4)
+    assert valid_tp_degrees(cluster, moe_model(sequence_parallel=False), "A2-2") == (1,)
