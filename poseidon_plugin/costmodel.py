@@ -47,7 +47,7 @@ from .simulator.schedules import SCHEDULES, peak_live_microbatches
 from .specs import (GIB, LINK_CROSS_TYPE, LINK_INTER_NODE, LINK_INTRA_NODE, ClusterSpec,
                     CostConstants, Device, ModelSpec, ProfileSpec, analytic_profile, constants_for,
                     valid_tp_degrees)
-from .specs.analytic import DEFAULT_MICRO_BATCH_SIZES, expert_parallel_ms, expert_params
+from .specs.analytic import DEFAULT_MICRO_BATCH_SIZES, expert_parallel_ms, expert_params, layer_param_counts
 from .specs.cluster import DeviceSpan
 from .stagecost import base_params, link_carries_data, put_rank_times, rank_memory, send_index
 
@@ -370,8 +370,12 @@ class CostModel:
         if moe:
             # experts: E / ep of them on each device, split over etp; their gradients sync over the
             # expert-DP group (its own group, over the stage's DP link), their optimizer states shard there
-            experts_profiled = expert_params(self.model) / tp
-            experts = expert_params(self.model) / (ep * e_tp)
+            # the profile's layer parameters split in the model's proportion (a measured or an emulated
+            # profile counts what its layer holds; the analytic count says which share is experts')
+            sharded, replicated = layer_param_counts(self.model)
+            share = expert_params(self.model) / (sharded + tp * replicated)
+            experts_profiled = e.layer_params * share
+            experts = experts_profiled * tp / (ep * e_tp)
             dense = e.layer_params - experts_profiled
             dense_sync, expert_sync = ring(dense, dp), ring(experts, edp)
             layer_sync = (dense_sync[0] + expert_sync[0], dense_sync[1] + expert_sync[1])

@@ -46,7 +46,7 @@ class SearchOptions:
 
     expert_parallel: tuple[int, ...] | None = None
     """MoE models: expert-parallel sizes to try; ``None``: every divisor of the experts megatron-core can run
-    (``costmodel.expert_layouts``). Ignored for dense models."""
+    (``costmodel.expert_layouts``). A dense model has only EP 1 (another size is an error naming ``--ep``)."""
 
     dp_multiple: int = 1
     """DP degrees must be multiples of this: with context parallelism CP the plan's DP replicas hold
