@@ -168,6 +168,17 @@ def test_exact_equals_exhaustive_on_small_moe_problems(seed):
     assert [a.predicted_iteration_ms for a in got.alternatives] == [a.predicted_iteration_ms for a in ref.alternatives]
 
 
+@pytest.mark.parametrize("seed", range(0, 12, 3))
+def test_exact_equals_exhaustive_through_the_target_on_small_moe_problems(seed):
+    """As ``poseidon plan --exact`` / ``--exhaustive`` run it: both p2p-overlap variants, the target's schedules."""
+    from .test_search_target_exact import both
+
+    exact, ref = both(random_moe_problem(seed))
+    assert exact is not None and ref is not None
+    assert exact.plan.predicted_iteration_ms == ref.plan.predicted_iteration_ms
+    assert exact.plan.search_stats["complete"] is True and exact.plan.search_stats["gap"] == 0.0
+
+
 def test_the_small_moe_problems_choose_expert_parallelism_somewhere():
     """The comparison above is not only between EP 1 plans: some best plans use EP > 1 or expert TP 1."""
     layouts = {(p.ep, p.etp) for p in (search(random_moe_problem(s), SearchOptions(
