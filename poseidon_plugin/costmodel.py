@@ -166,6 +166,12 @@ def has_gradient_sync(tp: int, dp: int, ep: int = 1, etp: int | None = None) -> 
     return dp > 1 or tp * dp > (tp if etp is None else etp) * ep
 
 
+def expert_key(tp: int, ep: int, etp: int | None) -> tuple[int, ...]:
+    """What an expert layout adds to a search key: nothing without expert parallelism (a dense plan's key is
+    unchanged), else ``(ep, expert TP)`` (numbers, so that keys always compare)."""
+    return () if ep == 1 and etp in (None, tp) else (ep, tp if etp is None else etp)
+
+
 def check_expert_layout(model: ModelSpec, tp: int, dp: int, ep: int, etp: int | None) -> None:
     """InputError unless megatron-core runs expert parallelism ``ep`` and expert TP ``etp`` (``None``: ``tp``)
     on stages of ``tp x dp`` ranks: ``ep`` divides the experts, ``etp`` the TP degree and the expert FFN, and

@@ -17,7 +17,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Iterator
 
-from ..costmodel import CostModel
+from ..costmodel import CostModel, expert_key
 from ..errors import InputError
 from .options import SearchOptions
 from .tables import SLOT_COLUMNS, TYPE_COLUMNS, TypeTable, type_table
@@ -53,10 +53,10 @@ class ShapeGroup:
 
     @property
     def key(self) -> tuple:
-        """``(tp, pp, dp, mbs, schedule, V, ep, etp)``: plans of one key differ only in types and layers
-        (``leaderboard.plan_key``)."""
+        """``(tp, pp, dp, mbs, schedule, V)``, then ``(ep, expert TP)`` with expert parallelism: plans of one
+        key differ only in types and layers (``leaderboard.plan_key``)."""
         g = self.group
-        return (g.tp, self.pp, g.dp, g.mbs, self.schedule, self.virtual_stages, g.ep, g.etp)
+        return (g.tp, self.pp, g.dp, g.mbs, self.schedule, self.virtual_stages) + expert_key(g.tp, g.ep, g.etp)
 
 
 def tp_degrees(cm: CostModel, options: SearchOptions) -> tuple[int, ...]:
