@@ -6,7 +6,7 @@ configuration (uniform layers, devices in cluster order, chosen by the same simu
 ranked best by the paper's Eq. 1 instead of the DAG. Then exact vs default mode where the exact search
 finishes within ``--exact-limit`` seconds, and the peak memory of ``poseidon plan``.
 
-    python scripts/bench_search.py [--settings 1,2,3,5,6-96,6-192,6-288] [--exact-limit 60]
+    python scripts/bench_search.py [--settings 1,2,3,4,5,6-96,6-192,6-288] [--exact-limit 60]
                                    [--scale] [--scale-only] [--scale-rows frontier-4096,...]
 
 ``--scale`` adds the large-cluster rows (Llama-3.1 405B): generated clusters of 100,000 and 800,000
@@ -52,6 +52,7 @@ SETTINGS = {
     "1": ("paper-setting-1", "llama3-8b"),
     "2": ("paper-setting-2", "llama2-13b"),
     "3": ("paper-setting-3", "llama-30b"),
+    "4": ("paper-setting-4", "mixtral-8x7b"),
     "5": ("paper-setting-5", "llama2-13b"),
     "6-96": ("paper-setting-6-96", "llama3-70b"),
     "6-192": ("paper-setting-6-192", "llama3-70b"),
@@ -217,6 +218,9 @@ def main(argv=None) -> int:
         scale_rows(SCALE_LIMITS, only)
         return 0
     names = [s.strip() for s in args.settings.split(",") if s.strip()]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        ap.error(f"--settings {unknown[0]} is unknown; choose from {','.join(SETTINGS)}")
     opts = SearchOptions()
     print(f"{'setting':<8} {'search s':>8} {'cpu s':>6} {'sim calls':>9} {'bound ev':>9} {'nodes':>8} "
           f"{'tokens/s':>10} {'iter ms':>9} {'x uniform':>9} {'x Eq.1':>7}  plan / pruned")
@@ -235,7 +239,9 @@ def main(argv=None) -> int:
         x_eq1 = f"{eq1[0] / plan.predicted_iteration_ms:.3f}" if eq1 else "n/a"
         print(f"{name:<8} {wall:>8.2f} {cpu:>6.2f} {st.simulator_calls:>9} {st.bound_evaluations:>9} "
               f"{st.nodes:>8} {plan.tokens_per_s:>10.0f} {plan.predicted_iteration_ms:>9.1f} "
-              f"{x_uni:>9} {x_eq1:>7}  TP{plan.tp} PP{plan.pp} DP{plan.dp} mbs{plan.micro_batch_size} "
+              f"{x_uni:>9} {x_eq1:>7}  TP{plan.tp} PP{plan.pp} DP{plan.dp} "
+              f"{'' if (plan.ep, plan.etp) == (1, None) else f'EP{plan.ep} ETP{plan.tp if plan.etp is None else plan.etp} '}"
+              f"mbs{plan.micro_batch_size} "
               f"{plan.schedule} V{plan.virtual_stages} {'/'.join(plan.stage_types)} "
               f"layers {'/'.join(map(str, plan.layers))}{'' if st.complete else ' (INCOMPLETE)'}")
         print(f"{'':<8} pruned: {fmt_pruned(st.pruned)}")
