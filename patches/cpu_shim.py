@@ -13,6 +13,15 @@ the facts behind each row are in docs/RUNTIME.md ("CPU ranks: what the shim stan
 
 Every stand-in is a distinct object: torch._dynamo maps each torch.cuda function to a rule and rejects one
 object registered under two names.
+
+MoE layers (:data:`MOE_TABLE`, built when applied, rows only where the installed core has the target):
+
+* ``moe_utils.maybe_move_tensor_to_cpu`` -> also turns a CPU tensor into numpy when asked to: the all-to-all
+  dispatcher hands its split sizes to ``all_to_all_single`` after this call, which converts only CUDA
+  tensors, and torch's ``all_to_all_single`` takes a list or an array, not a tensor;
+* ``moe_utils.router_gating_linear`` -> the same product in plain torch ops, on a core whose router reads a
+  Transformer Engine name it defines only when TE imports (``te_general_gemm``: a NameError without TE,
+  which CPU ranks never have).
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .table import Patch, PatchTable
+from .table import LazyPatchTable, Patch, PatchTable
 
 _CPU = torch.device("cpu")
 _RANDOM = "megatron.core.tensor_parallel.random"
@@ -215,3 +224,39 @@ def _rows() -> tuple[Patch, ...]:
 
 
 TABLE = PatchTable("cpu_shim", _rows())
+
+_MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+
+
+def _splits_as_numpy(original: Any):
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+    return maybe_move_tensor_to_cpu
+
+
+def _plain_router_gating(original: Any):
+    def router_gating_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Any, router_dtype: torch.dtype):
+        # megatron-core's non-TE branch (mm / addmm in router_dtype, gradients back in the input's dtypes)
+        return torch.nn.functional.linear(inp.to(router_dtype), weight.to(router_dtype),
+                                          None if bias is None else bias.to(router_dtype))
+    return router_gating_linear
+
+
+def _moe_rows() -> tuple[Patch, ...]:
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        return ()
+    try:
+        moe_utils = importlib.import_module(_MOE_UTILS)
+    except ImportError:
+        return ()
+    rows = []
+    if hasattr(moe_utils, "maybe_move_tensor_to_cpu"):
+        rows.append(Patch(target=f"{_MOE_UTILS}.maybe_move_tensor_to_cpu", make=_splits_as_numpy, sweep=True))
+    if hasattr(moe_utils, "router_gating_linear") and "te_general_gemm" not in vars(moe_utils):
+        rows.append(Patch(target=f"{_MOE_UTILS}.router_gating_linear", make=_plain_router_gating, sweep=True))
+    return tuple(rows)
+
+
+MOE_TABLE = LazyPatchTable("cpu_shim_moe", _moe_rows)

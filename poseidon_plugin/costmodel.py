@@ -47,7 +47,7 @@ from .simulator.schedules import SCHEDULES, peak_live_microbatches
 from .specs import (GIB, LINK_CROSS_TYPE, LINK_INTER_NODE, LINK_INTRA_NODE, ClusterSpec,
                     CostConstants, Device, ModelSpec, ProfileSpec, analytic_profile, constants_for,
                     valid_tp_degrees)
-from .specs.analytic import DEFAULT_MICRO_BATCH_SIZES
+from .specs.analytic import DEFAULT_MICRO_BATCH_SIZES, expert_parallel_ms, expert_params, layer_param_counts
 from .specs.cluster import DeviceSpan
 from .stagecost import base_params, link_carries_data, put_rank_times, rank_memory, send_index
 
@@ -72,6 +72,10 @@ class Candidate:
     devices: tuple[tuple[tuple[int, int], ...], ...] | None = None
     """Optional explicit placement: per stage, ``dp x tp`` ``(node, local)`` pairs in rank order.
     ``None`` uses the deterministic :meth:`CostModel.placement`."""
+    ep: int = 1
+    """Expert parallelism (MoE): each EP rank holds ``num_experts / ep`` experts; one EP for the job."""
+    etp: int | None = None
+    """Expert tensor parallelism; ``None``: ``tp`` (Megatron's default)."""
 
     def chunk_layers(self, rank: int) -> tuple[int, ...]:
         """Layers of each chunk (virtual stage) of pipeline rank ``rank``."""
@@ -108,6 +112,8 @@ class GroupCosts:
     embedding_activation_bytes: float
     head_activation_bytes: float
     usable_bytes: float               # device memory minus reserves
+    ep: int = 1                       # expert parallelism (MoE; costs above include its all-to-all)
+    etp: int | None = None            # expert TP; None: tp
     step_forward_ms: float = 0.0      # framework cost per forward micro-batch step of any chunk
     step_backward_ms: float = 0.0     # ... per backward step
     optimizer_ms: float = 0.0         # optimizer step, one layer's share (/ dp with the distributed optimizer)
@@ -140,7 +146,8 @@ class Placement:
 
     stage_devices: tuple[Sequence[Device], ...]  # per stage, dp*tp devices in rank order (a lazy span)
     send_link: tuple[int, ...]        # per rank r: LINK_* of r -> r+1 (r = pp-1: wrap to 0); -1 if pp=1
-    dp_link: tuple[int, ...]          # per rank: slowest LINK_* inside its DP group (-1 if dp = 1)
+    dp_link: tuple[int, ...]          # per rank: slowest LINK_* inside its DP group (-1: no gradient sync,
+                                      # has_gradient_sync; its expert-DP group takes the same link)
 
 
 def _ring_sync_ms(params: float, dp: int, grad_bytes: float, param_bytes: float, distributed: bool,
@@ -151,6 +158,70 @@ def _ring_sync_ms(params: float, dp: int, grad_bytes: float, param_bytes: float,
     if distributed:   # reduce-scatter of gradients + all-gather of updated parameters
         return share * params * (grad_bytes + param_bytes) / bytes_per_ms + 2 * (dp - 1) * latency_ms
     return 2 * share * params * grad_bytes / bytes_per_ms + 2 * (dp - 1) * latency_ms
+
+
+def has_gradient_sync(tp: int, dp: int, ep: int = 1, etp: int | None = None) -> bool:
+    """Whether a stage syncs gradients: DP > 1, or an expert-DP group of ``tp x dp / (etp x ep)`` > 1 ranks
+    (expert TP below TP gives the experts data parallelism even at DP 1)."""
+    return dp > 1 or tp * dp > (tp if etp is None else etp) * ep
+
+
+def expert_key(tp: int, ep: int, etp: int | None) -> tuple[int, ...]:
+    """What an expert layout adds to a search key: nothing without expert parallelism (a dense plan's key is
+    unchanged), else ``(ep, expert TP)`` (numbers, so that keys always compare)."""
+    return () if ep == 1 and etp in (None, tp) else (ep, tp if etp is None else etp)
+
+
+def check_expert_layout(model: ModelSpec, tp: int, dp: int, ep: int, etp: int | None) -> None:
+    """InputError unless megatron-core runs expert parallelism ``ep`` and expert TP ``etp`` (``None``: ``tp``)
+    on stages of ``tp x dp`` ranks: ``ep`` divides the experts, ``etp`` the TP degree and the expert FFN, and
+    ``etp x ep`` the stage's ranks (``EP x expert-TP x expert-DP`` spans the ranks ``TP x DP`` spans; CP
+    folds into the expert DP: ``parallel_state.initialize_model_parallel``); EP > 1 with TP > 1 needs
+    sequence parallelism (``ModelParallelConfig``)."""
+    e_tp = tp if etp is None else etp
+    where = f"expert layout EP {ep}, expert TP {e_tp} with TP {tp}, DP {dp}"
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or not isinstance(e_tp, int) or e_tp < 1:
+        raise InputError(f"{where}: EP and expert TP must be integers >= 1")
+    if not model.num_experts:
+        if (ep, e_tp) != (1, tp):
+            raise InputError(f"{where}: {model.name} is dense (no experts); drop --expert-model-parallel-size "
+                             "and --expert-tensor-parallel-size")
+        return
+    if model.num_experts % ep:
+        raise InputError(f"{where}: EP must divide num_experts = {model.num_experts}")
+    if tp % e_tp or model.expert_ffn_hidden_size % e_tp:
+        raise InputError(f"{where}: expert TP must divide TP {tp} and the expert FFN "
+                         f"{model.expert_ffn_hidden_size}")
+    if (tp * dp) % (e_tp * ep):
+        raise InputError(f"{where}: expert TP x EP = {e_tp * ep} must divide a stage's TP x DP = {tp * dp} ranks")
+    if ep > 1 and tp > 1 and not model.sequence_parallel:
+        raise InputError(f"{where}: megatron-core needs --sequence-parallel for EP > 1 with TP > 1")
+
+
+def expert_layouts(model: ModelSpec, tp: int, dp: int,
+                   eps: Sequence[int] | None = None) -> tuple[tuple[int, int | None], ...]:
+    """The ``(ep, etp)`` layouts the search tries on stages of ``tp x dp`` ranks, ``(1, None)`` first: for an
+    MoE model every EP in ``eps`` (default: every divisor of the experts) with the expert TP ``tp``
+    (Megatron's default, ``None``) or 1 (experts whole, the usual choice with EP), those
+    :func:`check_expert_layout` accepts; a dense model has only ``(1, None)``."""
+    for ep in eps or ():
+        if not model.num_experts and ep != 1:
+            raise InputError(f"--ep {ep} is not possible for {model.name}: it is dense (no experts); drop --ep")
+        if model.num_experts and model.num_experts % ep:
+            sizes = ", ".join(str(d) for d in range(1, model.num_experts + 1) if model.num_experts % d == 0)
+            raise InputError(f"--ep {ep} is not possible for {model.name}: expert-parallel sizes divide "
+                             f"num_experts = {model.num_experts} ({sizes})")
+    if not model.num_experts:
+        return ((1, None),)
+    out: list[tuple[int, int | None]] = []
+    for ep in (eps if eps is not None else range(1, model.num_experts + 1)):
+        for etp in (None, 1) if tp > 1 else (None,):
+            try:
+                check_expert_layout(model, tp, dp, ep, etp)
+            except InputError:
+                continue
+            out.append((ep, etp))
+    return tuple(out)
 
 
 def slot_indices(types: Sequence) -> tuple[int, ...]:
@@ -248,28 +319,77 @@ class CostModel:
 
     # --- per-group records --------------------------------------------------------------------
 
-    def group(self, device_type: str, tp: int, mbs: int, dp: int) -> GroupCosts:
-        """The :class:`GroupCosts` of ``(device_type, tp, mbs, dp)`` (computed once, then cached)."""
-        key = (device_type, tp, mbs, dp)
+    def group(self, device_type: str, tp: int, mbs: int, dp: int, ep: int = 1,
+              etp: int | None = None) -> GroupCosts:
+        """The :class:`GroupCosts` of ``(device_type, tp, mbs, dp)`` with expert parallelism ``ep`` and
+        expert TP ``etp`` (``None``: ``tp``; computed once, then cached)."""
+        etp = None if etp == tp else etp
+        key = (device_type, tp, mbs, dp, ep, etp)
         gc = self._groups.get(key)
         if gc is None:
-            gc = self._groups[key] = self._make_group(device_type, tp, mbs, dp)
+            check_expert_layout(self.model, tp, dp, ep, etp)
+            gc = self._groups[key] = self._make_group(device_type, tp, mbs, dp, ep, etp)
         return gc
 
-    def _make_group(self, device_type: str, tp: int, mbs: int, dp: int) -> GroupCosts:
+    def expert_layouts(self, tp: int, dp: int, eps: Sequence[int] | None = None) -> tuple[tuple[int, int | None], ...]:
+        """Every ``(ep, etp)`` megatron-core runs on stages of ``tp x dp`` ranks (:func:`expert_layouts`)."""
+        return expert_layouts(self.model, tp, dp, eps)
+
+    def expert_link(self, device_type: str, etp: int, ep: int) -> int:
+        """``LINK_*`` of the slowest EP group of a type: EP groups are aligned blocks of ``etp x ep``
+        consecutive devices of a stage (Megatron's expert rank order: expert TP fastest, then EP), and stages
+        start at multiples of it, so a block stays inside a node iff every node boundary of the type falls on
+        a block boundary. Stages are of one type, so an EP group never crosses types."""
+        block = etp * ep
+        if ep <= 1:
+            return LINK_INTRA_NODE
+        for g in self.cluster.nodes:
+            if g.device_type == device_type and g.devices_per_node % block:
+                return LINK_INTER_NODE
+        return LINK_INTRA_NODE
+
+    def _make_group(self, device_type: str, tp: int, mbs: int, dp: int, ep: int = 1,
+                    etp: int | None = None) -> GroupCosts:
         e = self.profile.lookup(device_type, tp, mbs)
         c = self.constants
         cl = self.cluster
         dist = self.model.distributed_optimizer
         per_param = self.param_bytes + self.grad_bytes + self.optimizer_bytes / (dp if dist else 1)
+        moe = (ep, etp) != (1, None)
+        e_tp = tp if etp is None else etp
+        edp = tp * dp // (e_tp * ep)
 
-        def sync(params: float) -> tuple[float, float]:
+        def ring(params: float, ranks: int) -> tuple[float, float]:
             out = []
             for kind in (LINK_INTRA_NODE, LINK_INTER_NODE):
                 link = cl.link(device_type, kind)
-                out.append(_ring_sync_ms(params, dp, self.grad_bytes, self.param_bytes, dist,
+                out.append(_ring_sync_ms(params, ranks, self.grad_bytes, self.param_bytes, dist,
                                          link.bytes_per_ms * c.link_efficiency, link.latency_ms))
             return out[0], out[1]
+
+        def sync(params: float) -> tuple[float, float]:
+            return ring(params, dp)
+
+        forward_ms, backward_ms = e.forward_ms, e.backward_ms
+        layer_sync = sync(e.layer_params)
+        layer_state = e.layer_params * per_param
+        if moe:
+            # experts: E / ep of them on each device, split over etp; their gradients sync over the
+            # expert-DP group (its own group, over the stage's DP link), their optimizer states shard there
+            # the profile's layer parameters split in the model's proportion (a measured or an emulated
+            # profile counts what its layer holds; the analytic count says which share is experts')
+            sharded, replicated = layer_param_counts(self.model)
+            share = expert_params(self.model) / (sharded + tp * replicated)
+            experts_profiled = e.layer_params * share
+            experts = experts_profiled * tp / (ep * e_tp)
+            dense = e.layer_params - experts_profiled
+            dense_sync, expert_sync = ring(dense, dp), ring(experts, edp)
+            layer_sync = (dense_sync[0] + expert_sync[0], dense_sync[1] + expert_sync[1])
+            layer_state = (dense * per_param + experts * (self.param_bytes + self.grad_bytes
+                                                          + self.optimizer_bytes / (edp if dist else 1)))
+            extra_f, extra_b = expert_parallel_ms(cl, self.model, device_type, tp, mbs, ep, e_tp,
+                                                  self.expert_link(device_type, e_tp, ep), c)
+            forward_ms, backward_ms = forward_ms + extra_f, backward_ms + extra_b
 
         sends = []
         for kind in (LINK_INTRA_NODE, LINK_INTER_NODE, LINK_CROSS_TYPE):
@@ -278,12 +398,12 @@ class CostModel:
         usable = self.usable_bytes(device_type)
         return GroupCosts(
             device_type=device_type, tp=tp, mbs=mbs, dp=dp,
-            forward_ms=e.forward_ms, backward_ms=e.backward_ms,
+            forward_ms=forward_ms, backward_ms=backward_ms,
             embedding_forward_ms=e.embedding_forward_ms, embedding_backward_ms=e.embedding_backward_ms,
             head_forward_ms=e.head_forward_ms, head_backward_ms=e.head_backward_ms,
-            allreduce_ms=sync(e.layer_params), embedding_allreduce_ms=sync(e.embedding_params),
+            allreduce_ms=layer_sync, embedding_allreduce_ms=sync(e.embedding_params),
             head_allreduce_ms=sync(e.head_params), send_ms=(sends[0], sends[1], sends[2]),
-            layer_state_bytes=e.layer_params * per_param,
+            layer_state_bytes=layer_state, ep=ep, etp=etp,
             embedding_state_bytes=e.embedding_params * per_param,
             head_state_bytes=e.head_params * per_param,
             layer_activation_bytes=float(e.activation_bytes),
@@ -294,19 +414,19 @@ class CostModel:
             optimizer_ms=e.optimizer_ms / (dp if dist else 1), optimizer_fixed_ms=e.optimizer_fixed_ms)
 
     def max_layers(self, device_type: str, tp: int, mbs: int, dp: int, live: int,
-                   first: bool = False, last: bool = False) -> int:
+                   first: bool = False, last: bool = False, ep: int = 1, etp: int | None = None) -> int:
         """Most layers a non-interleaved stage of this group can hold with ``live`` micro-batches."""
-        return self.group(device_type, tp, mbs, dp).max_layers(live, first, last)
+        return self.group(device_type, tp, mbs, dp, ep, etp).max_layers(live, first, last)
 
     def stage_max_layers(self, device_type: str, tp: int, mbs: int, dp: int, schedule: str, pp: int,
-                         rank: int) -> int:
+                         rank: int, ep: int = 1, etp: int | None = None) -> int:
         """Most layers pipeline rank ``rank`` (V = 1) can hold on this group under ``schedule``."""
         m = self.micro_batches(dp, mbs)
         if m is None:
             raise InputError(f"global_batch_size = {self.model.global_batch_size} is not a multiple of "
                              f"dp x mbs = {dp} x {mbs}")
         live = self.peak_live(schedule, pp, m, 1)[rank]
-        return self.group(device_type, tp, mbs, dp).max_layers(live, rank == 0, rank == pp - 1)
+        return self.group(device_type, tp, mbs, dp, ep, etp).max_layers(live, rank == 0, rank == pp - 1)
 
     @staticmethod
     def peak_live(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> tuple[int, ...]:
@@ -390,13 +510,14 @@ class CostModel:
         if cand.devices is not None:
             return self._explicit_placement(cand)
         js = self.slot_indices(cand.stage_types)
+        syncs = has_gradient_sync(tp, dp, cand.ep, cand.etp)
         stage_devices = []
         dp_link = []
         for t, j in zip(cand.stage_types, js):
             spans = self.slot_spans(t, tp, dp, j)
             start = j * tp * dp
             stage_devices.append(self._devices[t].span(start, start + tp * dp))
-            dp_link.append(-1 if dp == 1 else (LINK_INTER_NODE if spans else LINK_INTRA_NODE))
+            dp_link.append(-1 if not syncs else (LINK_INTER_NODE if spans else LINK_INTRA_NODE))
         send = []
         for r in range(pp):
             n = (r + 1) % pp
@@ -430,7 +551,8 @@ class CostModel:
             for r in range(dp):
                 if len({d.node for d in g[r * tp:(r + 1) * tp]}) != 1:
                     raise InputError(f"candidate devices[{s}]: TP group {r} spans several nodes")
-        dp_link = tuple(-1 if dp == 1 else (LINK_INTER_NODE if len({d.node for d in g}) > 1
+        syncs = has_gradient_sync(tp, dp, cand.ep, cand.etp)
+        dp_link = tuple(-1 if not syncs else (LINK_INTER_NODE if len({d.node for d in g}) > 1
                                             else LINK_INTRA_NODE) for g in stages)
         send = []
         for r in range(cand.pp):
@@ -478,7 +600,7 @@ class CostModel:
         nv = pp * v
         params = [0.0] * base_params(pp, v)
         for r in range(pp):
-            gc = self.group(cand.stage_types[r], cand.tp, cand.mbs, cand.dp)
+            gc = self.group(cand.stage_types[r], cand.tp, cand.mbs, cand.dp, cand.ep, cand.etp)
             kind = place.dp_link[r]
             has_ar = kind >= 0
             put_rank_times(params, pp, v, r, cand.layers, None, gc.forward_ms, gc.backward_ms,
@@ -514,7 +636,7 @@ class CostModel:
         self._check_types(cand)
         pp, v = cand.pp, cand.virtual_stages
         live = self.peak_live(cand.schedule, pp, self._m(cand), v)
-        return [self.group(cand.stage_types[r], cand.tp, cand.mbs, cand.dp).rank_memory(
+        return [self.group(cand.stage_types[r], cand.tp, cand.mbs, cand.dp, cand.ep, cand.etp).rank_memory(
                     cand.chunk_layers(r), live[r], r == 0, r == pp - 1) for r in range(pp)]
 
     def usable_bytes(self, device_type: str) -> float:
@@ -528,7 +650,7 @@ class CostModel:
         mem = self.memory_per_stage(cand)
         out = []
         for r, need in enumerate(mem):
-            usable = self.group(cand.stage_types[r], cand.tp, cand.mbs, cand.dp).usable_bytes
+            usable = self.group(cand.stage_types[r], cand.tp, cand.mbs, cand.dp, cand.ep, cand.etp).usable_bytes
             if need > usable:
                 out.append((r, need, usable))
         return out
@@ -587,7 +709,7 @@ class CostModel:
         model = self.model
         return Plan(model=model.name, cluster=self.cluster.name, seq_length=model.seq_length,
                     global_batch_size=model.global_batch_size, tp=cand.tp, pp=pp, dp=cand.dp,
-                    micro_batch_size=cand.mbs,
+                    micro_batch_size=cand.mbs, ep=cand.ep, etp=None if cand.etp == cand.tp else cand.etp,
                     micro_batches=model.global_batch_size // (cand.dp * cand.mbs),
                     schedule=cand.schedule, virtual_stages=v, layers=tuple(cand.layers),
                     stages=tuple(stages), predicted_iteration_ms=float(iteration_ms),
@@ -603,7 +725,8 @@ class CostModel:
 
     def summarize(self, cand: Candidate, iteration_ms: float) -> PlanSummary:
         """A light :class:`~poseidon_plugin.plan.PlanSummary` (for a plan's top-k alternatives)."""
-        return PlanSummary(tp=cand.tp, pp=cand.pp, dp=cand.dp, micro_batch_size=cand.mbs,
+        return PlanSummary(tp=cand.tp, pp=cand.pp, dp=cand.dp, micro_batch_size=cand.mbs, ep=cand.ep,
+                           etp=None if cand.etp == cand.tp else cand.etp,
                            schedule=cand.schedule, virtual_stages=cand.virtual_stages,
                            stage_types=tuple(cand.stage_types), layers=tuple(cand.layers),
                            predicted_iteration_ms=float(iteration_ms),

@@ -23,6 +23,8 @@ from typing import Any
 MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "vocab_size", "seq_length", "global_batch_size", "dtype", "num_experts", "moe_top_k", "swiglu",
                 "tie_embeddings", "distributed_optimizer", "sequence_parallel")
+MOE_FIELDS = ("moe_ffn_hidden_size", "moe_shared_expert_size", "moe_capacity_factor", "moe_pad_to_capacity")
+"""Fingerprinted only for MoE models (``num_experts > 0``), so that dense plans keep their fingerprint."""
 
 # Megatron-LM flag that sets each model field (for messages that tell the user what to change)
 MODEL_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
@@ -32,7 +34,10 @@ MODEL_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "ff
                "num_experts": "--num-experts", "moe_top_k": "--moe-router-topk", "swiglu": "--swiglu",
                "tie_embeddings": "--untie-embeddings-and-output-weights",
                "distributed_optimizer": "--use-distributed-optimizer",
-               "sequence_parallel": "--sequence-parallel", "emulation": "--poseidon-emulate-model MODEL:SCALE:LINKS"}
+               "sequence_parallel": "--sequence-parallel", "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+               "moe_shared_expert_size": "--moe-shared-expert-intermediate-size",
+               "moe_capacity_factor": "--moe-expert-capacity-factor",
+               "moe_pad_to_capacity": "--moe-pad-expert-input-to-capacity", "emulation": "--poseidon-emulate-model MODEL:SCALE:LINKS"}
 
 
 def _text(value: Any) -> str:
@@ -41,7 +46,8 @@ def _text(value: Any) -> str:
 
 def model_part(model: Any) -> dict[str, str]:
     """``{"model.<field>": value}`` of a ModelSpec."""
-    return {f"model.{name}": _text(getattr(model, name)) for name in MODEL_FIELDS}
+    names = MODEL_FIELDS + (MOE_FIELDS if getattr(model, "num_experts", 0) else ())
+    return {f"model.{name}": _text(getattr(model, name)) for name in names}
 
 
 def devices_part(cluster: Any) -> str:

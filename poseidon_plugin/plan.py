@@ -33,7 +33,8 @@ PLAN_SCHEMA_VERSION = 3
 # 2: overlap_p2p_comm (version-1 files load with the value they ran with); 3: priced_for, the fingerprint of
 # what the plan was priced for (fingerprint.py; older files load with none: checked field by field only), and
 # a stage's ranks and devices stored as runs (_rank_runs, _device_runs), so the plan rank 0 broadcasts stays
-# small on 100,000 devices. Versions 1 and 2 (every rank and device listed) are read and upgraded.
+# small on 100,000 devices. Versions 1 and 2 (every rank and device listed) are read and upgraded. MoE plans
+# add ep and etp (expert parallelism; left out at their defaults, so a dense plan and its hash are unchanged).
 READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 MAX_PLAN_DEVICES = 1 << 20    # ranks (and devices) all of a plan's runs may expand to (a cluster's most)
 PLAN_FORMAT = "poseidon-plan"
@@ -74,6 +75,8 @@ class PlanSummary:
     layers: tuple[int, ...]            # per virtual stage, vs = chunk x pp + rank
     predicted_iteration_ms: float
     tokens_per_s: float
+    ep: int = 1                        # expert parallelism (MoE)
+    etp: int | None = None             # expert TP; None: tp
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,6 +99,8 @@ class Plan:
     predicted_iteration_ms: float
     tokens_per_s: float
     profile_source: str = "analytic"   # analytic | measured: what the prediction rests on
+    ep: int = 1                        # MoE: expert parallelism, one for the job (--expert-model-parallel-size)
+    etp: int | None = None             # MoE: expert TP (--expert-tensor-parallel-size); None: tp
     overlap_p2p_comm: bool = False     # interleaved only: Megatron's overlap_p2p_comm (planned, in the flags)
     priced_for: tuple[tuple[str, str], ...] = ()  # model, devices, profile it was priced for (fingerprint.py)
     alternatives: tuple[PlanSummary, ...] = ()
@@ -131,6 +136,8 @@ class Plan:
                          for stage in self.stages]
         doc["priced_for"] = dict(self.priced_for)
         doc["format"] = PLAN_FORMAT
+        for d in (doc, *doc["alternatives"]):
+            _drop_default_experts(d)
         return doc
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -176,6 +183,15 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
+def _drop_default_experts(doc: dict) -> None:
+    """Leave out ``ep`` / ``etp`` at their defaults (no expert parallelism): a dense plan's document, and so
+    its hash, is what it was before MoE plans had them."""
+    if doc.get("ep") == 1:
+        del doc["ep"]
+    if doc.get("etp", 0) is None:
+        del doc["etp"]
+
+
 def _bad(where: str, name: str, value: Any, allowed: str) -> InputError:
     return InputError(f"{where}: {name} = {value!r} is invalid: must be {allowed}")
 
@@ -214,6 +230,15 @@ def _validate(p: Plan) -> None:
         _pos_int(w, f"layers[{i}]", n)
     _time(w, "predicted_iteration_ms", p.predicted_iteration_ms)
     _time(w, "tokens_per_s", p.tokens_per_s)
+    _pos_int(w, "ep", p.ep)
+    if p.etp is not None:
+        _pos_int(w, "etp", p.etp)
+        if p.etp == p.tp:
+            raise InputError(f"{w}: etp = {p.etp} equals tp: leave it out (null), as Megatron's default")
+    etp = p.tp if p.etp is None else p.etp
+    if p.tp % etp or (p.tp * p.dp) % (etp * p.ep):
+        raise InputError(f"{w}: ep = {p.ep}, expert TP {etp} do not fit tp = {p.tp}, dp = {p.dp}: expert TP must "
+                         "divide tp and expert TP x ep must divide tp x dp (megatron-core's expert groups)")
     if not isinstance(p.overlap_p2p_comm, bool):
         raise _bad(w, "overlap_p2p_comm", p.overlap_p2p_comm, "true or false")
     if p.overlap_p2p_comm and p.schedule != "interleaved-1f1b":
@@ -470,6 +495,7 @@ def megatron_args(plan: Plan) -> list[str]:
              "--pipeline-model-parallel-size", str(plan.pp),
              "--pipeline-model-parallel-layout", megatron_layout(plan.layers),
              "--micro-batch-size", str(plan.micro_batch_size)]
+    flags += expert_args(plan)
     if plan.schedule == "interleaved-1f1b" and not plan.overlap_p2p_comm:
         # Megatron-LM overlaps interleaved p2p unless told not to, and refuses that on fewer than 3 ranks.
         if plan.pp < 3:
@@ -477,6 +503,21 @@ def megatron_args(plan: Plan) -> list[str]:
                                 f"ranks, not pp = {plan.pp}; re-plan (the overlap is planned)")
         flags.append(NO_OVERLAP_P2P_FLAG)
     return flags
+
+
+MOE_DISPATCHER_FLAG = "--moe-token-dispatcher-type"
+
+
+def expert_args(plan: Plan) -> list[str]:
+    """The expert layout's flags, Megatron-LM's and MindSpeed-LLM's alike: none without expert parallelism
+    (EP 1, expert TP = TP: Megatron's defaults, priced with its all-gather dispatcher), else the EP, the
+    expert TP when it is not TP, and the all-to-all dispatcher the plan was priced with."""
+    if plan.ep == 1 and plan.etp is None:
+        return []
+    flags = ["--expert-model-parallel-size", str(plan.ep)]
+    if plan.etp is not None:
+        flags += ["--expert-tensor-parallel-size", str(plan.etp)]
+    return flags + [MOE_DISPATCHER_FLAG, "alltoall"]
 
 
 def mindspeed_args(plan: Plan) -> list[str]:
@@ -490,7 +531,8 @@ def mindspeed_args(plan: Plan) -> list[str]:
     return ["--tensor-model-parallel-size", str(plan.tp),
             "--pipeline-model-parallel-size", str(plan.pp),
             *layer_list,
-            "--micro-batch-size", str(plan.micro_batch_size)]
+            "--micro-batch-size", str(plan.micro_batch_size),
+            *expert_args(plan)]
 
 
 def _flag_values(args: Sequence[str]) -> dict[str, str]:
@@ -542,6 +584,13 @@ def parse_mindspeed_args(argv: Sequence[str]) -> ParallelFlags:
                          mbs=_int_flag(f, "--micro-batch-size", 1))
 
 
+def parse_expert_args(argv: Sequence[str]) -> tuple[int, int | None]:
+    """Recover ``(ep, etp)`` from Megatron-LM / MindSpeed-LLM flags (``etp`` None when not given: TP)."""
+    f = _flag_values(argv)
+    etp = _int_flag(f, "--expert-tensor-parallel-size") if "--expert-tensor-parallel-size" in f else None
+    return _int_flag(f, "--expert-model-parallel-size", 1), etp
+
+
 # --- human-readable table --------------------------------------------------------------------
 
 def format_ranges(values: Sequence[int]) -> str:
@@ -587,6 +636,9 @@ def render_table(plan: Plan, max_alternatives: int = 5, runtime: str | None = No
         f"mbs {plan.micro_batch_size}  M {plan.micro_batches}  GBS {plan.global_batch_size}  "
         f"seq {plan.seq_length}  devices {plan.world_size}"
         + (f"  p2p overlap {'on' if plan.overlap_p2p_comm else 'off'}" if plan.virtual_stages > 1 else ""),
+        *([f"experts: EP {plan.ep}  expert TP {plan.tp if plan.etp is None else plan.etp}  expert DP "
+           f"{plan.tp * plan.dp // ((plan.tp if plan.etp is None else plan.etp) * plan.ep)}"
+           "  (one expert layout for every stage)"] if (plan.ep, plan.etp) != (1, None) else []),
         f"predicted iteration {plan.predicted_iteration_ms:,.1f} ms   throughput "
         f"{plan.tokens_per_s:,.0f} tokens/s   ({plan.profile_source} profile)",
         *([runtime] if runtime else []),
@@ -620,7 +672,9 @@ def render_table(plan: Plan, max_alternatives: int = 5, runtime: str | None = No
             lines += ["", "alternatives (best plans of other shapes met during the search, not proven "
                           "the best of their shapes):"]
         for a in plan.alternatives[:max_alternatives]:
-            lines.append(f"  {a.predicted_iteration_ms:,.1f} ms  TP {a.tp} PP {a.pp} DP {a.dp} "
+            experts = (f" EP {a.ep}" + ("" if a.etp is None else f" ETP {a.etp}")
+                       if (a.ep, a.etp) != (1, None) else "")
+            lines.append(f"  {a.predicted_iteration_ms:,.1f} ms  TP {a.tp} PP {a.pp} DP {a.dp}{experts} "
                          f"mbs {a.micro_batch_size} {a.schedule} V {a.virtual_stages}  "
                          f"types {'/'.join(a.stage_types)}  layers {'/'.join(map(str, a.layers))}")
     if plan.search_stats:

@@ -91,9 +91,9 @@ class TargetRuntime:
     paper's ridge rule (docs/SEARCH.md); ``exhaustive``: every plan (small problems, for checking)."""
 
     dp_multiple: int = 1
-    """The plan's DP must be a multiple of this: the job's context- and expert-parallel sizes
-    (``lcm(CP, EP)``), so that every plan is a whole number of Megatron's CP and EP groups. The cost model
-    prices the CP / EP ranks of a replica as data-parallel ranks (an approximation: docs/MINDSPEED.md)."""
+    """The plan's DP must be a multiple of this: the job's context-parallel size, so that every plan is a
+    whole number of Megatron's CP groups. The cost model prices the CP ranks of a replica as data-parallel
+    ranks (an approximation: docs/MINDSPEED.md). Expert parallelism is searched (``Plan.ep``)."""
 
     def __post_init__(self) -> None:
         if self.flag_style not in FLAG_STYLES:
@@ -142,7 +142,7 @@ class TargetRuntime:
     @classmethod
     def for_job(cls, options: Any, job: Any, flag_style: str, dp_multiple: int = 1) -> "TargetRuntime":
         """The target of a ``poseidon-run`` launch: its ``RuntimeOptions``, the job's ``JobFlags``, the
-        resolved flag style (``runtime/apply.py``) and the job's ``lcm(CP, EP)``."""
+        resolved flag style (``runtime/apply.py``) and the job's CP."""
         values: dict[str, Any] = {"flag_style": flag_style, "search_mode": options.search_mode,
                                   "p2p_overlap": "auto" if job.overlap_p2p_comm else "off",
                                   "dp_multiple": dp_multiple}

@@ -68,6 +68,7 @@ class ClusterCase:
     global_batch: int
     why: str                         # what this case exercises
     micro_batch_sizes: str = "1,2"
+    extra: tuple[str, ...] = ()      # more job flags (an MoE job's)
 
     @property
     def ranks(self) -> int:
@@ -76,7 +77,8 @@ class ClusterCase:
     def job(self) -> list[str]:
         return ["--num-layers", str(self.layers), "--hidden-size", "64", "--num-attention-heads", "4",
                 "--seq-length", "32", "--vocab-size", "512", "--micro-batch-size", "1",
-                "--global-batch-size", str(self.global_batch), "--hidden-dropout", "0", "--attention-dropout", "0"]
+                "--global-batch-size", str(self.global_batch), "--hidden-dropout", "0", "--attention-dropout", "0",
+                *self.extra]
 
     def type_speed_ratio(self) -> float:
         from poseidon_plugin.specs.cluster import _device_presets
@@ -98,6 +100,9 @@ CLUSTERS = (
                 why="3 device types, 12 ranks"),
     ClusterCase(name="a2x8+3090x8", emulate="A2-2:8,RTX-3090:8", model="llama3-8b:auto:gpu", layers=16,
                 global_batch=16, why="16 ranks, types 5.3x apart"),
+    ClusterCase(name="a2x2+a2-4x2 moe", emulate="A2-2:2,A2-4:2", model="mixtral-8x7b", layers=4, global_batch=8,
+                why="MoE: 4 experts, top-2, the expert layout searched (EP 1 or 2)",
+                extra=("--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear")),
 )
 QUICK = ("a2x2+a2-4x2",)
 
@@ -128,7 +133,7 @@ def candidate_of(summary: Any) -> Candidate:
     mbs = getattr(summary, "micro_batch_size")
     return Candidate(tp=summary.tp, pp=summary.pp, dp=summary.dp, mbs=mbs, stage_types=tuple(summary.stage_types),
                      layers=tuple(summary.layers), schedule=summary.schedule,
-                     virtual_stages=summary.virtual_stages)
+                     virtual_stages=summary.virtual_stages, ep=getattr(summary, "ep", 1), etp=getattr(summary, "etp", None))
 
 
 def uniform_plan(cm: CostModel) -> Plan | None:
@@ -186,7 +191,7 @@ def random_plans(cm: CostModel, count: int, seed: int, avoid: set) -> list[Plan]
 
 def plan_key(plan: Any) -> tuple:
     return (plan.tp, plan.pp, plan.dp, plan.micro_batch_size, tuple(plan.stage_types), tuple(plan.layers),
-            plan.schedule)
+            plan.schedule, getattr(plan, "ep", 1), getattr(plan, "etp", None))
 
 
 # --- one launch ----------------------------------------------------------------------------------------------

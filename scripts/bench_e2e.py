@@ -82,7 +82,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def describe(plan: Plan) -> str:
     types = "/".join(plan.stage_types)
-    return (f"TP{plan.tp} PP{plan.pp} DP{plan.dp} mbs{plan.micro_batch_size} "
+    experts = "" if (plan.ep, plan.etp) == (1, None) else f"EP{plan.ep} " + ("" if plan.etp is None else f"ETP{plan.etp} ")
+    return (f"TP{plan.tp} PP{plan.pp} DP{plan.dp} {experts}mbs{plan.micro_batch_size} "
             f"{'int' if plan.virtual_stages > 1 else '1f1b'} {types} {'/'.join(map(str, plan.layers))}")
 
 

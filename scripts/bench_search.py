@@ -6,7 +6,7 @@ configuration (uniform layers, devices in cluster order, chosen by the same simu
 ranked best by the paper's Eq. 1 instead of the DAG. Then exact vs default mode where the exact search
 finishes within ``--exact-limit`` seconds, and the peak memory of ``poseidon plan``.
 
-    python scripts/bench_search.py [--settings 1,2,3,5,6-96,6-192,6-288] [--exact-limit 60]
+    python scripts/bench_search.py [--settings 1,2,3,4,5,6-96,6-192,6-288] [--exact-limit 60]
                                    [--scale] [--scale-only] [--scale-rows frontier-4096,...]
 
 ``--scale`` adds the large-cluster rows (Llama-3.1 405B): generated clusters of 100,000 and 800,000
@@ -15,6 +15,9 @@ devices and the presets ``frontier-1024`` (GBS 1024) / ``frontier-4096`` (GBS 20
 wall time of the search and of the whole command, the best plan, the proven lower bound and the gap,
 the devices the plan uses and the size of its JSON (schema 3, ranks and devices as runs) against every
 rank and device listed (schema 2); then the issue's targets (not asserted).
+
+``--moe`` adds the MoE rows (issue 27): Mixtral 8x7B on paper Setting 4 through the target runtime
+(``poseidon plan --exact``'s search), the expert layout searched against EP 1 only, and the issue's target.
 
 ``--sweep`` runs the public sweep instead (``scripts/_search_sweep.py``): ``poseidon plan --exact`` with
 its defaults, each instance in a fresh process, killed after ``--sweep-limit`` seconds; one row per
@@ -49,6 +52,7 @@ SETTINGS = {
     "1": ("paper-setting-1", "llama3-8b"),
     "2": ("paper-setting-2", "llama2-13b"),
     "3": ("paper-setting-3", "llama-30b"),
+    "4": ("paper-setting-4", "mixtral-8x7b"),
     "5": ("paper-setting-5", "llama2-13b"),
     "6-96": ("paper-setting-6-96", "llama3-70b"),
     "6-192": ("paper-setting-6-192", "llama3-70b"),
@@ -114,6 +118,34 @@ def plan_cli(cluster: str, model: str, *flags: str) -> dict:
             "devices": plan.world_size}
 
 
+def moe_rows() -> None:
+    """Mixtral 8x7B on paper Setting 4 (the preset job), ``--exact`` through the default target runtime: the
+    expert layout searched, then EP 1 only (experts TP-split, the plan without expert parallelism)."""
+    from poseidon_plugin.target import TargetRuntime, search_plan
+
+    print()
+    print(f"{'MoE row':<31} {'wall s':>7} {'cpu s':>6} {'proven':>6} {'iter ms':>9} {'tokens/s':>9} "
+          f"{'x EP 1':>7}  plan")
+    cm = CostModel(load_cluster("paper-setting-4"), load_model("mixtral-8x7b"))
+    rows = []
+    for label, eps in (("setting-4 mixtral, EP searched", None), ("setting-4 mixtral, EP 1 only", (1,))):
+        cached_graph.cache_clear()
+        t0, c0 = time.perf_counter(), time.process_time()
+        plan = search_plan(cm, TargetRuntime(), SearchOptions(expert_parallel=eps)).plan
+        rows.append((label, time.perf_counter() - t0, time.process_time() - c0, plan))
+    base = rows[-1][3].predicted_iteration_ms
+    for label, wall, cpu, plan in rows:
+        etp = plan.tp if plan.etp is None else plan.etp
+        print(f"{label:<31} {wall:>7.2f} {cpu:>6.2f} {str(plan.search_stats['complete']):>6} "
+              f"{plan.predicted_iteration_ms:>9.1f} {plan.tokens_per_s:>9.0f} {base / plan.predicted_iteration_ms:>7.3f}"
+              f"  TP{plan.tp} PP{plan.pp} DP{plan.dp} EP{plan.ep} ETP{etp} mbs{plan.micro_batch_size} "
+              f"{plan.schedule} V{plan.virtual_stages}")
+    wall, proven = rows[0][1], rows[0][3].search_stats["complete"]
+    met = "met" if wall <= 5.0 and proven else "missed"
+    print(f"target (issue 27, not asserted): the exact search on Setting 4 with EP proven <= 5 s; measured "
+          f"{wall:.2f} s wall, proven {proven} ({met})")
+
+
 SCALE_LIMITS = {"default": 5.0, "exact-1024": 30.0, "exact-4096": 60.0}
 """--time-limit of the large-cluster rows: the issue's targets for frontier-1024 / frontier-4096."""
 
@@ -165,6 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scale-only", action="store_true", help="only the large-cluster rows")
     ap.add_argument("--scale-rows", default=None,
                     help="comma-separated labels of the large-cluster rows to run (e.g. frontier-4096)")
+    ap.add_argument("--moe", action="store_true", help="also the MoE rows (Mixtral 8x7B on Setting 4, issue 27)")
     ap.add_argument("--sweep", action="store_true",
                     help="the public sweep of `poseidon plan --exact` (issue 26) instead of the rows above")
     ap.add_argument("--sweep-limit", type=float, default=60.0, metavar="SECONDS",
@@ -185,6 +218,9 @@ def main(argv=None) -> int:
         scale_rows(SCALE_LIMITS, only)
         return 0
     names = [s.strip() for s in args.settings.split(",") if s.strip()]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        ap.error(f"--settings {unknown[0]} is unknown; choose from {','.join(SETTINGS)}")
     opts = SearchOptions()
     print(f"{'setting':<8} {'search s':>8} {'cpu s':>6} {'sim calls':>9} {'bound ev':>9} {'nodes':>8} "
           f"{'tokens/s':>10} {'iter ms':>9} {'x uniform':>9} {'x Eq.1':>7}  plan / pruned")
@@ -203,7 +239,9 @@ def main(argv=None) -> int:
         x_eq1 = f"{eq1[0] / plan.predicted_iteration_ms:.3f}" if eq1 else "n/a"
         print(f"{name:<8} {wall:>8.2f} {cpu:>6.2f} {st.simulator_calls:>9} {st.bound_evaluations:>9} "
               f"{st.nodes:>8} {plan.tokens_per_s:>10.0f} {plan.predicted_iteration_ms:>9.1f} "
-              f"{x_uni:>9} {x_eq1:>7}  TP{plan.tp} PP{plan.pp} DP{plan.dp} mbs{plan.micro_batch_size} "
+              f"{x_uni:>9} {x_eq1:>7}  TP{plan.tp} PP{plan.pp} DP{plan.dp} "
+              f"{'' if (plan.ep, plan.etp) == (1, None) else f'EP{plan.ep} ETP{plan.tp if plan.etp is None else plan.etp} '}"
+              f"mbs{plan.micro_batch_size} "
               f"{plan.schedule} V{plan.virtual_stages} {'/'.join(plan.stage_types)} "
               f"layers {'/'.join(map(str, plan.layers))}{'' if st.complete else ' (INCOMPLETE)'}")
         print(f"{'':<8} pruned: {fmt_pruned(st.pruned)}")
@@ -243,6 +281,8 @@ def main(argv=None) -> int:
             cluster, model = SETTINGS[name]
             print(f"peak RSS of `poseidon plan --cluster {cluster} --model {model}`: "
                   f"{peak_rss_mb(cluster, model):.0f} MiB")
+    if args.moe:
+        moe_rows()
     if args.scale:
         scale_rows(SCALE_LIMITS, only)
     return 0

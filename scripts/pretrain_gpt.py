@@ -43,8 +43,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add = p.add_argument
     # Model (read again, with the same rules as the profiler, by job_flags.read_job).
     for flag in ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
-                 "--seq-length", "--max-position-embeddings", "--vocab-size", "--num-experts", "--moe-router-topk"):
+                 "--seq-length", "--max-position-embeddings", "--vocab-size", "--num-experts", "--moe-router-topk",
+                 "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size"):
         add(flag, type=int)
+    add("--moe-expert-capacity-factor", type=float, default=None)
+    add("--moe-pad-expert-input-to-capacity", action="store_true")
     for flag in ("--hidden-dropout", "--attention-dropout"):
         add(flag, type=float)
     add("--normalization", choices=("LayerNorm", "RMSNorm"))
@@ -64,6 +67,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--decoder-last-pipeline-num-layers", type=int, default=None)
     add("--num-layer-list", type=str, default=None)  # MindSpeed-LLM's uneven split: one count per stage
     add("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
+    add("--expert-model-parallel-size", type=int, default=1)
+    add("--expert-tensor-parallel-size", type=int, default=None)
+    add("--moe-token-dispatcher-type", default="allgather", choices=("allgather", "alltoall"))
     add("--micro-batch-size", type=int, default=1)
     add("--global-batch-size", type=int, default=None)
     # Training.
@@ -122,6 +128,14 @@ def synthetic_batches(args: argparse.Namespace, vocab: int, device: torch.device
         yield {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "position_ids": positions}
 
 
+def _print_local_experts(chunks) -> None:
+    """One line per rank: the experts its MoE layers hold (``num_experts / EP`` of them)."""
+    held = sorted({int(i) for chunk in chunks for module in chunk.modules()
+                   for i in getattr(module, "local_expert_indices", ())})
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    print(f"rank {dist.get_rank()}: experts {','.join(map(str, held))} of its MoE layers (EP {ep})", flush=True)
+
+
 def forward_step(data_iterator, model):
     """Megatron's forward-step contract: (output tensor, loss function of that output)."""
     batch = next(data_iterator)
@@ -146,10 +160,16 @@ def main(argv: list[str] | None = None) -> int:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=_virtual_stages(args),
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
     model_parallel_cuda_manual_seed(args.seed)  # on CPU: the shim's tracker on CPU generator states
     on_cpu = device.type == "cpu"
     overrides = {}
+    if job.num_experts:     # the expert layout (the plan's flags under poseidon-run)
+        overrides.update(expert_model_parallel_size=args.expert_model_parallel_size,
+                         expert_tensor_parallel_size=args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
+                         moe_token_dispatcher_type=args.moe_token_dispatcher_type)
     if args.decoder_first_pipeline_num_layers is not None:
         overrides["num_layers_in_first_pipeline_stage"] = args.decoder_first_pipeline_num_layers
     if args.decoder_last_pipeline_num_layers is not None:
@@ -171,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
 
     _apply_layer_list(args)
     chunks = build_model(args, job, config)
+    if job.num_experts:
+        _print_local_experts(chunks)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [chunk.no_sync for chunk in chunks] if len(chunks) > 1 else chunks[0].no_sync
     optimizer = get_megatron_optimizer(

@@ -11,9 +11,10 @@ Four ways to hand the layer split to Megatron (``--poseidon-flag-style``, ``auto
   handling does, and the offset-helper table.
 - ``patch``: an older megatron-core without MindSpeed: only TP / PP / mbs flags, the split by the patch table.
 In every style the planned flags replace the user's parallelism flags (``job_flags.PLANNED_FLAGS``) and
-the global batch is pinned. In the MindSpeed styles the user's flags are also checked against
-MindSpeed-LLM's rules (conflicting flags dropped or refused, ``--sequence-parallel`` added for MoE with
-TP and EP > 1) and the world must fit the user's CP / EP (:func:`rewrite_args`).
+the global batch is pinned (MoE: the plan's expert layout replaces the user's EP / expert TP). In the
+MindSpeed styles the user's flags are also checked against MindSpeed-LLM's rules (conflicting flags dropped
+or refused, ``--sequence-parallel`` added for MoE with TP and EP > 1) and the world must fit the user's CP
+and the plan's EP (:func:`rewrite_args`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.patches import layer_assignment
 from poseidon_plugin.patches import mindspeed as mindspeed_patch
 from poseidon_plugin.patches.table import PatchTable
-from poseidon_plugin.plan import Plan, megatron_args
+from poseidon_plugin.plan import Plan, expert_args, megatron_args
 from poseidon_plugin.runtime import job_flags, mindspeed
 from poseidon_plugin.target import FLAG_STYLES, LAYOUT_STYLES, style_schedules
 
@@ -61,10 +62,10 @@ def planned_flags(plan: Plan, style: str, global_batch_size: int) -> list[str]:
         )
     elif style == "mindspeed":
         flags = mindspeed.layer_list_flags(tp=plan.tp, pp=plan.pp, layers=plan.layers,
-                                           micro_batch_size=plan.micro_batch_size)
+                                           micro_batch_size=plan.micro_batch_size) + expert_args(plan)
     else:
         flags = ["--tensor-model-parallel-size", str(plan.tp), "--pipeline-model-parallel-size", str(plan.pp),
-                 "--micro-batch-size", str(plan.micro_batch_size)]
+                 "--micro-batch-size", str(plan.micro_batch_size), *expert_args(plan)]
     return flags + ["--global-batch-size", str(global_batch_size)]
 
 
@@ -89,10 +90,10 @@ def rewrite_args(plan: Plan, style: str, global_batch_size: int, user_args: Sequ
         return Rewritten(args=job_flags.rewrite(user_args, planned), planned=planned,
                          notes=tuple(job_flags.replaced_flags(user_args, planned)))
     user = job_flags.flag_values(user_args)
-    cp, ep, etp = mindspeed.user_cp_ep(user)
-    mindspeed.data_parallel_size(plan.world_size, plan.tp, plan.pp, cp, ep, etp)
+    cp, _ep, _etp = mindspeed.user_cp_ep(user)        # the user's EP / expert TP are replaced by the plan's
+    mindspeed.data_parallel_size(plan.world_size, plan.tp, plan.pp, cp, plan.ep, plan.etp)
     experts = user.get("--num-experts", "0")
-    decision = mindspeed.check_user_flags(user, tp=plan.tp, pp=plan.pp, ep=ep,
+    decision = mindspeed.check_user_flags(user, tp=plan.tp, pp=plan.pp, ep=plan.ep,
                                           num_experts=int(experts) if experts.isdigit() else 0)
     planned = planned + list(decision.add)
     return Rewritten(args=job_flags.rewrite(user_args, planned, drop=decision.drop), planned=planned,

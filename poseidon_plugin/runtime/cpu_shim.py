@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from poseidon_plugin.patches.cpu_shim import TABLE
+from poseidon_plugin.patches.cpu_shim import MOE_TABLE, TABLE
 
 _CPU = torch.device("cpu")
 
@@ -72,6 +72,11 @@ def install(*, force: bool = False) -> bool:
         if not force and accelerator_present():
             return False
         TABLE.apply()  # verified; on failure nothing stays patched
+        try:
+            MOE_TABLE.apply()
+        except Exception:
+            TABLE.revert()
+            raise
         _mode = _CudaToCpuMode()
         _mode.__enter__()
         return True
@@ -92,6 +97,7 @@ def uninstall() -> None:
                                    "on another thread); exit that mode first")
             _mode.__exit__(None, None, None)
             _mode = None
+        MOE_TABLE.revert()
         TABLE.revert()
 
 

@@ -325,6 +325,9 @@ class EmulationState:
         """The plan's TP degree (sizes the emulated messages), once bound."""
         self.sync_ms = 0.0
         """This rank's emulated DP gradient sync per iteration (0 until bound, or with DP = 1)."""
+        self.expert_ms = (0.0, 0.0)
+        """(forward, backward) ms an MoE layer of this rank takes more under the plan's expert layout than
+        profiled (the dispatch and combine all-to-all, as the cost model prices them; 0 until bound)."""
 
     def entry(self, device_type: str, tp: int, mbs: int) -> Any:
         """The preset's analytic ProfileEntry on the real (unscaled) devices and links."""
@@ -341,8 +344,8 @@ class EmulationState:
         """(forward, backward) ms of ``part`` (``layer``, ``embedding``, ``head``) on this rank, scaled."""
         e = self.entry(self.device_type, tp, mbs)
         if part == "layer":
-            f, b = e.forward_ms, e.backward_ms
-        elif part == "embedding":
+            return e.forward_ms * self.scale + self.expert_ms[0], e.backward_ms * self.scale + self.expert_ms[1]
+        if part == "embedding":
             f, b = e.embedding_forward_ms, e.embedding_backward_ms
         elif part == "head":
             f, b = e.head_forward_ms, e.head_backward_ms
@@ -401,7 +404,8 @@ class EmulationState:
     # --- once the plan is known ----------------------------------------------------------------
 
     def bind_plan(self, plan: Any, global_rank: int, job_model: Any) -> None:
-        """Learn where every planned rank sits (for link classes) and this rank's DP sync time.
+        """Learn where every planned rank sits (for link classes), this rank's DP sync time and (MoE) its layers'
+        expert-layout time.
 
         ``job_model`` is the planner's ModelSpec of the job (its dtype and optimizer set the gradient
         bytes, as in the cost model); the sync time is the cost model's for the preset's parameters.
@@ -422,10 +426,16 @@ class EmulationState:
                               entries=entries, source="analytic", software={})
         cand = Candidate(tp=plan.tp, pp=plan.pp, dp=plan.dp, mbs=plan.micro_batch_size, stage_types=stage_types,
                          layers=tuple(plan.layers), schedule=plan.schedule, virtual_stages=plan.virtual_stages,
-                         devices=tuple(tuple(s.devices) for s in plan.stages))
-        _f, _b, _s, allreduce = CostModel(self.cluster, job_model, profile).stage_times(cand)
+                         devices=tuple(tuple(s.devices) for s in plan.stages), ep=plan.ep, etp=plan.etp)
+        cm = CostModel(self.cluster, job_model, profile)
+        _f, _b, _s, allreduce = cm.stage_times(cand)
         stage = next(s.index for s in plan.stages if global_rank in s.ranks)
         self.sync_ms = allreduce[stage]
+        # the expert layout's all-to-all blocks each MoE layer: its deadline grows by what the planner added
+        mine = plan.stages[stage].device_type
+        group = cm.group(mine, plan.tp, plan.micro_batch_size, plan.dp, plan.ep, plan.etp)
+        entry = profile.lookup(mine, plan.tp, plan.micro_batch_size)
+        self.expert_ms = (group.forward_ms - entry.forward_ms, group.backward_ms - entry.backward_ms)
 
     def p2p_ms(self, peer: int, mbs: int, tp: int | None = None) -> float:
         """Emulated one-way time of one activation (or gradient) message to/from global rank ``peer``."""

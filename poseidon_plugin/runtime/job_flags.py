@@ -35,6 +35,8 @@ PLANNED_FLAGS: tuple[str, ...] = (
     "--account-for-loss-in-pipeline-split",
     "--standalone-embedding-stage",
     "--no-overlap-p2p-communication",  # the plan decides p2p overlap for interleaved (poseidon_plugin/target.py)
+    "--expert-model-parallel-size",    # MoE: the plan's expert layout (plan.expert_args)
+    "--expert-tensor-parallel-size",
 )
 _SWITCHES = frozenset(
     {
@@ -51,6 +53,8 @@ _SWITCHES = frozenset(
         "--sequence-parallel",
         "--disable-bias-linear",
         "--use-cpu-initialization",
+        "--moe-grouped-gemm",
+        "--moe-pad-expert-input-to-capacity",
     }
 )
 # Without these, there is no transformer layer to profile and no model to plan.
@@ -84,6 +88,15 @@ class JobFlags:
     distributed_optimizer: bool
     num_experts: int
     moe_router_topk: int
+    moe_ffn_hidden_size: int
+    """``--moe-ffn-hidden-size`` (0: not given, Megatron's default ``--ffn-hidden-size``)."""
+    moe_shared_expert_size: int
+    """``--moe-shared-expert-intermediate-size`` (0: no shared experts)."""
+    moe_capacity_factor: float
+    """``--moe-expert-capacity-factor`` (0: not given, dropless)."""
+    moe_pad_to_capacity: bool
+    expert_parallel: int
+    """The user's ``--expert-model-parallel-size`` (the plan replaces it; ``--poseidon-keep`` keeps it)."""
     untie_embeddings: bool
     sequence_parallel: bool
     train_iters: int | None
@@ -153,6 +166,21 @@ def read_job(script: str, args: Sequence[str]) -> JobFlags:
             raise PoseidonError(f"{flag} {value} must be in [0, 1)")
         return value
 
+    num_experts = integer("--num-experts", 0, minimum=0)
+    capacity = 0.0
+    if num_experts:
+        if values.get("--moe-layer-freq", "1") != "1":
+            raise PoseidonError(f"--moe-layer-freq {values['--moe-layer-freq']!r} is not supported: Poseidon prices "
+                                "every layer alike, so every layer must be an MoE layer; drop --moe-layer-freq")
+        raw = values.get("--moe-expert-capacity-factor")
+        try:
+            capacity = 0.0 if raw in (None, "None") else float(raw)
+        except ValueError:
+            raise PoseidonError(f"--moe-expert-capacity-factor {raw!r} is not a number") from None
+        if not 0.0 <= capacity <= 1024.0:
+            raise PoseidonError(f"--moe-expert-capacity-factor {raw} must be in (0, 1024]")
+        if "--moe-pad-expert-input-to-capacity" in values and not capacity:
+            raise PoseidonError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     seq_length = integer("--seq-length")
     dtype = "bf16" if "--bf16" in values else "fp16" if "--fp16" in values else "fp32"
     return JobFlags(
@@ -171,8 +199,13 @@ def read_job(script: str, args: Sequence[str]) -> JobFlags:
         dtype=dtype,
         swiglu=swiglu,
         distributed_optimizer="--use-distributed-optimizer" in values,
-        num_experts=integer("--num-experts", 0, minimum=0),
+        num_experts=num_experts,
         moe_router_topk=integer("--moe-router-topk", 2),
+        moe_ffn_hidden_size=integer("--moe-ffn-hidden-size", 0) if num_experts else 0,
+        moe_shared_expert_size=integer("--moe-shared-expert-intermediate-size", 0) if num_experts else 0,
+        moe_capacity_factor=capacity,
+        moe_pad_to_capacity=num_experts > 0 and "--moe-pad-expert-input-to-capacity" in values,
+        expert_parallel=integer("--expert-model-parallel-size", 1),
         untie_embeddings="--untie-embeddings-and-output-weights" in values,
         sequence_parallel="--sequence-parallel" in values,
         train_iters=integer("--train-iters"),

@@ -128,7 +128,13 @@ def transformer_config(
         apply_rope_fusion=False,
     )
     if job.num_experts:
-        values.update(num_moe_experts=job.num_experts, moe_router_topk=job.moe_router_topk)
+        values.update(num_moe_experts=job.num_experts, moe_router_topk=job.moe_router_topk,
+                      moe_ffn_hidden_size=job.moe_ffn_hidden_size or job.ffn_hidden_size)
+        if job.moe_shared_expert_size:
+            values["moe_shared_expert_intermediate_size"] = job.moe_shared_expert_size
+        if job.moe_capacity_factor:
+            values.update(moe_expert_capacity_factor=job.moe_capacity_factor,
+                          moe_pad_expert_input_to_capacity=job.moe_pad_to_capacity)
     known = _config_fields()
     explicit = dict(overrides)
     if layout is not None:
@@ -227,6 +233,10 @@ def process_groups(*, tp: Any, pp: Any, cp: Any) -> Any:
         groups = types.SimpleNamespace()
     groups.tp, groups.pp, groups.cp = tp, pp, cp
     groups.embd = groups.pos_embd = None
+    # MoE layers read their groups here too: a profiled layer runs its experts on its TP group (EP 1, one
+    # replica), as the plan's profile assumes (patches/profiling.py: the same for parallel_state)
+    groups.ep = groups.expt_dp = groups.dp = pp
+    groups.expt_tp = groups.tp_ep = groups.tp_cp = groups.tp_dp_cp = tp
     return groups
 
 

@@ -322,16 +322,14 @@ def data_parallel_size(world: int, tp: int, pp: int, cp: int = 1, ep: int = 1, e
 
 
 def dp_multiple(script_args: Sequence[str]) -> int:
-    """What the plan's DP must be a multiple of for the job's CP / EP (``TargetRuntime.dp_multiple``).
-
-    The plan's ``tp x dp x pp`` ranks must be a multiple of ``tp x pp x cp`` and of ``etp x ep x pp``: with
-    the expert TP equal to TP (the default) that is ``dp`` a multiple of ``lcm(cp, ep)``; with its own expert
-    TP the conservative ``lcm(cp, ep x etp)``.
-    """
+    """What the plan's DP must be a multiple of for the job's CP (``TargetRuntime.dp_multiple``): the plan's
+    ``tp x dp x pp`` ranks must be a multiple of ``tp x pp x cp``. Expert parallelism is the plan's own
+    (searched with megatron-core's rules, ``costmodel.check_expert_layout``); the user's EP flags are
+    replaced, so they set nothing here (their values are still checked)."""
     from poseidon_plugin.argv import flag_values
 
-    cp, ep, etp = user_cp_ep(flag_values(script_args))
-    return math.lcm(cp, ep if etp is None else ep * etp)
+    cp, _ep, _etp = user_cp_ep(flag_values(script_args))
+    return cp
 
 
 def user_cp_ep(user: Mapping[str, str]) -> tuple[int, int, int | None]:

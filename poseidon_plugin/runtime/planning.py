@@ -38,6 +38,10 @@ def model_spec(job: JobFlags, *, global_batch_size: int, name: str) -> ModelSpec
         dtype=job.dtype,
         num_experts=job.num_experts,
         moe_top_k=job.moe_router_topk if job.num_experts else 0,
+        moe_ffn_hidden_size=job.moe_ffn_hidden_size,
+        moe_shared_expert_size=job.moe_shared_expert_size,
+        moe_capacity_factor=job.moe_capacity_factor,
+        moe_pad_to_capacity=job.moe_pad_to_capacity,
         swiglu=job.swiglu,
         tie_embeddings=not job.untie_embeddings,
         distributed_optimizer=job.distributed_optimizer,
@@ -57,8 +61,8 @@ def plan_on_rank0(cost_model: CostModel, target: TargetRuntime, *, keep: JobFlag
     """The one call into the search: best plan for the cost model on the target runtime (NoFeasiblePlanError
     when none fits); the same function ``poseidon plan`` calls (``poseidon_plugin.target.search_plan``).
 
-    ``keep`` (``--poseidon-keep``) pins TP, PP and mbs to the job's: only placement, layer split, DP,
-    schedule and p2p overlap are searched. ``time_limit_s`` keeps the search shorter than the other ranks'
+    ``keep`` (``--poseidon-keep``) pins TP, PP, mbs and (MoE) EP to the job's: only placement, layer split, DP,
+    schedule, p2p overlap and the expert TP are searched. ``time_limit_s`` keeps the search shorter than the other ranks'
     wait for it.
     """
     from poseidon_plugin.search import SearchOptions
@@ -67,7 +71,8 @@ def plan_on_rank0(cost_model: CostModel, target: TargetRuntime, *, keep: JobFlag
         return search_plan(cost_model, target, SearchOptions(time_limit_s=time_limit_s)).plan
     options = SearchOptions(time_limit_s=time_limit_s, tp_degrees=(keep.tensor_parallel,),
                             micro_batch_sizes=(keep.micro_batch_size,), min_pipeline_stages=keep.pipeline_parallel,
-                            max_pipeline_stages=keep.pipeline_parallel)
+                            max_pipeline_stages=keep.pipeline_parallel,
+                            expert_parallel=(keep.expert_parallel,) if keep.num_experts else None)
     try:
         return search_plan(cost_model, target, options).plan
     except NoFeasiblePlanError as exc:
@@ -105,8 +110,8 @@ def check_plan_fits(plan: Plan, world: World, job: JobFlags, global_batch_size: 
                     script_args: Sequence[str] = (), emulation: str | None = None) -> None:
     """A plan (saved or searched) must match this job and this world; PoseidonError naming the mismatch.
 
-    ``script_args`` (the user's flags) give the context and expert parallelism the plan must fit:
-    megatron-core needs its ranks to be a multiple of both ``tp x pp x cp`` and ``etp x ep x pp``
+    ``script_args`` (the user's flags) give the context parallelism the plan must fit, the plan its expert
+    layout: megatron-core needs its ranks to be a multiple of both ``tp x pp x cp`` and ``etp x ep x pp``
     (``mindspeed.model_parallel_world``).
     """
     from poseidon_plugin.runtime.precheck import check_plan_job
@@ -120,9 +125,9 @@ def check_plan_fits(plan: Plan, world: World, job: JobFlags, global_batch_size: 
     if plan.world_size > len(world.ranks):
         raise fail(f"it needs {plan.world_size} devices (tp {plan.tp} x dp {plan.dp} x pp {plan.pp}) but the job "
                    f"has {len(world.ranks)} ranks")
-    cp, ep, etp = user_cp_ep(flag_values(script_args))
+    cp, _ep, _etp = user_cp_ep(flag_values(script_args))
     try:
-        dp = data_parallel_size(plan.world_size, plan.tp, plan.pp, cp, ep, etp)
+        dp = data_parallel_size(plan.world_size, plan.tp, plan.pp, cp, plan.ep, plan.etp)
     except MindSpeedError as exc:
         raise fail(f"its tp {plan.tp} x dp {plan.dp} x pp {plan.pp} = {plan.world_size} ranks: {exc}") from None
     if global_batch_size % (plan.micro_batch_size * dp):

@@ -25,7 +25,8 @@ INF = math.inf
 def _candidate(sg: ShapeGroup, types, layers) -> Candidate:
     g = sg.group
     return Candidate(tp=g.tp, pp=sg.pp, dp=g.dp, mbs=g.mbs, stage_types=tuple(g.names[t] for t in types),
-                     layers=tuple(layers), schedule=sg.schedule, virtual_stages=sg.virtual_stages)
+                     layers=tuple(layers), schedule=sg.schedule, virtual_stages=sg.virtual_stages, ep=g.ep,
+                     etp=g.etp)
 
 
 def _space(cm: CostModel, options: SearchOptions) -> tuple[SearchSpace, ShapeCache]:

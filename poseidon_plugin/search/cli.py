@@ -68,6 +68,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "--profile: what it covers)")
     parser.add_argument("--tp", type=_int_list("--tp"), metavar="T1,T2",
                         help="TP degrees to try (default: every valid power of two)")
+    parser.add_argument("--ep", type=_int_list("--ep"), metavar="E1,E2",
+                        help="MoE: expert-parallel sizes to try (default: every divisor of the experts that "
+                             "megatron-core runs; 1 = experts TP-split, no expert parallelism)")
     parser.add_argument("--max-pp", type=int, metavar="N", help="largest pipeline size to try")
     parser.add_argument("--min-pp", type=int, metavar="N", help="smallest pipeline size to try")
     mode = parser.add_mutually_exclusive_group()
@@ -140,7 +143,7 @@ def options_from_args(args) -> SearchOptions:
     (:func:`poseidon_plugin.target.search_plan` sets mode, schedules, virtual stages and comm model)."""
     return SearchOptions(
         micro_batch_sizes=args.micro_batch_size if args.profile else None, tp_degrees=args.tp,
-        max_pipeline_stages=args.max_pp, min_pipeline_stages=args.min_pp,
+        expert_parallel=args.ep, max_pipeline_stages=args.max_pp, min_pipeline_stages=args.min_pp,
         top_k=args.top_k, warmup_samples=args.warmup_samples, seed=args.seed,
         time_limit_s=args.time_limit, gap=args.gap, type_blocks=not args.any_type_order,
         exact_alternatives=args.exact_alternatives)
@@ -171,7 +174,7 @@ def write_trace(cm, plan, path: str, comm_model: str | None = None) -> None:
     from ..simulator.trace import trace_events, write_json_atomic
     cand = Candidate(tp=plan.tp, pp=plan.pp, dp=plan.dp, mbs=plan.micro_batch_size,
                      stage_types=plan.stage_types, layers=plan.layers, schedule=plan.schedule,
-                     virtual_stages=plan.virtual_stages)
+                     virtual_stages=plan.virtual_stages, ep=plan.ep, etp=plan.etp)
     sim = Simulator(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages, comm_model)
     try:
         write_json_atomic(path, trace_events(sim, *cm.stage_times(cand)))

@@ -19,7 +19,7 @@ def explain_infeasible(cm: CostModel, space) -> str:
     best = None
     for g in space.groups:
         for name in g.names:
-            gc = cm.group(name, g.tp, g.mbs, g.dp)
+            gc = cm.group(name, g.tp, g.mbs, g.dp, g.ep, g.etp)
             need = gc.layer_state_bytes + gc.layer_activation_bytes
             ratio = need / gc.usable_bytes
             if best is None or ratio < best[0]:
@@ -38,7 +38,7 @@ def explain_infeasible(cm: CostModel, space) -> str:
     replica = None
     for g in space.groups:
         for name in g.names:
-            gc = cm.group(name, g.tp, g.mbs, g.dp)
+            gc = cm.group(name, g.tp, g.mbs, g.dp, g.ep, g.etp)
             need = cm.model.num_layers * gc.layer_state_bytes * g.tp * g.dp
             if replica is None or need < replica:
                 replica = need

@@ -562,7 +562,7 @@ class SearchRun:
         g = sg.group
         return Candidate(tp=g.tp, pp=sg.pp, dp=g.dp, mbs=g.mbs,
                          stage_types=tuple(g.names[t] for t in types), layers=tuple(layers),
-                         schedule=sg.schedule, virtual_stages=sg.virtual_stages)
+                         schedule=sg.schedule, virtual_stages=sg.virtual_stages, ep=g.ep, etp=g.etp)
 
     def unproven(self) -> str:
         """The part of the space not proven (stats.unproven), for a plan above its lower bound."""

@@ -71,9 +71,10 @@ def type_sequences(slots, pp: int) -> int:
 
 
 def shapes(cm: CostModel, options: SearchOptions) -> Iterator[tuple]:
-    """Every ``(tp, mbs, dp, M, types, slots, schedule, V, pp)`` of the space: a TP degree, micro-batch
-    size and DP degree with ``M = GBS / (dp x mbs)`` whole, the device types with room for a stage of
-    ``dp x tp`` devices, a schedule, its chunks per rank and a pipeline size."""
+    """Every ``(tp, mbs, dp, M, types, slots, schedule, V, pp, ep, etp)`` of the space: a TP degree,
+    micro-batch size and DP degree with ``M = GBS / (dp x mbs)`` whole, the device types with room for a
+    stage of ``dp x tp`` devices, a schedule, its chunks per rank, a pipeline size and an expert layout
+    (``CostModel.expert_layouts``; ``(1, None)`` for a dense model)."""
     num_layers = cm.model.num_layers
     gbs = cm.model.global_batch_size
     limit = options.max_pipeline_stages or num_layers
@@ -91,18 +92,19 @@ def shapes(cm: CostModel, options: SearchOptions) -> Iterator[tuple]:
                 if not types:
                     break
                 slots = tuple(cm.max_stages(t, tp, dp) for t in types)
-                for schedule in options.schedules:
-                    for v in (options.virtual_stages if schedule == "interleaved-1f1b" else (1,)):
-                        for pp in range(lowest, min(sum(slots), limit, num_layers // v) + 1):
-                            if v > 1 and (pp < 2 or m % pp):
-                                continue
-                            yield tp, mbs, dp, m, types, slots, schedule, v, pp
+                for ep, etp in cm.expert_layouts(tp, dp, options.expert_parallel):
+                    for schedule in options.schedules:
+                        for v in (options.virtual_stages if schedule == "interleaved-1f1b" else (1,)):
+                            for pp in range(lowest, min(sum(slots), limit, num_layers // v) + 1):
+                                if v > 1 and (pp < 2 or m % pp):
+                                    continue
+                                yield tp, mbs, dp, m, types, slots, schedule, v, pp, ep, etp
 
 
 def space_size(cm: CostModel, options: SearchOptions) -> int:
     """Number of plans the exhaustive search would simulate (before the memory check)."""
     total = 0
-    for _tp, _mbs, _dp, _m, _types, slots, _schedule, v, pp in shapes(cm, options):
+    for _tp, _mbs, _dp, _m, _types, slots, _schedule, v, pp, _ep, _etp in shapes(cm, options):
         n_splits = math.comb(cm.model.num_layers - v * pp + pp - 1, pp - 1)
         total += type_sequences(slots, pp) * n_splits
     return total
@@ -122,7 +124,7 @@ def exhaustive_search(cm: CostModel, options: SearchOptions) -> SearchResult:
     calls = structures = 0
     complete = True
     kernels = set()
-    for i, (tp, mbs, dp, _m, types, slots, schedule, v, pp) in enumerate(all_shapes):
+    for i, (tp, mbs, dp, _m, types, slots, schedule, v, pp, ep, etp) in enumerate(all_shapes):
         if time.monotonic() > deadline:
             complete = False
             break
@@ -133,7 +135,7 @@ def exhaustive_search(cm: CostModel, options: SearchOptions) -> SearchResult:
                 stage_types = tuple(types[t] for t in order)
                 for layers in splits:
                     cand = Candidate(tp=tp, pp=pp, dp=dp, mbs=mbs, stage_types=stage_types,
-                                     layers=layers, schedule=schedule, virtual_stages=v)
+                                     layers=layers, schedule=schedule, virtual_stages=v, ep=ep, etp=etp)
                     if not cm.fits(cand):
                         continue
                     calls += 1

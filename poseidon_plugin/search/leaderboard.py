@@ -1,6 +1,6 @@
 """The leaderboard every search mode fills, and the :class:`SearchResult` built from it.
 
-A *key* is ``(tp, pp, dp, mbs, schedule, V)``: plans of one key differ only in device types and
+A *key* is ``(tp, pp, dp, mbs, schedule, V)`` (then ``(ep, expert TP)`` with expert parallelism): plans of one key differ only in device types and
 layers. The board keeps the best plan of each key; the search reports the ``top_k`` best keys, the
 best as the :class:`~poseidon_plugin.plan.Plan` and the next ones as its alternatives. The branch and
 bound (:mod:`.engine`) also reads thresholds from it; the exhaustive reference (:mod:`.exhaustive`)
@@ -12,16 +12,18 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from ..costmodel import Candidate, CostModel
+from ..costmodel import Candidate, CostModel, expert_key
 from ..errors import NoFeasiblePlanError
 from .options import SearchResult, SearchStats
 
 INF = math.inf
 
 
-def plan_key(cand: Candidate) -> tuple[int, int, int, int, str, int]:
-    """The leaderboard key of a candidate: ``(tp, pp, dp, mbs, schedule, V)``."""
-    return (cand.tp, cand.pp, cand.dp, cand.mbs, cand.schedule, cand.virtual_stages)
+def plan_key(cand: Candidate) -> tuple:
+    """The leaderboard key of a candidate: ``(tp, pp, dp, mbs, schedule, V)`` and its expert layout
+    (``ShapeGroup.key``)."""
+    return (cand.tp, cand.pp, cand.dp, cand.mbs, cand.schedule, cand.virtual_stages) + expert_key(cand.tp, cand.ep,
+                                                                                                  cand.etp)
 
 
 class Leaderboard:

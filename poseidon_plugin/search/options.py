@@ -44,10 +44,14 @@ class SearchOptions:
     tp_degrees: tuple[int, ...] | None = None
     """TP degrees to try; ``None``: every power of two that fits a node and divides heads/KV groups."""
 
+    expert_parallel: tuple[int, ...] | None = None
+    """MoE models: expert-parallel sizes to try; ``None``: every divisor of the experts megatron-core can run
+    (``costmodel.expert_layouts``). A dense model has only EP 1 (another size is an error naming ``--ep``)."""
+
     dp_multiple: int = 1
-    """DP degrees must be multiples of this: with context parallelism CP (and expert parallelism EP) the
-    plan's DP replicas hold Megatron's CP / EP groups, so Megatron's data-parallel size is DP / CP and EP
-    must divide DP (``runtime/mindspeed.model_parallel_world``). 1: any DP."""
+    """DP degrees must be multiples of this: with context parallelism CP the plan's DP replicas hold
+    Megatron's CP groups, so Megatron's data-parallel size is DP / CP (``runtime/mindspeed.model_parallel_world``).
+    1: any DP."""
 
     max_pipeline_stages: int | None = None
     """Upper limit on PP; ``None``: up to the number of layers."""
@@ -130,6 +134,8 @@ def validate_options(o: SearchOptions) -> None:
         for tp in o.tp_degrees:
             if tp & (tp - 1):
                 raise InputError(f"--tp {tp} is invalid: TP degrees are powers of two (1, 2, 4, 8)")
+    if o.expert_parallel is not None:
+        _ints("--ep", o.expert_parallel, 1, "an integer >= 1 (expert-parallel size)")
     if o.max_pipeline_stages is not None:
         _ints("--max-pp", (o.max_pipeline_stages,), 1, "an integer >= 1")
     if o.min_pipeline_stages is not None:

@@ -2,9 +2,10 @@
 
 Levels (docs/SEARCH.md):
 
-* **group** ``(tp, mbs, dp)``: one TP degree for every stage (stock Megatron); ``M = GBS / (dp x mbs)``
-  must be an integer; a device type takes part when the profile covers it at this TP and its nodes
-  hold a TP group;
+* **group** ``(tp, mbs, dp, ep, etp)``: one TP degree for every stage (stock Megatron); ``M = GBS / (dp x
+  mbs)`` must be an integer; a device type takes part when the profile covers it at this TP and its nodes
+  hold a TP group; MoE models also take one expert layout for the job, expert parallelism ``ep`` and expert
+  TP ``etp`` (``CostModel.expert_layouts``);
 * **shape group** = group + ``(schedule, V, pp)``: one DAG shape, one search key of the leaderboard;
 * **structure** = shape group + how many ranks use each device type (``dp x tp`` devices each, at most
   what the type has): the unit the branch and bound (:mod:`.splits`) searches.
@@ -16,7 +17,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Iterator
 
-from ..costmodel import CostModel
+from ..costmodel import CostModel, expert_key
 from ..errors import InputError
 from .options import SearchOptions
 from .tables import SLOT_COLUMNS, TYPE_COLUMNS, TypeTable, type_table
@@ -24,7 +25,7 @@ from .tables import SLOT_COLUMNS, TYPE_COLUMNS, TypeTable, type_table
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Group:
-    """One ``(tp, mbs, dp)`` and the device types usable with it."""
+    """One ``(tp, mbs, dp, ep, etp)`` and the device types usable with it."""
 
     tp: int
     mbs: int
@@ -32,6 +33,13 @@ class Group:
     micro_batches: int
     names: tuple[str, ...]      # device types with at least one stage slot
     slots: tuple[int, ...]      # stages of dp x tp devices each type can host
+    ep: int = 1                 # expert parallelism (MoE)
+    etp: int | None = None      # expert TP; None: tp
+
+    @property
+    def key(self) -> tuple[int, int, int, int, int | None]:
+        """``(tp, mbs, dp, ep, etp)``: what its cost table is built for."""
+        return (self.tp, self.mbs, self.dp, self.ep, self.etp)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,10 +52,11 @@ class ShapeGroup:
     pp: int
 
     @property
-    def key(self) -> tuple[int, int, int, int, str, int]:
-        """``(tp, pp, dp, mbs, schedule, V)``: plans of one key differ only in types and layers."""
+    def key(self) -> tuple:
+        """``(tp, pp, dp, mbs, schedule, V)``, then ``(ep, expert TP)`` with expert parallelism: plans of one
+        key differ only in types and layers (``leaderboard.plan_key``)."""
         g = self.group
-        return (g.tp, self.pp, g.dp, g.mbs, self.schedule, self.virtual_stages)
+        return (g.tp, self.pp, g.dp, g.mbs, self.schedule, self.virtual_stages) + expert_key(g.tp, g.ep, g.etp)
 
 
 def tp_degrees(cm: CostModel, options: SearchOptions) -> tuple[int, ...]:
@@ -90,8 +99,8 @@ class SearchSpace:
         self.groups = self._groups()
         # no pipeline is longer: a structure uses at most this many slots of a type
         self.max_pp = min(self.num_layers, options.max_pipeline_stages or self.num_layers)
-        self._tables: dict[tuple[int, int, int], TypeTable] = {}
-        self._classes: dict[tuple[int, int, int], array] = {}
+        self._tables: dict[tuple, TypeTable] = {}
+        self._classes: dict[tuple, array] = {}
 
     def _tp_degrees(self) -> tuple[int, ...]:
         return tp_degrees(self.cm, self.options)
@@ -116,21 +125,23 @@ class SearchSpace:
                     used = tuple((n, s) for n, s in zip(names, slots) if s > 0)
                     if not used:
                         break           # larger dp only has fewer slots
-                    out.append(Group(tp=tp, mbs=mbs, dp=dp, micro_batches=m,
-                                     names=tuple(n for n, _ in used), slots=tuple(s for _, s in used)))
+                    for ep, etp in self.cm.expert_layouts(tp, dp, self.options.expert_parallel):
+                        out.append(Group(tp=tp, mbs=mbs, dp=dp, micro_batches=m, ep=ep, etp=etp,
+                                         names=tuple(n for n, _ in used), slots=tuple(s for _, s in used)))
         return tuple(out)
 
     def table(self, g: Group) -> TypeTable:
         """The cost table of a group (built once)."""
-        key = (g.tp, g.mbs, g.dp)
+        key = g.key
         tb = self._tables.get(key)
         if tb is None:
-            tb = self._tables[key] = type_table(self.cm, g.tp, g.mbs, g.dp, g.names, max_pp=self.max_pp)
+            tb = self._tables[key] = type_table(self.cm, g.tp, g.mbs, g.dp, g.names, max_pp=self.max_pp,
+                                                ep=g.ep, etp=g.etp)
         return tb
 
     def type_classes(self, g: Group) -> array:
         """Class id per type: equal ids mark device types with identical costs and links."""
-        key = (g.tp, g.mbs, g.dp)
+        key = g.key
         cls = self._classes.get(key)
         if cls is None:
             tb = self.table(g)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
-from ..costmodel import CostModel
+from ..costmodel import CostModel, has_gradient_sync
 from ..specs import LINK_CROSS_TYPE
 from ..stagecost import put_rank_times
 
@@ -33,7 +33,7 @@ SLOT_COLUMNS = ("allreduce_ms", "embedding_allreduce_ms", "head_allreduce_ms", "
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TypeTable:
-    """Costs of every device type for one ``(tp, mbs, dp)``; slot arrays are ``[t * max_slots + j]``."""
+    """Costs of every device type for one ``(tp, mbs, dp, ep, etp)``; slot arrays are ``[t * max_slots + j]``."""
 
     tp: int
     mbs: int
@@ -47,10 +47,10 @@ class TypeTable:
     embedding_backward_ms: array
     head_forward_ms: array     # 'd' extra forward on the last virtual stage (output layer + loss)
     head_backward_ms: array
-    allreduce_ms: array        # 'd' per slot: DP gradient sync ms of one layer (0 when dp = 1)
+    allreduce_ms: array        # 'd' per slot: DP gradient sync ms of one layer (0 without a gradient sync)
     embedding_allreduce_ms: array   # 'd' per slot: sync of the embedding
     head_allreduce_ms: array   # 'd' per slot: sync of the output layer
-    has_allreduce: array       # 'i' per slot: 1 when the stage has a DP all-reduce (dp > 1)
+    has_allreduce: array       # 'i' per slot: 1 when the stage syncs gradients (has_gradient_sync)
     send_same_ms: array        # 'd' per slot j: transfer ms from slot j to slot j+1 of the same type
     send_wrap_ms: array        # 'd' per slot j: transfer ms from slot j to slot 0 (interleaved wrap)
     send_cross_ms: array       # 'd' per type: transfer ms to a stage of another type
@@ -68,7 +68,7 @@ class TypeTable:
 
     @property
     def key(self) -> tuple[int, int, int]:
-        """``(tp, mbs, dp)``."""
+        """``(tp, mbs, dp)`` (the expert layout is the group's: ``space.Group.key``)."""
         return (self.tp, self.mbs, self.dp)
 
     def put_rank_times(self, params, pp: int, v: int, rank: int, layers, lower, t: int, slot: int) -> None:
@@ -82,8 +82,9 @@ class TypeTable:
 
 
 def type_table(cm: CostModel, tp: int, mbs: int, dp: int, names: tuple[str, ...],
-               max_pp: int | None = None) -> TypeTable:
-    """Build the table of ``names`` for ``(tp, mbs, dp)`` from the cost model's records.
+               max_pp: int | None = None, ep: int = 1, etp: int | None = None) -> TypeTable:
+    """Build the table of ``names`` for ``(tp, mbs, dp)`` with expert layout ``(ep, etp)`` from the cost
+    model's records.
 
     ``max_pp``: the largest pipeline the search tries. A plan uses at most ``pp`` slots of a type, so
     the slot columns stop there (``slots`` keeps the true count): on a cluster of 100,000 devices a
@@ -95,14 +96,15 @@ def type_table(cm: CostModel, tp: int, mbs: int, dp: int, names: tuple[str, ...]
     per_slot: dict[str, array] = {k: array("d", [0.0]) * (len(names) * stride)
                                   for k in SLOT_COLUMNS if k != "has_allreduce"}
     has_allreduce = array("i", [0]) * (len(names) * stride)
+    syncs = has_gradient_sync(tp, dp, ep, etp)
     for t, name in enumerate(names):
-        gc = cm.group(name, tp, mbs, dp)
+        gc = cm.group(name, tp, mbs, dp, ep, etp)
         for key in TYPE_COLUMNS:
             cols[key].append(gc.send_ms[LINK_CROSS_TYPE] if key == "send_cross_ms" else getattr(gc, key))
         for j in range(kept[t]):
             i = t * stride + j
-            if dp > 1:
-                spans = cm.slot_spans(name, tp, dp, j)
+            if syncs:
+                spans = dp > 1 and cm.slot_spans(name, tp, dp, j)
                 kind = 1 if spans else 0          # LINK_INTER_NODE / LINK_INTRA_NODE
                 for key in ("allreduce_ms", "embedding_allreduce_ms", "head_allreduce_ms"):
                     per_slot[key][i] = getattr(gc, key)[kind]

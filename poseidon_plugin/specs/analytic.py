@@ -22,7 +22,7 @@ from typing import Any, Iterable, Mapping
 
 from ..errors import InputError
 from .cluster import LINK_INTRA_NODE, ClusterSpec, check_memory_reserve
-from .constants import CostConstants, resolve_constants
+from .constants import DEFAULT_CONSTANTS, CostConstants, resolve_constants
 from .model import ModelSpec
 from .documents import quote
 from .profile import ProfileEntry, ProfileSpec
@@ -46,13 +46,17 @@ def constants_for(cluster: ClusterSpec, model: ModelSpec,
 
 def valid_tp_degrees(cluster: ClusterSpec, model: ModelSpec, device_type: str) -> tuple[int, ...]:
     """TP degrees allowed for a device type: powers of two that fit in one of its nodes and divide the
-    attention heads, the KV groups and the MLP width (Megatron's divisibility rules)."""
+    attention heads, the KV groups and the MLP width (Megatron's divisibility rules); an MoE model without
+    sequence parallelism only TP 1 (megatron-core's MoE layer refuses to train TP > 1 without it)."""
     limit = cluster.devices_per_node(device_type)
+    if model.num_experts and not model.sequence_parallel:
+        limit = 1
     out = []
     tp = 1
     while tp <= limit:
         if (model.num_attention_heads % tp == 0 and model.num_query_groups % tp == 0
-                and model.ffn_hidden_size % tp == 0):
+                and model.ffn_hidden_size % tp == 0 and model.expert_ffn_hidden_size % tp == 0
+                and model.moe_shared_expert_size % tp == 0):
             out.append(tp)
         tp *= 2
     return tuple(out)
@@ -68,12 +72,43 @@ def layer_param_counts(model: ModelSpec) -> tuple[int, int]:
     attention = h * (h + 2 * model.kv_size) + h * h          # QKV + output projection
     expert = _mlp_matrices(model) * h * f
     if model.num_experts:
-        mlp = model.num_experts * expert
+        mlp = expert_params(model) + _mlp_matrices(model) * h * model.moe_shared_expert_size
         replicated = 2 * h + h * model.num_experts            # two norms + router
     else:
         mlp = expert
         replicated = 2 * h
     return attention + mlp, replicated
+
+
+def expert_params(model: ModelSpec) -> int:
+    """Parameters of one layer's routed experts (all experts, all TP ranks); 0 for a dense model."""
+    return model.num_experts * _mlp_matrices(model) * model.hidden_size * model.expert_ffn_hidden_size
+
+
+def expert_load_factor(model: ModelSpec, ep: int, constants: CostConstants) -> float:
+    """Tokens the busiest device's experts compute, over the balanced average ``tokens x top_k / EP``.
+
+    Without EP every device computes (its TP share of) every expert, so only padding to capacity changes
+    the sum; with EP > 1 the busiest rank's experts get ``moe_load_imbalance`` x the average, at most the
+    capacity factor's (dropped tokens above it), exactly it when padded to capacity."""
+    cf = model.moe_capacity_factor
+    if model.moe_pad_to_capacity:
+        return cf
+    load = constants.moe_load_imbalance if ep > 1 else 1.0
+    return min(load, cf) if cf else load
+
+
+def expert_forward_flops(model: ModelSpec, mbs: int) -> float:
+    """Forward FLOPs of one layer's routed experts at balanced load (all TP ranks together)."""
+    tokens = mbs * model.seq_length
+    return model.moe_top_k * (2.0 * tokens * model.hidden_size * model.expert_ffn_hidden_size * _mlp_matrices(model))
+
+
+def moe_dispatch_bytes(model: ModelSpec, mbs: int, tp: int) -> float:
+    """Bytes one device sends into the dispatch all-to-all per micro-batch at balanced load: its tokens
+    (sequence-split over TP with sequence parallelism) times ``top_k`` copies of ``hidden`` elements."""
+    local = mbs * model.seq_length / (tp if (model.sequence_parallel and tp > 1) else 1)
+    return local * model.moe_top_k * model.hidden_size * model.dtype_bytes
 
 
 def layer_forward_flops(model: ModelSpec, mbs: int, causal_attention_factor: float = 1.0) -> float:
@@ -85,7 +120,9 @@ def layer_forward_flops(model: ModelSpec, mbs: int, causal_attention_factor: flo
     proj = 2.0 * tokens * h * h
     expert = 2.0 * tokens * h * f * _mlp_matrices(model)
     if model.num_experts:
-        mlp = model.moe_top_k * expert + 2.0 * tokens * h * model.num_experts  # experts + router
+        shared = 2.0 * tokens * h * model.moe_shared_expert_size * _mlp_matrices(model)
+        routed = expert_forward_flops(model, mbs) * expert_load_factor(model, 1, DEFAULT_CONSTANTS)
+        mlp = routed + shared + 2.0 * tokens * h * model.num_experts  # experts + shared + router
     else:
         mlp = expert
     return qkv + scores + proj + mlp
@@ -112,8 +149,11 @@ def layer_activation_bytes(model: ModelSpec, mbs: int, tp: int, flash_attention:
         per_token += float(d) * model.num_attention_heads * model.seq_length / tp  # softmax output
     mlp = (3 if model.swiglu else 2) * f * d / tp            # gated pre-activations + fc2 input
     if model.num_experts:
-        # each token visits top_k experts: their activations plus its routed (gathered) copy
-        per_token += model.moe_top_k * (mlp + h * d) + 4.0 * model.num_experts
+        # each token visits top_k experts: their activations plus its routed (gathered) copy; shared
+        # experts keep a dense MLP's
+        expert = (3 if model.swiglu else 2) * model.expert_ffn_hidden_size * d / tp
+        shared = (3 if model.swiglu else 2) * model.moe_shared_expert_size * d / tp
+        per_token += model.moe_top_k * (expert + h * d) + shared + 4.0 * model.num_experts
     else:
         per_token += mlp
     return int(round(per_token * tokens))
@@ -123,6 +163,46 @@ def _ring_allreduce_ms(nbytes: float, ranks: int, bytes_per_ms: float, latency_m
     if ranks <= 1:
         return 0.0
     return 2.0 * (ranks - 1) / ranks * nbytes / bytes_per_ms + 2.0 * (ranks - 1) * latency_ms
+
+
+def all_to_all_ms(nbytes: float, ranks: int, bytes_per_ms: float, latency_ms: float) -> float:
+    """An all-to-all where each of ``ranks`` devices sends ``nbytes`` split evenly over the group (pairwise
+    exchange: ``ranks - 1`` steps, the share for the others crosses the link)."""
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) / ranks * nbytes / bytes_per_ms + (ranks - 1) * latency_ms
+
+
+def expert_parallel_ms(cluster: ClusterSpec, model: ModelSpec, device_type: str, tp: int, mbs: int,
+                       ep: int, etp: int, ep_link: int, constants: CostConstants) -> tuple[float, float]:
+    """``(forward, backward)`` ms one MoE layer takes more per micro-batch with expert parallelism ``ep`` and
+    expert TP ``etp`` than as profiled (``ep = 1``, experts TP-split: Megatron's all-gather dispatcher).
+
+    Megatron's all-to-all dispatcher, work that blocks the layer: the MLP's TP collective (all-gather +
+    reduce-scatter of ``tokens x hidden``) goes; the dispatch and the combine all-to-all of
+    :func:`moe_dispatch_bytes` over the EP group's link ``ep_link`` (``LINK_*``) and, with ``etp > 1``, an
+    all-gather + reduce-scatter of the received tokens over the expert-TP group (inside a node) come, each
+    in the forward and again in the backward. The busiest device's expert GEMMs change by
+    :func:`expert_load_factor` (its tokens over ``tokens x top_k / EP``; with ``EP x expert-DP x expert-TP``
+    over the stage's ``TP x DP`` ranks a device computes ``tokens x top_k x 1 / TP`` expert rows whatever
+    the layout)."""
+    if not model.num_experts or (ep == 1 and etp == tp):
+        return 0.0, 0.0
+    dev = cluster.device_type(device_type)
+    eff = dev.efficiency if dev.efficiency is not None else constants.compute_efficiency
+    flops_per_ms = dev.peak_tflops * 1e12 * eff / 1e3
+    intra = cluster.link(device_type, LINK_INTRA_NODE)
+    bw, lat = intra.bytes_per_ms * constants.link_efficiency, intra.latency_ms
+    group = cluster.link(device_type, ep_link)
+    tokens = mbs * model.seq_length
+    mlp_collective = _ring_allreduce_ms(float(tokens * model.hidden_size * model.dtype_bytes), tp, bw, lat)
+    load = expert_load_factor(model, ep, constants)
+    sent = moe_dispatch_bytes(model, mbs, tp) * load
+    a2a = all_to_all_ms(sent, ep, group.bytes_per_ms * constants.link_efficiency, group.latency_ms)
+    expert_tp = _ring_allreduce_ms(etp * sent, etp, bw, lat)      # all-gather + reduce-scatter
+    compute = expert_forward_flops(model, mbs) / tp / flops_per_ms * (load - expert_load_factor(model, 1, constants))
+    comm = 2.0 * a2a + expert_tp - mlp_collective
+    return compute + comm, constants.backward_flops_factor * compute + comm
 
 
 def analytic_entry(cluster: ClusterSpec, model: ModelSpec, device_type: str, tp: int, mbs: int,

@@ -56,6 +56,11 @@ class CostConstants:
     adam_state_bytes: float = 8.0
     """Optimizer state bytes per parameter: Adam's fp32 first and second moments."""
 
+    moe_load_imbalance: float = 1.0
+    """MoE with expert parallelism: tokens the busiest EP rank's experts get over the average (the layer
+    waits for it). 1.0 = balanced routing (an auxiliary load-balancing loss keeps it near); a capacity factor
+    caps it."""
+
     def override(self, updates: Mapping[str, Any] | None, where: str) -> "CostConstants":
         """A copy with ``updates`` applied (validated; unknown names are an error naming ``where``)."""
         if not updates:
@@ -75,6 +80,8 @@ class CostConstants:
                 values[key] = get_float(updates, key, where, minimum=0.0, strict=True, maximum=1.0)
             elif key == "memory_reserve_fraction":
                 values[key] = get_float(updates, key, where, minimum=0.0, maximum=0.9)
+            elif key == "moe_load_imbalance":
+                values[key] = get_float(updates, key, where, minimum=1.0, maximum=1024.0)
             elif key == "backward_flops_factor":
                 values[key] = get_float(updates, key, where, minimum=0.0, strict=True)
             else:

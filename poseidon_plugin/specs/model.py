@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import InputError
-from .fields import (check_keys, get_bool, get_int, get_mapping, get_str, load_document_or_preset,
+from .fields import (check_keys, get_bool, get_float, get_int, get_mapping, get_str, load_document_or_preset,
                      preset_names, quote)
 
 
@@ -30,6 +30,8 @@ MODEL_LIMITS = {
     "global_batch_size": 1 << 16,       # 65,536 samples; it bounds the micro-batches a plan simulates
     "num_experts": 1 << 16,
     "moe_top_k": 1 << 16,
+    "moe_ffn_hidden_size": 1 << 22,
+    "moe_shared_expert_size": 1 << 24,
 }
 """Largest value of each integer field (docs/SPECS.md, Limits): far above real models, low enough that
 the planner never sizes work or memory by an absurd number."""
@@ -42,7 +44,7 @@ class ModelSpec:
     name: str
     num_layers: int            # transformer (decoder) layers
     hidden_size: int
-    ffn_hidden_size: int       # intermediate size of the (SwiGLU) MLP, per expert for MoE
+    ffn_hidden_size: int       # intermediate size of the (SwiGLU) MLP; of each expert unless moe_ffn_hidden_size
     num_attention_heads: int
     num_query_groups: int      # KV heads (GQA groups); == num_attention_heads for plain MHA
     vocab_size: int
@@ -51,6 +53,10 @@ class ModelSpec:
     dtype: str = "bf16"        # training dtype: bf16 | fp16 | fp32 (mixed precision with fp32 master)
     num_experts: int = 0       # MoE experts per layer; 0 = dense MLP
     moe_top_k: int = 0         # experts each token is routed to (MoE only)
+    moe_ffn_hidden_size: int = 0        # intermediate size of one expert; 0 = ffn_hidden_size (Megatron's default)
+    moe_shared_expert_size: int = 0     # intermediate size of the shared experts all tokens pass (0: none)
+    moe_capacity_factor: float = 0.0    # expert capacity / average load; 0 = dropless (Megatron's default)
+    moe_pad_to_capacity: bool = False   # experts compute a full capacity of tokens (needs a capacity factor)
     swiglu: bool = True        # gated MLP with 3 weight matrices (LLaMA); false = 2-matrix GELU MLP
     tie_embeddings: bool = False   # output layer shares the embedding weights
     distributed_optimizer: bool = True  # optimizer states (and fp32 master) sharded over DP (ZeRO-1)
@@ -76,6 +82,16 @@ class ModelSpec:
         if self.moe_top_k > self.num_experts:
             raise InputError(f"{where}moe_top_k = {self.moe_top_k} is invalid: must be <= num_experts = "
                              f"{self.num_experts}")
+        moe_fields = {"moe_ffn_hidden_size": 0, "moe_shared_expert_size": 0, "moe_capacity_factor": 0.0,
+                      "moe_pad_to_capacity": False}
+        if not self.num_experts:
+            for name, default in moe_fields.items():
+                if getattr(self, name) != default:
+                    raise InputError(f"{where}{name} = {quote(getattr(self, name))} is invalid for a dense model "
+                                     "(num_experts = 0): set num_experts and moe_top_k, or drop it")
+        if self.moe_pad_to_capacity and not self.moe_capacity_factor:
+            raise InputError(f"{where}moe_pad_to_capacity = true needs a moe_capacity_factor > 0 (Megatron's "
+                             "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor)")
 
     @property
     def dtype_bytes(self) -> int:
@@ -91,6 +107,11 @@ class ModelSpec:
     def kv_size(self) -> int:
         """Width of the K (and of the V) projection: query groups x head_dim."""
         return self.num_query_groups * self.head_dim
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Intermediate size of one routed expert (``moe_ffn_hidden_size``, else ``ffn_hidden_size``)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     @property
     def tokens_per_iteration(self) -> int:
@@ -123,8 +144,9 @@ class ModelSpec:
 _INT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",
                "seq_length", "global_batch_size")
 _BOOL_FIELDS = ("swiglu", "tie_embeddings", "distributed_optimizer", "sequence_parallel")
-_ALL_FIELDS = ("name", *_INT_FIELDS, "num_query_groups", "dtype", "num_experts", "moe_top_k",
-               *_BOOL_FIELDS, "constants", "description")
+_MOE_INT_FIELDS = ("num_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_shared_expert_size")
+_ALL_FIELDS = ("name", *_INT_FIELDS, "num_query_groups", "dtype", *_MOE_INT_FIELDS, "moe_capacity_factor",
+               "moe_pad_to_capacity", *_BOOL_FIELDS, "constants", "description")
 
 
 def parse_model(doc: Any, source: str = "<model>") -> ModelSpec:
@@ -136,9 +158,11 @@ def parse_model(doc: Any, source: str = "<model>") -> ModelSpec:
     values: dict[str, Any] = {k: get_int(doc, k, root, maximum=lim[k]) for k in _INT_FIELDS}
     values["num_query_groups"] = get_int(doc, "num_query_groups", root, maximum=lim["num_query_groups"],
                                          default=values["num_attention_heads"])
-    values["num_experts"] = get_int(doc, "num_experts", root, minimum=0, maximum=lim["num_experts"],
-                                    default=0)
-    values["moe_top_k"] = get_int(doc, "moe_top_k", root, minimum=0, maximum=lim["moe_top_k"], default=0)
+    for k in _MOE_INT_FIELDS:
+        values[k] = get_int(doc, k, root, minimum=0, maximum=lim[k], default=0)
+    values["moe_capacity_factor"] = get_float(doc, "moe_capacity_factor", root, minimum=0.0, maximum=1024.0,
+                                              default=0.0)
+    values["moe_pad_to_capacity"] = get_bool(doc, "moe_pad_to_capacity", root, default=False)
     values["dtype"] = get_str(doc, "dtype", root, choices=DTYPE_BYTES, default="bf16")
     defaults = {f.name: f.default for f in dataclasses.fields(ModelSpec)}
     for k in _BOOL_FIELDS:

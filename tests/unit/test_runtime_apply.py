@@ -16,16 +16,18 @@ from poseidon_plugin.runtime.mindspeed import MindSpeedError
 from poseidon_plugin.specs import ModelSpec, parse_cluster
 
 
-def _plan(layers, v=1, tp=1, dp=1, mbs=1):
+def _plan(layers, v=1, tp=1, dp=1, mbs=1, experts=0, ep=1, etp=None):
     cluster = parse_cluster({"name": "c", "device_types": ["A2-2", "A2-4"],
                              "nodes": [{"device_type": "A2-2", "count": 1, "devices_per_node": 4},
                                        {"device_type": "A2-4", "count": 1, "devices_per_node": 4}],
                              "links": "npu"})
     model = ModelSpec(name="m", num_layers=sum(layers), hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8,
-                      num_query_groups=8, vocab_size=1000, seq_length=128, global_batch_size=16)
+                      num_query_groups=8, vocab_size=1000, seq_length=128, global_batch_size=16,
+                      num_experts=experts, moe_top_k=2 if experts else 0)
     pp = len(layers) // v
     cand = Candidate(tp=tp, pp=pp, dp=dp, mbs=mbs, stage_types=tuple(["A2-2", "A2-4"][i * 2 // pp] for i in range(pp)),
-                     layers=tuple(layers), schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v)
+                     layers=tuple(layers), schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v,
+                     ep=ep, etp=etp)
     return CostModel(cluster, model).make_plan(cand)
 
 
@@ -94,12 +96,27 @@ def test_mindspeed_rewrite_drops_conflicts_and_keeps_the_rest():
 
 
 def test_mindspeed_rewrite_adds_sequence_parallel_for_moe_with_tp_and_ep():
-    user = ["--num-layers", "8", "--num-experts", "4", "--expert-model-parallel-size", "2"]
-    out = rewrite_args(_plan((3, 5), tp=2, dp=2), "mindspeed", 16, user)
+    user = ["--num-layers", "8", "--num-experts", "4"]
+    plan = _plan((3, 5), tp=2, dp=2, experts=4, ep=2)
+    out = rewrite_args(plan, "mindspeed", 16, user)
     assert out.args.count("--sequence-parallel") == 1 and "--sequence-parallel" in out.planned
     assert any("added --sequence-parallel" in note for note in out.notes)
+    assert flag_values(out.args)["--expert-model-parallel-size"] == "2"
     # the same job in the megatron style is passed through as given
-    assert "--sequence-parallel" not in rewrite_args(_plan((3, 5), tp=2, dp=2), "megatron", 16, user).args
+    assert "--sequence-parallel" not in rewrite_args(plan, "megatron", 16, user).args
+
+
+@pytest.mark.parametrize("style", ["megatron", "mindspeed", "mindspeed-layout", "patch"])
+def test_the_plan_s_expert_layout_replaces_the_user_s(style):
+    """The user's EP / expert TP give way to the plan's in every style (they are planned flags), with a note."""
+    user = ["--num-layers", "8", "--num-experts", "4", "--expert-model-parallel-size", "4",
+            "--expert-tensor-parallel-size", "2", "--sequence-parallel"]
+    out = rewrite_args(_plan((3, 5), tp=2, dp=2, experts=4, ep=2, etp=1), style, 16, user)
+    values = flag_values(out.args)
+    assert (values["--expert-model-parallel-size"], values["--expert-tensor-parallel-size"],
+            values["--moe-token-dispatcher-type"]) == ("2", "1", "alltoall")
+    assert out.args.count("--expert-model-parallel-size") == 1
+    assert "--expert-model-parallel-size 4 replaced by the plan's --expert-model-parallel-size 2" in out.notes
 
 
 @pytest.mark.parametrize("extra, match", [

@@ -290,11 +290,12 @@ def test_a_variant_out_of_time_without_a_plan_leaves_the_others_plan(monkeypatch
 
 
 @pytest.mark.parametrize("args, multiple", [([], 1), (["--context-parallel-size", "2"], 2),
-                                            (["--context-parallel-size", "2", "--expert-model-parallel-size", "3"], 6),
+                                            (["--context-parallel-size", "2", "--expert-model-parallel-size", "3"], 2),
                                             (["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"],
-                                             4)])
-def test_context_and_expert_parallelism_set_the_dp_multiple(args, multiple):
-    """A plan must be a whole number of the job's CP / EP groups: its DP is a multiple of lcm(CP, EP)."""
+                                             1)])
+def test_context_parallelism_sets_the_dp_multiple(args, multiple):
+    """A plan must be a whole number of the job's CP groups: its DP is a multiple of CP. The user's EP and
+    expert TP set nothing: the plan's expert layout replaces them (``Plan.ep``)."""
     from poseidon_plugin.runtime.mindspeed import dp_multiple
 
     assert dp_multiple(args) == multiple
