@@ -311,6 +311,7 @@ def load_checkpoint(args: argparse.Namespace, chunks, optimizer) -> int:
     if not os.path.isdir(folder):
         raise SystemExit(f"--ckpt-step {iteration}: {args.load} has no checkpoint of that iteration "
                          f"({os.path.basename(folder)} not found)")
+    started = time.perf_counter()
     state = _sharded_state(chunks, None if args.no_load_optim else optimizer, is_loading=True)
     state["iteration"] = iteration
     loaded = dist_checkpointing.load(state, folder)
@@ -322,7 +323,7 @@ def load_checkpoint(args: argparse.Namespace, chunks, optimizer) -> int:
         print(f"loaded checkpoint from {args.load} at iteration {iteration} (TP "
               f"{parallel_state.get_tensor_model_parallel_world_size()} PP "
               f"{parallel_state.get_pipeline_model_parallel_world_size()} DP "
-              f"{parallel_state.get_data_parallel_world_size()})", flush=True)
+              f"{parallel_state.get_data_parallel_world_size()}) in {time.perf_counter() - started:.2f} s", flush=True)
     return iteration
 
 
