@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -41,7 +40,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path[:0] = [REPO]
+sys.path[:0] = [HERE, REPO]
+
+from _agents import kill_agent, wait_for_port  # noqa: E402
 
 TARGET_S = 2.0
 OWN = ["A2-4:1", "A2-2:1"]  # agent i's own device; agent 1's (the faster) is in every plan, so its loss matters
@@ -97,19 +98,7 @@ class Agent:
         return code
 
     def kill(self) -> None:
-        """The agent and its workers (each worker runs in a session of its own), as a node that dies."""
-        if self.proc.poll() is not None:
-            return
-        import psutil
-
-        workers = psutil.Process(self.proc.pid).children(recursive=True)
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        for worker in workers:
-            try:
-                worker.kill()
-            except psutil.NoSuchProcess:
-                pass
-        self.proc.wait(timeout=30)
+        kill_agent(self.proc)
 
 
 def free_port() -> int:
@@ -118,21 +107,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for_port(port: int) -> None:
-    deadline = time.monotonic() + BOUND_S
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise SystemExit(f"bench_restart: no agent listened on {port}")
-
-
 def launch(args: list[str], env: dict[str, str], rdzv_id: str, fault: str | None = None) -> list[Agent]:
     port = free_port()
     env = dict(env, **({"POSEIDON_INJECT_FAULT": fault} if fault else {}))
     first = Agent(0, port, args, env, rdzv_id)
-    wait_for_port(port)
+    if not wait_for_port(port, BOUND_S):
+        first.kill()
+        raise SystemExit(f"bench_restart: no agent listened on {port}")
     return [first, Agent(1, port, args, env, rdzv_id)]
 
 

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
 pytest.importorskip("torch")
@@ -31,6 +28,9 @@ from poseidon_plugin.runtime.precheck import declared_cluster  # noqa: E402
 from tests.dist.conftest import free_port  # noqa: E402
 from tests.dist.test_launcher import JOB, REPO, SCRIPT  # noqa: E402
 from tests.dist.test_resume import LOSS_TOLERANCE, _with, iteration_losses  # noqa: E402
+
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+from _agents import kill_agent, wait_for_port  # noqa: E402
 
 BOUND_S = 300
 """Upper bound on any one wait (a hung launch fails the test instead of the suite)."""
@@ -80,36 +80,18 @@ class Agent:
         return code, self.output()
 
     def kill(self) -> None:
-        """The agent and its workers (torchrun starts each worker in a session of its own), as a lost node."""
-        if self.proc.poll() is None:
-            workers = psutil.Process(self.proc.pid).children(recursive=True)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            for worker in workers:
-                try:
-                    worker.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            self.proc.wait(timeout=30)
+        """The agent and its workers, as a node that dies."""
+        kill_agent(self.proc)
         if not self.log.closed:
             self.log.close()
-
-
-def wait_for_port(port: int) -> None:
-    """Until the first agent listens on the rendezvous port (it hosts the store; the other joins it)."""
-    deadline = time.monotonic() + BOUND_S
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    pytest.fail(f"no agent listened on port {port}")
 
 
 def launch(tmp_path, agents_args: list[list[str]], **kwargs) -> list[Agent]:
     port = free_port()
     first = Agent(tmp_path, 0, f"127.0.0.1:{port}", agents_args[0], **kwargs)
     try:
-        wait_for_port(port)
+        if not wait_for_port(port, BOUND_S):
+            pytest.fail(f"no agent listened on port {port}:\n{first.output()[-4000:]}")
         return [first, *[Agent(tmp_path, i, f"127.0.0.1:{port}", args, **kwargs)
                          for i, args in enumerate(agents_args[1:], start=1)]]
     except BaseException:
