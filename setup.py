@@ -39,7 +39,8 @@ DIRECTIVES = {"language_level": "3", "boundscheck": False, "wraparound": False, 
 with open(os.path.join("poseidon_plugin", "__init__.py"), encoding="utf-8") as f:
     VERSION = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
-CPU_STACK = ["torch==2.13.0", "megatron-core==0.16.1"]
+# psutil: megatron-core's torch_dist checkpoint writer reads the process memory with it (--save)
+CPU_STACK = ["torch==2.13.0", "megatron-core==0.16.1", "psutil>=5.9"]
 # megatron.training (Megatron-LM's training loop) imports these; triton's CPU-installable wheel of torch 2.13
 MEGATRON_LM_IMPORTS = ["triton==3.9.0", "pydantic>=2", "tqdm>=4", "wrapt>=1.14", "six>=1.16", "regex>=2023",
                        "einops>=0.7"]

@@ -8,14 +8,15 @@ the same requests, each wrapped so that ``wait()`` first waits for the real (tin
 until the emulated transfer is over: *the later of the two posts, plus the link's* ``send_ms``, which is
 what the simulator's ``megatron`` model charges.
 
-The later of the two posts needs the peer's posting time. Ranks of one host share it through a small file
-the launcher creates (``POSEIDON_EMULATION_STAMPS``, mapped by every rank, see :class:`Stamps`): each op
-writes its posting time under (sender, receiver, its side, its sequence number on that ordered pair), and
-the j-th send from A to B is the j-th receive at B from A (gloo, like NCCL, matches in posting order on a
-pair; megatron-core uses one communicator per ordered pair). The real transfer completes only once both
-sides posted (a rendezvous), so the peer's stamp is there when the wait returns. Without the file (a job
-on several hosts, or no launcher) the transfer counts from when its completion is first seen, and several
-requests of one call found complete together share that moment.
+The later of the two posts needs the peer's posting time. Ranks of one host share it through a small mapped
+file (see :class:`Stamps`): each op writes its posting time under (sender, receiver, its side, its sequence
+number on that ordered pair), and the j-th send from A to B is the j-th receive at B from A (gloo, like NCCL,
+matches in posting order on a pair; megatron-core uses one communicator per ordered pair). The real transfer
+completes only once both sides posted (a rendezvous), so the peer's stamp is there when the wait returns.
+The bootstrap hands every planned rank the same file, whichever torchrun agent started it
+(``runtime/emulation.share_stamps``). Without it (a job on several hosts, or no launcher) the transfer
+counts from when its completion is first seen, and several requests of one call found complete together
+share that moment.
 
 ``finalize_model_grads`` is held for the emulated DP sync time of the rank's stage (the cost model's ring
 all-reduce of the preset's gradients over the DP group's emulated link) *before* it runs for real: it
@@ -41,16 +42,21 @@ from .emulation import sleep_until
 from .table import Patch, PatchTable
 
 STAMPS_ENV = "POSEIDON_EMULATION_STAMPS"
-"""Path of the shared stamp file (set by ``poseidon-run`` for an emulated job; absent: no sharing)."""
+"""Where this agent's launcher lets its ranks create stamp files (a path prefix in a folder it removes at
+the end; set by ``poseidon-run`` for an emulated job)."""
 
 _state: dict[str, Any] = {"emulation": None, "stamps": None}
 
 
 def set_state(state: Any, stamps: Stamps | None = None) -> None:
     """The rank's ``EmulationState`` (``p2p_ms(peer, mbs)``, ``sync_ms``, ``my_rank``), or None to switch
-    delays off; ``stamps`` shares posting times with the peers (None: opened from ``STAMPS_ENV`` when the
-    state is first used bound, if every rank is on this host)."""
+    delays off; ``stamps`` shares posting times with the peers (None: none shared)."""
     _state["emulation"] = state
+    _state["stamps"] = stamps
+
+
+def set_stamps(stamps: Stamps | None) -> None:
+    """Share posting times through ``stamps`` from now on (None: not shared)."""
     _state["stamps"] = stamps
 
 
@@ -68,10 +74,11 @@ class Stamps:
     WAIT_S = 1.0
     """How long a reader waits for a stamp its peer writes right after posting (then: None)."""
 
-    def __init__(self, path: str, world_size: int) -> None:
+    def __init__(self, path: str, world_size: int, *, create: bool = True) -> None:
+        """Map ``path`` for ``world_size`` ranks; ``create=False``: it must exist (OSError otherwise)."""
         self.world = int(world_size)
         size = self.world * self.world * 2 * self.SLOTS * 2 * 8
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
         try:
             if os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)  # every rank asks the same size; zero-filled: no stamp yet
@@ -80,23 +87,6 @@ class Stamps:
             os.close(fd)
         self._slots = memoryview(self._map).cast("d")
         self._next: dict[tuple[int, int, int], int] = {}
-
-    @classmethod
-    def from_env(cls) -> Stamps | None:
-        """The launcher's stamp file when every rank of the job runs on this host, else None.
-
-        One host: torchrun's ``GROUP_WORLD_SIZE`` (its nodes) is 1, or, without it, ``WORLD_SIZE`` equals
-        ``LOCAL_WORLD_SIZE``. Not the latter alone: a plan that leaves devices idle regroups the job into
-        fewer ranks (``placement.regroup`` sets ``WORLD_SIZE``) than the host launched."""
-        path = os.environ.get(STAMPS_ENV)
-        world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
-        nodes = os.environ.get("GROUP_WORLD_SIZE")
-        if not path or not world or not (nodes == "1" if nodes else world == local):
-            return None
-        try:
-            return cls(path, int(world))
-        except (OSError, ValueError):
-            return None
 
     def _index(self, src: int, dst: int, side: int, seq: int) -> int:
         return (((src * self.world + dst) * 2 + side) * self.SLOTS + seq % self.SLOTS) * 2
@@ -131,10 +121,7 @@ class Stamps:
 
 
 def _stamps() -> Stamps | None:
-    stamps = _state["stamps"]
-    if stamps is None:
-        stamps = _state["stamps"] = Stamps.from_env() or False
-    return stamps or None
+    return _state["stamps"]
 
 
 class _Call:

@@ -9,9 +9,18 @@ Runs under ``torchrun`` (or ``poseidon-run``) on GPUs, or on CPU/gloo through Po
 It is what Megatron-LM's ``pretrain_gpt.py`` does, cut to the bone: GPTModel (megatron-core local spec),
 the real pipeline schedules from ``get_forward_backward_func()``, DDP + ``finalize_model_grads``, Megatron's
 Adam, synthetic token data (``--mock-data`` is the only data source), and one log line per iteration on the
-last pipeline stage: ``iteration 1/3 | lm loss 6.2431 | 0.52 s``. Uneven and interleaved splits are given
-with ``--pipeline-model-parallel-layout`` exactly as in Megatron-LM, or, one chunk per stage, with
-MindSpeed-LLM's ``--num-layer-list`` (any core, including 0.12 without the layout flag).
+last pipeline stage: ``iteration 1/3 | lm loss 6.2431 | 0.52 s`` (the loss averaged over the global batch, as
+Megatron-LM logs it). Uneven and interleaved splits are given with ``--pipeline-model-parallel-layout`` exactly
+as in Megatron-LM, or, one chunk per stage, with MindSpeed-LLM's ``--num-layer-list`` (any core, including 0.12
+without the layout flag).
+
+Checkpoints as Megatron-LM's ``--save DIR --save-interval N --load DIR`` with ``--ckpt-format torch_dist``
+(megatron-core's ``dist_checkpointing``): ``DIR/iter_0000004`` holds the model and the optimizer sharded by
+what they are, not by who held them, so a job restarted under another plan (TP, PP, DP, uneven or interleaved
+split) loads it and continues from the saved iteration; ``DIR/latest_checkpointed_iteration.txt`` names the
+last complete one. ``--load`` of a folder without a checkpoint starts from iteration 0, as Megatron-LM does.
+The synthetic data is drawn per global sample index, so the batches after a resume are those an
+uninterrupted run would have trained on, whatever the plan.
 """
 
 from __future__ import annotations
@@ -79,7 +88,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--clip-grad", type=float, default=1.0)
     add("--seed", type=int, default=1234)
     add("--log-interval", type=int, default=1)
+    # Checkpoints (Megatron-LM's names; torch_dist is the format that reshards across plans).
+    add("--save", type=str, default=None)
+    add("--load", type=str, default=None)
+    add("--save-interval", type=int, default=None)
+    add("--ckpt-format", default="torch_dist", choices=("torch_dist",))
+    add("--ckpt-step", type=int, default=None)  # load this iteration instead of the tracker's
+    add("--no-load-optim", action="store_true")  # the weights only: a fresh optimizer
     args = p.parse_args(argv)
+    if args.save_interval is not None and args.save_interval < 1:
+        p.error(f"--save-interval {args.save_interval}: give a number of iterations >= 1")
     if args.global_batch_size is None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         args.global_batch_size = args.micro_batch_size * world // (
@@ -118,14 +136,26 @@ def build_model(args: argparse.Namespace, job, config) -> list[DistributedDataPa
     return chunks
 
 
-def synthetic_batches(args: argparse.Namespace, vocab: int, device: torch.device):
-    """Endless deterministic micro-batches of random tokens (same sequence on every chunk of a DP replica)."""
-    generator = torch.Generator().manual_seed(args.seed + 7919 * parallel_state.get_data_parallel_rank())
-    positions = torch.arange(args.seq_length, device=device).unsqueeze(0).expand(args.micro_batch_size, -1)
+def synthetic_batches(args: argparse.Namespace, vocab: int, device: torch.device, first_iteration: int = 1):
+    """Endless deterministic micro-batches of random tokens from iteration ``first_iteration`` on (the same
+    sequence on every chunk of a DP replica).
+
+    Sample ``k`` of the run (``k = (iteration - 1) x global batch + j``) is drawn from a generator seeded with
+    ``k``, and micro-batch ``m`` of DP rank ``r`` holds samples ``(m x DP + r) x mbs ...``, Megatron's
+    order: every plan trains an iteration on the same global batch."""
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    mbs, per_rank = args.micro_batch_size, args.global_batch_size // (args.micro_batch_size * dp)
+    positions = torch.arange(args.seq_length, device=device).unsqueeze(0).expand(mbs, -1)
+    iteration = first_iteration
     while True:
-        tokens = torch.randint(0, vocab, (args.micro_batch_size, args.seq_length + 1), generator=generator)
-        tokens = tokens.to(device)
-        yield {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "position_ids": positions}
+        for m in range(per_rank):
+            first = (iteration - 1) * args.global_batch_size + (m * dp + dp_rank) * mbs
+            tokens = torch.stack([torch.randint(0, vocab, (args.seq_length + 1,),
+                                                generator=torch.Generator().manual_seed(args.seed * 1_000_003 + k))
+                                  for k in range(first, first + mbs)]).to(device)
+            yield {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+                   "position_ids": positions}
+        iteration += 1
 
 
 def _print_local_experts(chunks) -> None:
@@ -203,12 +233,14 @@ def main(argv: list[str] | None = None) -> int:
                         use_distributed_optimizer=args.use_distributed_optimizer),
         chunks,
     )
-    iterators = [synthetic_batches(args, job.vocab_size, device) for _ in chunks]
+    done = load_checkpoint(args, chunks, optimizer) if args.load else 0
+    iterators = [synthetic_batches(args, job.vocab_size, device, done + 1) for _ in chunks]
     forward_backward = get_forward_backward_func()
-    logging_rank = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-                    and parallel_state.get_tensor_model_parallel_rank() == 0
+    last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    logging_rank = (last_stage and parallel_state.get_tensor_model_parallel_rank() == 0
                     and parallel_state.get_data_parallel_rank() == 0)
-    for iteration in range(1, args.train_iters + 1):
+    saved = done
+    for iteration in range(done + 1, args.train_iters + 1):
         start = time.perf_counter()
         for chunk in chunks:
             chunk.zero_grad_buffer()
@@ -223,12 +255,98 @@ def main(argv: list[str] | None = None) -> int:
             forward_only=False,
         )
         update_ok, _, _ = optimizer.step()
-        if logging_rank and iteration % args.log_interval == 0:
-            loss = torch.stack([entry["lm loss"] for entry in losses]).mean().item()
-            print(f"iteration {iteration}/{args.train_iters} | lm loss {loss:.4f} | "
-                  f"{time.perf_counter() - start:.2f} s{'' if update_ok else ' | skipped'}", flush=True)
+        if last_stage and iteration % args.log_interval == 0:
+            loss = torch.stack([entry["lm loss"] for entry in losses]).mean()
+            # the global batch's loss, as Megatron-LM logs it: the mean over the DP replicas' micro-batches
+            dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+            loss = loss.item() / parallel_state.get_data_parallel_world_size()
+            if logging_rank:
+                print(f"iteration {iteration}/{args.train_iters} | lm loss {loss:.4f} | "
+                      f"{time.perf_counter() - start:.2f} s{'' if update_ok else ' | skipped'}", flush=True)
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            save_checkpoint(args, chunks, optimizer, iteration)
+            saved = iteration
+    if args.save and saved < args.train_iters:  # Megatron-LM saves the last iteration too
+        save_checkpoint(args, chunks, optimizer, args.train_iters)
     parallel_state.destroy_model_parallel()
     return 0
+
+
+TRACKER = "latest_checkpointed_iteration.txt"
+"""Megatron-LM's name for the file that names a checkpoint folder's last complete iteration."""
+
+
+def _sharded_state(chunks: list[DistributedDataParallel], optimizer, *, is_loading: bool) -> dict:
+    """The model chunks and the optimizer as megatron-core sharded tensors, keyed by what they hold (layer
+    numbers are global, TP shards are offsets into the full tensor), as Megatron-LM builds them."""
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    state = {}
+    for index, chunk in enumerate(chunks):
+        # the model itself, not its DDP wrapper (as Megatron-LM's unwrap_model): keys without "module."
+        state["model" if len(chunks) == 1 else f"model{index}"] = chunk.module.sharded_state_dict(metadata=metadata)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
+    return state
+
+
+def save_checkpoint(args: argparse.Namespace, chunks, optimizer, iteration: int) -> None:
+    """``--save DIR``: the model and optimizer after ``iteration`` in ``DIR/iter_NNNNNNN`` (torch_dist), then
+    the tracker file, so a checkpoint cut short by a failure is never the one loaded."""
+    from megatron.core import dist_checkpointing
+
+    folder = os.path.join(args.save, f"iter_{iteration:07d}")
+    if dist.get_rank() == 0:
+        os.makedirs(folder, exist_ok=True)
+    dist.barrier()
+    state = _sharded_state(chunks, optimizer, is_loading=False)
+    state["iteration"] = iteration
+    dist_checkpointing.save(state, folder)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tracker = os.path.join(args.save, TRACKER)
+        with open(tracker + ".tmp", "w", encoding="utf-8") as f:
+            f.write(f"{iteration}\n")
+        os.replace(tracker + ".tmp", tracker)
+        print(f"saved checkpoint at iteration {iteration} to {args.save}", flush=True)
+    dist.barrier()
+
+
+def load_checkpoint(args: argparse.Namespace, chunks, optimizer) -> int:
+    """``--load DIR``: the last complete checkpoint into the model and optimizer, resharded for this plan;
+    the iteration it was saved at (0 when ``DIR`` holds none)."""
+    from megatron.core import dist_checkpointing
+
+    tracker = os.path.join(args.load, TRACKER)
+    try:
+        with open(tracker, encoding="utf-8") as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        if dist.get_rank() == 0:
+            print(f"no checkpoint in {args.load} ({TRACKER} not found); training from iteration 0", flush=True)
+        return 0
+    if not text.isdigit():
+        raise SystemExit(f"--load {args.load}: {TRACKER} holds {text[:40]!r}, not an iteration number; "
+                         f"remove it to train from iteration 0")
+    iteration = int(text) if args.ckpt_step is None else args.ckpt_step
+    folder = os.path.join(args.load, f"iter_{iteration:07d}")
+    if not os.path.isdir(folder):
+        raise SystemExit(f"--ckpt-step {iteration}: {args.load} has no checkpoint of that iteration "
+                         f"({os.path.basename(folder)} not found)")
+    started = time.perf_counter()
+    state = _sharded_state(chunks, None if args.no_load_optim else optimizer, is_loading=True)
+    state["iteration"] = iteration
+    loaded = dist_checkpointing.load(state, folder)
+    for index, chunk in enumerate(chunks):
+        chunk.module.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{index}"])
+    if not args.no_load_optim:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if dist.get_rank() == 0:
+        print(f"loaded checkpoint from {args.load} at iteration {iteration} (TP "
+              f"{parallel_state.get_tensor_model_parallel_world_size()} PP "
+              f"{parallel_state.get_pipeline_model_parallel_world_size()} DP "
+              f"{parallel_state.get_data_parallel_world_size()}) in {time.perf_counter() - started:.2f} s", flush=True)
+    return iteration
 
 
 def _apply_layer_list(args: argparse.Namespace) -> None:

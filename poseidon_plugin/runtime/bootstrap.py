@@ -144,6 +144,9 @@ class _Job:
     """Resolved flag style (``megatron`` / ``mindspeed-layout`` / ``mindspeed`` / ``patch``: ``runtime/apply.py``)."""
     target: TargetRuntime
     """What runs the plan: the same definition ``poseidon plan`` uses (``poseidon_plugin/target.py``)."""
+    own_devices: str | None = None
+    """``--poseidon-emulate`` when it names this agent's devices only (``elastic.agent_declares``); the job's
+    are the union of the agents', known after inventory."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,7 +178,8 @@ def _run(argv: list[str], rank: int, log: Log) -> int | None:
                is_module=os.environ.get(runtime_options.ENV_SCRIPT_IS_MODULE) == "1", rank=rank,
                local_rank=int(os.environ.get("LOCAL_RANK", "0")), world_size=world_size, flags=flags,
                global_batch=job_flags.effective_global_batch(flags, world_size), style=style,
-               target=TargetRuntime.for_job(opts, flags, style, mindspeed.dp_multiple(argv[1:])))
+               target=TargetRuntime.for_job(opts, flags, style, mindspeed.dp_multiple(argv[1:])),
+               own_devices=_own_devices(opts, world_size))
     adaptor = _mindspeed_adaptor(job, log)  # before _device(): it imports megatron (CPU shim, emulation)
     emulated = _deterministic_emulation(job)
     devices = _device(job, emulated.cluster if emulated is not None else _declared_cluster(job), emulated)
@@ -185,12 +189,12 @@ def _run(argv: list[str], rank: int, log: Log) -> int | None:
     elastic.init_process_group(device.backend, rank, world_size, job.opts.timeout)
     store = dist.distributed_c10d._get_default_store()
     phases = Phases(device=device.torch_device, rank=rank, store=store,
-                    fault=parse_fault(os.environ.get(runtime_options.ENV_INJECT_FAULT), elastic.attempt()),
+                    fault=parse_fault(os.environ.get(runtime_options.ENV_INJECT_FAULT), elastic.attempt(), world_size),
                     liveness=Liveness(store, rank, world_size, prefix=elastic.store_prefix()).start())
     _state["phases"] = phases
     phases.seconds["start-up"] = time.perf_counter() - started
 
-    world = phases.run("inventory", lambda: _inventory(job, devices))
+    world, devices = phases.run("inventory", lambda: _inventory(job, devices))
     me = world.ranks[rank]
     log.rank_line(f"{me.device_type} ({device.kind}) on {me.host}, local rank {me.local_rank}"
                   + (f", compute stretched x{device.slowdown():.2f}" if device.slowdown() > 1.0 else "")
@@ -228,10 +232,26 @@ def _mindspeed_adaptor(job: _Job, log: Log) -> _Adaptor | None:
 
 
 def _declared_cluster(job: _Job) -> ClusterSpec | None:
-    """The cluster ``--poseidon-cluster`` or ``--poseidon-emulate`` declares (None: detect)."""
+    """The cluster ``--poseidon-cluster`` or ``--poseidon-emulate`` declares (None: detect); this agent's
+    own devices when each agent declares its own."""
     from poseidon_plugin.runtime.precheck import declared_cluster
 
+    if job.own_devices is not None:
+        return declared_cluster(job.opts, int(os.environ["LOCAL_WORLD_SIZE"]))
     return declared_cluster(job.opts, job.world_size)
+
+
+def _own_devices(opts: runtime_options.RuntimeOptions, world_size: int) -> str | None:
+    """``--poseidon-emulate`` when it declares this agent's devices only (not with the deterministic
+    emulation, which needs the whole job's devices before the ranks meet)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if not opts.emulate or opts.emulate_model or opts.cluster or not local:
+        return None
+    from poseidon_plugin.runtime import emulation
+    from poseidon_plugin.specs import device_presets
+
+    declared = sum(node.devices for node in emulation.parse_emulate(opts.emulate, device_presets()))
+    return opts.emulate if elastic.agent_declares(declared, world_size, int(local)) else None
 
 
 def profile_digest(cluster: ClusterSpec, model: ModelSpec, profile: ProfileSpec) -> str:
@@ -274,10 +294,11 @@ def _device(job: _Job, declared: ClusterSpec | None, emulated: EmulationState | 
     device = devices.detect(job.local_rank)
     entry = None
     if declared is not None:
-        if job.rank >= declared.num_devices:
+        index = job.local_rank if job.own_devices is not None else job.rank  # an agent's own: by local rank
+        if index >= declared.num_devices:
             raise PoseidonError(f"{declared.source} declares {declared.num_devices} devices but the job has "
                                 f"{job.world_size} ranks; declare one device per rank")
-        entry = declared.devices()[job.rank]
+        entry = declared.devices()[index]
         if device.kind == "cpu":
             factors = emulation.slowdown_factors({t.name: t.peak_tflops for t in declared.device_types})
             memory = int(declared.device_type(entry.device_type).memory_gb * devices.GIB)
@@ -303,17 +324,21 @@ def _device(job: _Job, declared: ClusterSpec | None, emulated: EmulationState | 
     return _Devices(device=device, declared=declared, entry=entry, emulated=emulated)
 
 
-def _inventory(job: _Job, devices: _Devices) -> World:
-    """Every rank's RankInfo, arranged as the cluster's nodes (the declared ones for a cluster file)."""
+def _inventory(job: _Job, devices: _Devices) -> tuple[World, _Devices]:
+    """Every rank's RankInfo, arranged as the cluster's nodes (the declared ones for a cluster file); the
+    devices with the job's declared cluster (the union of the agents' when each declares its own)."""
     from poseidon_plugin.runtime import inventory
     from poseidon_plugin.runtime.devices import GIB
 
     from poseidon_plugin.runtime.collectives import all_gather_json
 
-    device, declared, entry = devices.device, devices.declared, devices.entry
     # every agent must have been told the same: rank 0's agent is the reference
-    elastic.check_agreement(all_gather_json(elastic.told(runtime_options.to_env(job.opts), job.script_args),
-                                            device.torch_device))
+    everyone = all_gather_json(elastic.told(runtime_options.to_env(job.opts), job.script_args,
+                                            own_devices=job.own_devices), devices.device.torch_device)
+    elastic.check_agreement(everyone)
+    if job.own_devices is not None:
+        devices = _union_of_agents(job, devices, elastic.union_of_agents(everyone))
+    device, declared, entry = devices.device, devices.declared, devices.entry
     info = inventory.local_info(
         job.rank, job.local_rank, device,
         declared_type=entry.device_type if entry is not None else None,
@@ -321,7 +346,30 @@ def _inventory(job: _Job, devices: _Devices) -> World:
         node_tag=f"declared-node-{entry.node}" if entry is not None else None, agent=elastic.agent())
     world = inventory.gather_world(info, device.torch_device)
     declared_world = job.opts.cluster or job.opts.emulate_model  # the emulated cluster's nodes, as declared
-    return inventory.world_from_declared(declared, world.ranks) if declared_world else world
+    return (inventory.world_from_declared(declared, world.ranks) if declared_world else world), devices
+
+
+def _union_of_agents(job: _Job, devices: _Devices, union: str) -> _Devices:
+    """The job's emulated cluster from every agent's own devices; this rank's compute stretched against the
+    fastest type of the whole job (an agent alone knows only its own types)."""
+    from poseidon_plugin.patches import emulation as emulation_patch
+    from poseidon_plugin.runtime import emulation
+    from poseidon_plugin.runtime.precheck import declared_cluster
+
+    declared = declared_cluster(dataclasses.replace(job.opts, emulate=union), job.world_size)
+    entry = declared.devices()[job.rank]
+    if devices.entry is not None and entry.device_type != devices.entry.device_type:
+        raise PoseidonError(f"rank {job.rank} is a {devices.entry.device_type} of its agent's --poseidon-emulate but "
+                            f"device {job.rank} of the agents' union {union!r} is a {entry.device_type}")
+    device = devices.device
+    if device.kind == "emulated":
+        factor = emulation.slowdown_factors({t.name: t.peak_tflops for t in declared.device_types})[entry.device_type]
+        if factor != device.slowdown():
+            device.factor = factor
+            emulation_patch.set_factor(factor)
+            if factor > 1.0:
+                emulation_patch.TABLE.apply()
+    return dataclasses.replace(devices, declared=declared, entry=entry)
 
 
 def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) -> Plan:
@@ -470,10 +518,14 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, p
     if new_rank is None:
         return _wait_unused(job, phases, plan, me.device_type, log)
     stage = placement.stage_of(plan, new_rank)
+    stamps_line = None
     if devices.emulated is not None:  # emulated links and DP sync need the plan's placement
         devices.emulated.bind_plan(plan, new_rank, _job_model(job))
+        stamps_line = phases.run("placement", lambda: _share_stamps(plan, world, new_rank, device))
     log.rank_line(f"now global rank {new_rank}: pipeline stage {stage} on {plan.stages[stage].device_type}")
     log = Log(job.rank, leader=new_rank == 0)  # job-wide lines now come from the planned rank 0
+    if stamps_line:
+        log.job_line(f"emulation: {stamps_line}")
     watch = Watch(plan=plan, global_rank=new_rank, stage=stage, device=device, iterations=opts.watch_iterations,
                   log=log.rank_line, log_rank0=log.job_line)
     if opts.watch_iterations:
@@ -481,12 +533,19 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, p
     log.job_line("overhead: " + phases.summary())
     # From here on, failures are the training script's, and torchrun reports them; the heartbeat goes on
     # so that ranks the plan leaves unused can tell a finished job from a lost rank.
+    def lost_in_training(gone: list[str]) -> None:  # a peer that left (e.g. its agent killed): restart now
+        log.error(f"lost {'; '.join(gone)}, during training; leaving so that torchrun restarts the job "
+                  f"(--max-restarts) or ends it")
+        _exit(1)
+
+    phases.liveness.guard(lost_in_training, silent_s=opts.timeout, ranks=placement.planned_ranks(plan, world))
     try:
         if device.torch_device.type == "cpu":  # Megatron-LM's own loop on CPU ranks (runtime/cpu_training.py)
             from poseidon_plugin.runtime import cpu_training
 
             new_args = cpu_training.prepare(job.script, new_args, is_module=job.is_module, log=log.job_line)
         code = _run_script(job, new_args)
+        phases.liveness.mark_finished()
     finally:
         phases.liveness.stop()
     if opts.watch_iterations and len(watch.measured_ms) < opts.watch_iterations:
@@ -494,6 +553,19 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, p
     elastic.mark_done(phases.store, planned=True)
     _wait_as_store_host(job, phases, log)
     return code
+
+
+def _share_stamps(plan: Plan, world: World, new_rank: int, device: Device) -> str:
+    """One stamp file for the emulated links of every planned rank on this host, across agents."""
+    import torch.distributed as dist
+
+    from poseidon_plugin.runtime import emulation, placement
+    from poseidon_plugin.runtime.collectives import all_gather_json
+
+    hosts = {world.ranks[rank].host for rank in placement.planned_ranks(plan, world)}
+    return emulation.share_stamps(dist.distributed_c10d._get_default_store(), new_rank, plan.world_size,
+                                  one_host=len(hosts) == 1,
+                                  agree=lambda ok: all(all_gather_json(ok, device.torch_device)))
 
 
 def _wait_unused(job: _Job, phases: Phases, plan: Plan, device_type: str, log: Log) -> None:

@@ -80,6 +80,8 @@ FAILURE_KEY = "poseidon/failure"
 SHARED_PHASES = ("start-up",)
 WHO_KEY = "poseidon/who/{}"
 BEAT_KEY = "poseidon/beat/{}"
+FINISHED_KEY = "poseidon/finished/{}"
+"""Set by a rank whose training script returned: its silence and its exit are not a loss."""
 
 
 class Liveness:
@@ -129,6 +131,32 @@ class Liveness:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(2.0, 2 * self.beat_s))
 
+    def mark_finished(self) -> None:
+        """This rank's script returned: the others stop counting it as lost when it goes quiet or exits."""
+        if self._client is not None:
+            try:
+                self._client.set(FINISHED_KEY.format(self.rank), "1")
+            except Exception:  # noqa: BLE001
+                pass
+
+    def guard(self, on_lost: Callable[[list[str]], None], *, silent_s: float, ranks: Any = None) -> None:
+        """While this rank trains, call ``on_lost`` (once, from a daemon thread) when another rank (of ``ranks``,
+        default all) is lost: its
+        process gone on this host, or silent for ``silent_s`` elsewhere. Without it a peer lost during training
+        can leave this rank waiting in a store call for the process group's timeout (gloo's 30 minutes for a
+        group megatron-core creates) instead of letting torchrun restart the job at once."""
+        if self._client is None:
+            return
+
+        def watch() -> None:
+            while not self._stop.wait(self.beat_s):
+                gone = self.lost(silent_s=silent_s, ranks=ranks)
+                if gone and not self._stop.is_set():
+                    on_lost(gone)
+                    return
+
+        threading.Thread(target=watch, name="poseidon-guard", daemon=True).start()
+
     def _beat(self) -> None:
         while not self._stop.wait(self.beat_s):
             try:
@@ -136,16 +164,21 @@ class Liveness:
             except Exception:  # noqa: BLE001  (the store is gone: the launch is ending)
                 return
 
-    def lost(self) -> list[str]:
-        """The other ranks that are gone or silent, each described (``rank 2 (pid 81 on node-a): died``)."""
+    def lost(self, *, silent_s: float | None = None, ranks: Any = None) -> list[str]:
+        """The other ranks (of ``ranks``, default all) that are gone or silent (for ``silent_s``, default the
+        instance's), each described (``rank 2 (pid 81 on node-a): died``); a rank whose script finished is
+        not lost."""
         if self._client is None:
             return []
+        silent_s = self.silent_s if silent_s is None else silent_s
         out = []
         now = time.time()
-        for rank in range(self.world_size):
+        for rank in range(self.world_size) if ranks is None else sorted(ranks):
             if rank == self.rank:
                 continue
             try:
+                if self._client.check([FINISHED_KEY.format(rank)]):
+                    continue
                 who = json.loads(self._client.get(WHO_KEY.format(rank))) \
                     if self._client.check([WHO_KEY.format(rank)]) else None
                 beat = float(self._client.get(BEAT_KEY.format(rank))) \
@@ -157,7 +190,7 @@ class Liveness:
             where = f"rank {rank} (pid {who['pid']} on {who['host']})"
             if who["host"] == self.host and not _process_alive(int(who["pid"])):
                 out.append(f"{where}: its process is gone")
-            elif beat is not None and now - beat > self.silent_s:
+            elif beat is not None and now - beat > silent_s:
                 out.append(f"{where}: silent for {now - beat:.0f} s (stopped, hung or dead)")
         return out
 
@@ -280,6 +313,9 @@ class Phases:
             os._exit(3)
         if self.fault[2] in ("kill", "stop"):  # a rank lost without a word: killed, or frozen
             os.kill(os.getpid(), signal.SIGKILL if self.fault[2] == "kill" else signal.SIGSTOP)
+        if self.fault[2] == "wait":  # until the launcher stops it (SIGTERM)
+            while True:
+                time.sleep(0.1)
         raise RuntimeError(f"injected fault in {name} (POSEIDON_INJECT_FAULT)")
 
     def summary(self) -> str:
@@ -306,7 +342,8 @@ def _is_peer_loss(exc: BaseException) -> bool:
                                          "broken pipe", "peer"))
 
 
-FAULT_KINDS = ("raise", "exit", "kill", "stop")
+FAULT_KINDS = ("raise", "exit", "kill", "stop", "wait")
+"""``wait``: the rank waits until the launcher stops it (a membership change in elastic tests)."""
 
 
 def _process_alive(pid: int) -> bool:
@@ -324,16 +361,19 @@ def _process_alive(pid: int) -> bool:
         return True
 
 
-def parse_fault(text: str | None, attempt: int = 0) -> tuple[str, int, str] | None:
+def parse_fault(text: str | None, attempt: int = 0, world_size: int = 1) -> tuple[str, int, str] | None:
     """``"profiling:2"``, ``"profiling:2:exit"`` -> ``("profiling", 2, "exit")``; ``"hand-over:1:kill:0"`` only on
-    torchrun attempt 0 (restart tests); None when unset or for another attempt."""
+    torchrun attempt 0 (restart tests), ``"hand-over:0:wait:w1"`` only in a world of 1 rank (elastic tests: a
+    membership change does not count as a restart); None when unset or for another attempt or world."""
     if not text:
         return None
     parts = text.split(":")
+    when = parts[3] if len(parts) == 4 else ""
     if (len(parts) not in (2, 3, 4) or not parts[1].isdigit() or (len(parts) >= 3 and parts[2] not in FAULT_KINDS)
-            or (len(parts) == 4 and not parts[3].isdigit())):
-        raise PoseidonError(f"POSEIDON_INJECT_FAULT={text!r} is not PHASE:RANK[:{'|'.join(FAULT_KINDS)}[:ATTEMPT]]")
-    if len(parts) == 4 and int(parts[3]) != attempt:
+            or (len(parts) == 4 and not (when.isdigit() or (when[:1] == "w" and when[1:].isdigit())))):
+        raise PoseidonError(f"POSEIDON_INJECT_FAULT={text!r} is not "
+                            f"PHASE:RANK[:{'|'.join(FAULT_KINDS)}[:ATTEMPT|wWORLD]]")
+    if when and (int(when[1:]) != world_size if when[0] == "w" else int(when) != attempt):
         return None
     return parts[0], int(parts[1]), parts[2] if len(parts) >= 3 else "raise"
 

@@ -107,10 +107,45 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout_s: floa
 
 # --- what every agent was told ------------------------------------------------------------------
 
+EMULATE_ENV = "POSEIDON_EMULATE"
+PER_AGENT = "(each agent its own devices)"
+"""What the agreement compares for ``--poseidon-emulate`` when every agent declares its own devices."""
 
-def told(options_env: Mapping[str, str], script_args: list[str]) -> dict:
-    """What this rank was started with, comparable across agents: its agent, options and job flags."""
-    return {"agent": agent(), "options": dict(sorted(options_env.items())), "args": list(script_args)}
+
+def agent_declares(declared: int, world_size: int, local_world_size: int) -> bool:
+    """Whether ``--poseidon-emulate`` of ``declared`` devices names this agent's devices only (one per rank of
+    this agent, while the job has more ranks): each agent of an elastic job declares its own, and the job's
+    devices are the union of the agents that are there. A declaration of the whole job's devices (the
+    same on every agent) is the other case; with one agent both are the same."""
+    return declared == local_world_size and declared != world_size
+
+
+def told(options_env: Mapping[str, str], script_args: list[str], *, own_devices: str | None = None) -> dict:
+    """What this rank was started with, comparable across agents: its agent, options and job flags;
+    ``own_devices``: this agent's own ``--poseidon-emulate`` (compared as :data:`PER_AGENT`)."""
+    options = dict(sorted(options_env.items()))
+    if own_devices is not None:
+        options[EMULATE_ENV] = PER_AGENT
+    return {"agent": agent(), "options": options, "args": list(script_args), "devices": own_devices}
+
+
+def union_of_agents(everyone: list[dict]) -> str:
+    """The job's ``--poseidon-emulate``: every agent's own declaration, in rank order (torchrun numbers an
+    agent's ranks contiguously, agents in ``GROUP_RANK`` order). PoseidonError when they do not fit."""
+    parts: list[str] = []
+    seen: list[int] = []
+    for rank, doc in enumerate(everyone):
+        if not doc.get("devices"):
+            raise PoseidonError(f"agent {doc['agent']} (rank {rank}) declared no devices of its own; give every "
+                                f"agent --poseidon-emulate with its own devices")
+        if seen and seen[-1] == doc["agent"]:
+            continue
+        if doc["agent"] in seen:
+            raise PoseidonError(f"agent {doc['agent']}'s ranks are not contiguous (rank {rank}); torchrun "
+                                f"numbers each agent's ranks in one block")
+        seen.append(doc["agent"])
+        parts.append(doc["devices"])
+    return ",".join(parts)
 
 
 def check_agreement(everyone: list[dict]) -> None:

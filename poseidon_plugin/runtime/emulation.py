@@ -25,7 +25,7 @@ model on the emulated devices, independent of what the CPU measures.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -488,6 +488,46 @@ def install_deterministic(state: EmulationState) -> EmulationState:
     emulated_links.TABLE.apply()
     _active["state"] = state
     return state
+
+
+STAMPS_KEY = "poseidon/emulation-stamps"
+
+
+def share_stamps(store: Any, rank: int, world_size: int, *, one_host: bool,
+                 agree: Callable[[bool], bool]) -> str:
+    """Give every planned rank the same stamp file for the emulated links' posting times
+    (``patches/emulated_links.Stamps``), whichever torchrun agent started it; a line for the log.
+
+    Planned rank 0 creates a fresh file (named by its pid: a restart never reads an earlier attempt's
+    stamps) where its launcher lets it (``STAMPS_ENV``) and publishes the path in the store of this round
+    (``store``); the others map that file. ``agree(ok)`` is True when every rank mapped it: stamps are used
+    by all ranks or by none (a rank without them would wait for stamps its peers never read). Only when
+    ``one_host``: a mapped file is one host's."""
+    from poseidon_plugin.patches import emulated_links
+
+    stamps, why = None, "the planned ranks are on several hosts"
+    if one_host:
+        if rank == 0:
+            base = os.environ.get(emulated_links.STAMPS_ENV, "")
+            path = f"{base}-{os.getpid()}" if base else ""
+            try:
+                stamps = emulated_links.Stamps(path, world_size) if path else None
+            except OSError:
+                stamps = None
+            store.set(STAMPS_KEY, path if stamps is not None else "")
+        else:
+            path = store.get(STAMPS_KEY).decode("utf-8")
+            try:
+                stamps = emulated_links.Stamps(path, world_size, create=False) if path else None
+            except (OSError, ValueError):
+                stamps = None
+        why = "a rank could not map the shared file" if path else "no launcher folder for it (run by poseidon-run)"
+    if not agree(stamps is not None):
+        stamps = None
+    emulated_links.set_stamps(stamps)
+    if stamps is not None:
+        return f"p2p posting times shared by the {world_size} planned ranks through one file"
+    return (f"p2p posting times not shared ({why}): a transfer counts from when its completion is first seen")
 
 
 def uninstall_deterministic() -> None:

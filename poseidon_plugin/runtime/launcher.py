@@ -89,7 +89,10 @@ def prepare(opts: runtime_options.RuntimeOptions, rest: list[str]) -> tuple[list
     if not args.module and not os.path.isfile(script):
         raise PoseidonError(f"training script {script!r} does not exist; give the path of a Python script "
                             f"(e.g. scripts/pretrain_gpt.py)")
-    validate(opts, script, script_args, _static_world_size(args))
+    world_size = _static_world_size(args)
+    if world_size is not None and _agent_declares(opts, world_size, args.nproc_per_node):
+        world_size = None  # each agent declares its own devices: the job's are known to the ranks only
+    validate(opts, script, script_args, world_size)
     options_part = rest[: len(rest) - len(script_args) - 1]
     options_part = [token for token in options_part if token not in _MODULE_FLAGS]
     env = runtime_options.to_env(opts)
@@ -136,6 +139,17 @@ def validate(opts: runtime_options.RuntimeOptions, script: str, script_args: lis
         user = flag_values(script_args)
         mindspeed.user_cp_ep(user)
         mindspeed.check_user_flags(user, tp=1, pp=1, ep=1, num_experts=0)
+
+
+def _agent_declares(opts: runtime_options.RuntimeOptions, world_size: int, nproc_per_node) -> bool:
+    """``--poseidon-emulate`` names this agent's devices, not the job's (``elastic.agent_declares``)."""
+    if not opts.emulate or opts.emulate_model:
+        return False
+    from poseidon_plugin.runtime import elastic, emulation
+    from poseidon_plugin.specs import device_presets
+
+    declared = sum(node.devices for node in emulation.parse_emulate(opts.emulate, device_presets()))
+    return elastic.agent_declares(declared, world_size, int(nproc_per_node))
 
 
 def _static_world_size(args) -> int | None:

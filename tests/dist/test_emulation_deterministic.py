@@ -209,23 +209,51 @@ def test_p2p_without_a_peer_stamp_counts_from_completion_seen(tmp_path, monkeypa
     assert clock.now == pytest.approx(send.done_at + 0.1)
 
 
-def test_stamps_need_every_rank_on_this_host(tmp_path, monkeypatch):
-    monkeypatch.setenv(emulated_links.STAMPS_ENV, str(tmp_path / "stamps"))
-    monkeypatch.delenv("GROUP_WORLD_SIZE", raising=False)
-    monkeypatch.setenv("WORLD_SIZE", "8")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert emulated_links.Stamps.from_env() is None
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert emulated_links.Stamps.from_env().world == 8
-    # torchrun's node count decides where it is set: two nodes of 4, or one host whose plan left 2 of its
-    # 8 launched ranks idle (the job regrouped into 6 ranks)
-    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert emulated_links.Stamps.from_env() is None
-    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
-    monkeypatch.setenv("WORLD_SIZE", "6")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert emulated_links.Stamps.from_env().world == 6
+class _Store:
+    """The two calls of a c10d store that share_stamps makes (one process plays every rank in turn)."""
+
+    def __init__(self):
+        self.values = {}
+
+    def set(self, key, value):
+        self.values[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        return self.values[key]
+
+
+def test_planned_ranks_of_two_agents_share_one_stamp_file(tmp_path, monkeypatch):
+    """Defect 7 (issue 25): each agent's launcher made its own stamp file and the ranks of a second agent
+    (torchrun's GROUP_WORLD_SIZE > 1) shared none; now planned rank 0's file is everyone's."""
+    from poseidon_plugin.runtime import emulation
+
+    store, mapped = _Store(), {}
+    monkeypatch.setattr(emulated_links, "set_stamps", lambda stamps: mapped.__setitem__(rank, stamps))
+    for rank, agent_folder in enumerate(["agent0", "agent1"]):  # each agent's launcher names its own folder
+        (tmp_path / agent_folder).mkdir()
+        monkeypatch.setenv(emulated_links.STAMPS_ENV, str(tmp_path / agent_folder / "p2p-stamps"))
+        line = emulation.share_stamps(store, rank, 2, one_host=True, agree=lambda ok: ok)
+        assert line == "p2p posting times shared by the 2 planned ranks through one file"
+    # rank 1 (agent 1) reads what rank 0 (agent 0) wrote
+    assert mapped[0]._map is not mapped[1]._map
+    mapped[0].post(0, 1, 0, 12.5)
+    assert mapped[1].read(0, 1, 0, 0) == 12.5
+    assert store.get(emulation.STAMPS_KEY).decode().startswith(str(tmp_path / "agent0" / "p2p-stamps-"))
+
+
+def test_stamps_are_used_by_every_rank_or_by_none(tmp_path, monkeypatch):
+    from poseidon_plugin.runtime import emulation
+
+    store, mapped = _Store(), {}
+    monkeypatch.setattr(emulated_links, "set_stamps", lambda stamps: mapped.__setitem__("me", stamps))
+    monkeypatch.setenv(emulated_links.STAMPS_ENV, str(tmp_path / "p2p-stamps"))
+    line = emulation.share_stamps(store, 0, 2, one_host=True, agree=lambda ok: False)  # a peer could not map it
+    assert mapped["me"] is None and line.startswith("p2p posting times not shared (a rank could not map")
+    line = emulation.share_stamps(store, 1, 2, one_host=False, agree=lambda ok: ok)
+    assert mapped["me"] is None and "(the planned ranks are on several hosts)" in line
+    store.set(emulation.STAMPS_KEY, str(tmp_path / "gone"))  # not on this host: never created by a reader
+    assert emulation.share_stamps(store, 1, 2, one_host=True, agree=lambda ok: ok).startswith("p2p posting times not")
+    assert not (tmp_path / "gone").exists()
 
 
 def test_p2p_falls_through_until_bound():

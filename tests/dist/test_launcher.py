@@ -48,12 +48,13 @@ def poseidon_run(args: list[str], tmp_path, env: dict[str, str] | None = None) -
 
 
 def emulated_plan(path, nodes: list[tuple[str, int]], *, stage_types, layers, tp=1, dp=1, schedule="1f1b",
-                  virtual_stages=1) -> str:
-    """A plan file for an emulated cluster (nodes in --poseidon-emulate order), as `poseidon plan` writes one."""
+                  virtual_stages=1, job_args: list[str] = JOB) -> str:
+    """A plan file for an emulated cluster (nodes in --poseidon-emulate order), as `poseidon plan` writes one
+    for the job ``job_args``."""
     cluster = parse_cluster({
         "name": "emulated", "device_types": sorted({t for t, _ in nodes}),
         "nodes": [{"device_type": t, "count": 1, "devices_per_node": n} for t, n in nodes], "links": "npu"})
-    job = read_job(SCRIPT, JOB)
+    job = read_job(SCRIPT, job_args)
     model = model_spec(job, global_batch_size=4, name="pretrain_gpt-8l-h32")
     cand = Candidate(tp=tp, pp=len(stage_types), dp=dp, mbs=1, stage_types=tuple(stage_types),
                      layers=tuple(layers), schedule=schedule, virtual_stages=virtual_stages)

@@ -136,3 +136,20 @@ def test_a_node_is_one_agent_on_one_host(monkeypatch):
     world = inventory.gather_world(infos[0], None)
     assert world.nodes == ((0, 1), (2, 3))
     assert inventory.probe_pairs(world) == {"intra_node": (0, 1), "inter_node": (0, 2)}
+
+
+def test_ranks_of_two_agents_share_the_emulated_links_posting_times(tmp_path):
+    """Defect 7: each agent's launcher made its own stamp file and ranks of two agents (GROUP_WORLD_SIZE 2)
+    shared none: the links fell back to the one-sided timing (+17.6 % watch error against +6-9 % with one
+    agent). Now planned rank 0's file is every planned rank's."""
+    from tests.dist.test_emulation_deterministic import E2E_JOB, EMULATE as FULL, MODEL, _plan_file
+
+    plan, _ = _plan_file(tmp_path / "plan.json", ("A2-2", "A2-4"), (5, 3))
+    job = [*E2E_JOB, "--poseidon-emulate", FULL, "--poseidon-emulate-model", MODEL, "--poseidon-plan", plan,
+           "--poseidon-timeout", "90"]
+    (c0, out0), (c1, out1) = two_agents(tmp_path, c10d(), [job, job])
+    both = out0 + out1
+    assert (c0, c1) == (0, 0), both[-6000:]
+    assert re.search(r"^poseidon: emulation: p2p posting times shared by the 2 planned ranks through one file$",
+                     both, re.M), both[-6000:]
+    assert len(losses(both)) == len(re.findall(r"^iteration ", both, re.M)) > 0, both[-6000:]

@@ -110,3 +110,46 @@ def test_each_attempt_records_its_plan_and_reads_the_previous_one(tmp_path):
     assert elastic.fleet_change({"A2-2": 1}, {"A2-2": 1}) == "same devices"
     (tmp_path / "runs" / "job.json").write_text('{"sequence": "x"}')  # damaged: no previous record
     assert elastic.record_plan(path, {"hash": "c"}, {"A2-2": 1}) is None
+
+
+def test_an_agent_declares_its_own_devices_when_they_are_its_ranks_only():
+    """Defect 8: with --nnodes 1:2 every attempt failed (declared devices vs world)."""
+    assert elastic.agent_declares(1, world_size=2, local_world_size=1)
+    assert not elastic.agent_declares(2, world_size=2, local_world_size=1)  # the job's devices
+    assert not elastic.agent_declares(1, world_size=1, local_world_size=1)  # one agent: the same either way
+    assert not elastic.agent_declares(3, world_size=4, local_world_size=2)  # neither: the ranks say so
+
+
+def test_the_job_is_the_union_of_the_agents_own_devices_in_rank_order():
+    def doc(agent, devices, emulate="A2-2:1"):
+        return {"agent": agent, "devices": devices, "args": [], "options": {"POSEIDON_EMULATE": emulate}}
+
+    everyone = [doc(0, "A2-2:2"), doc(0, "A2-2:2"), doc(1, "A2-4:1")]
+    assert elastic.union_of_agents(everyone) == "A2-2:2,A2-4:1"
+    with pytest.raises(PoseidonError, match=r"agent 1 \(rank 2\) declared no devices of its own"):
+        elastic.union_of_agents([doc(0, "A2-2:2"), doc(0, "A2-2:2"), doc(1, None)])
+    with pytest.raises(PoseidonError, match="agent 0's ranks are not contiguous"):
+        elastic.union_of_agents([doc(0, "A2-2:1"), doc(1, "A2-4:1"), doc(0, "A2-2:1")])
+
+
+def test_agents_declaring_their_own_devices_agree_on_the_rest(monkeypatch):
+    monkeypatch.setenv("GROUP_RANK", "1")
+    mine = elastic.told({"POSEIDON_EMULATE": "A2-4:1", "POSEIDON_TIMEOUT": "90"}, ["--x"], own_devices="A2-4:1")
+    monkeypatch.setenv("GROUP_RANK", "0")
+    first = elastic.told({"POSEIDON_EMULATE": "A2-2:1", "POSEIDON_TIMEOUT": "90"}, ["--x"], own_devices="A2-2:1")
+    elastic.check_agreement([first, mine])  # different own devices: fine
+    whole = elastic.told({"POSEIDON_EMULATE": "A2-2:1,A2-4:1", "POSEIDON_TIMEOUT": "90"}, ["--x"])
+    with pytest.raises(PoseidonError, match=r"POSEIDON_EMULATE='A2-2:1,A2-4:1' but agent 1 \(rank 0\) with "
+                                            r"POSEIDON_EMULATE='\(each agent its own devices\)'"):
+        elastic.check_agreement([mine, whole])
+
+
+def test_test_faults_name_an_attempt_or_a_world_size():
+    pytest.importorskip("torch")
+    from poseidon_plugin.runtime.collectives import parse_fault
+
+    assert parse_fault("hand-over:0:wait:w1", attempt=0, world_size=1) == ("hand-over", 0, "wait")
+    assert parse_fault("hand-over:0:wait:w1", attempt=0, world_size=2) is None
+    assert parse_fault("hand-over:1:kill:0", attempt=1, world_size=2) is None
+    with pytest.raises(PoseidonError, match="PHASE:RANK"):
+        parse_fault("hand-over:0:wait:x1")

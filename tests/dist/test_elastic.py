@@ -1,0 +1,183 @@
+"""Elastic jobs whose fleet changes (issue 25): agents leave and join, each declaring its own emulated devices.
+
+Real ``poseidon-run`` agents on 127.0.0.1 (c10d rendezvous on a free port, ``--nnodes 1:2``), each with
+``--poseidon-emulate`` of its own devices only; the job's devices are the union of the agents that are there.
+One launch trains the reference (both agents, checkpoints at iterations 2, 4, 6); then an agent leaves (its
+processes killed) and the survivor re-plans for its devices and resumes from a checkpoint; then an agent
+joins a running job and the job re-plans for both and resumes. Every wait is bounded by a subprocess or
+poll bound (never asserted on), moments come from the agents' output (a line seen), leftovers are killed.
+Losses are compared within ``test_resume.LOSS_TOLERANCE`` (argued there).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from poseidon_plugin.runtime.emulation import slowdown_factors  # noqa: E402
+from poseidon_plugin.runtime.options import RuntimeOptions  # noqa: E402
+from poseidon_plugin.runtime.precheck import declared_cluster  # noqa: E402
+from tests.dist.conftest import free_port  # noqa: E402
+from tests.dist.test_launcher import JOB, REPO, SCRIPT  # noqa: E402
+from tests.dist.test_resume import LOSS_TOLERANCE, _with, iteration_losses  # noqa: E402
+
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+from _agents import kill_agent, wait_for_port  # noqa: E402
+
+BOUND_S = 300
+"""Upper bound on any one wait (a hung launch fails the test instead of the suite)."""
+# agent i's own devices; agent 1's is the faster type, so every plan uses it (alone or with agent 0's)
+OWN = ["A2-4:1", "A2-2:1"]
+# a survivor's new round waits this long for more agents before it starts with fewer (torchrun's c10d)
+LAST_CALL = ["--rdzv-conf", "last_call_timeout=20"]
+# a global batch of 64: enough micro-batches that plans on both devices compete with one on the faster one
+# (which wins depends on the probed links; the tests hold either way)
+TRAIN = [*_with(JOB, train_iters="6", global_batch_size="64"), "--poseidon-timeout", "90"]
+
+
+class Agent:
+    """One ``poseidon-run`` agent (its own process group and log file)."""
+
+    def __init__(self, tmp_path, index: int, endpoint: str, script_args: list[str], *, nnodes: str = "1:2",
+                 torchrun: list[str] = (), env: dict[str, str] | None = None) -> None:
+        full = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path.parent / "xdg"),
+                    PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+        for key in [k for k in full if k.startswith("POSEIDON_") or k.startswith("TORCH_DISABLE_SHARE")]:
+            del full[key]
+        full.update(env or {})
+        self.path = tmp_path / f"agent{index}.log"
+        self.log = open(self.path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "poseidon_plugin.runtime.launcher", "--nnodes", nnodes, "--nproc-per-node", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--monitor-interval", "0.5", *torchrun,
+             SCRIPT, *script_args, "--poseidon-emulate", OWN[index]],
+            cwd=REPO, env=full, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def output(self) -> str:
+        return self.path.read_text()
+
+    def wait_for(self, pattern: str) -> None:
+        """Until ``pattern`` is in the output (fails if the agent ends first or the bound passes)."""
+        deadline = time.monotonic() + BOUND_S
+        while not re.search(pattern, self.output(), re.M):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"agent never printed {pattern!r}:\n{self.output()[-4000:]}")
+            time.sleep(0.2)
+
+    def finish(self) -> tuple[int, str]:
+        try:
+            code = self.proc.wait(timeout=BOUND_S)
+        finally:
+            self.kill()
+        return code, self.output()
+
+    def kill(self) -> None:
+        """The agent and its workers, as a node that dies."""
+        kill_agent(self.proc)
+        if not self.log.closed:
+            self.log.close()
+
+
+def launch(tmp_path, agents_args: list[list[str]], **kwargs) -> list[Agent]:
+    port = free_port()
+    first = Agent(tmp_path, 0, f"127.0.0.1:{port}", agents_args[0], **kwargs)
+    try:
+        if not wait_for_port(port, BOUND_S):
+            pytest.fail(f"no agent listened on port {port}:\n{first.output()[-4000:]}")
+        return [first, *[Agent(tmp_path, i, f"127.0.0.1:{port}", args, **kwargs)
+                         for i, args in enumerate(agents_args[1:], start=1)]]
+    except BaseException:
+        first.kill()
+        raise
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Both agents from the start (--nnodes 2, each declaring its own device): six iterations, checkpoints
+    at 2, 4 and 6."""
+    tmp = tmp_path_factory.mktemp("reference")
+    ck = str(tmp / "ck")
+    args = [*TRAIN, "--save", ck, "--save-interval", "2"]
+    agents = launch(tmp, [args, args], nnodes="2", torchrun=["--rdzv-id", "reference"])
+    results = [agent.finish() for agent in agents]
+    return results, ck
+
+
+def test_agents_declaring_their_own_devices_plan_for_the_union(reference):
+    """Defect 8: with --nnodes 1:2 (or 2) and --poseidon-emulate every attempt failed (declared devices vs world)."""
+    results, _ = reference
+    both = results[0][1] + results[1][1]
+    assert [code for code, _ in results] == [0, 0], both[-6000:]
+    # agent 0's A2-4 is stretched against the job's fastest type, agent 1's A2-2 (alone it would not be)
+    union = declared_cluster(RuntimeOptions(emulate=",".join(OWN)), 2)
+    factors = slowdown_factors({t.name: t.peak_tflops for t in union.device_types})
+    assert factors["A2-2"] == 1.0 < factors["A2-4"]
+    assert re.search(r"^poseidon\[rank 1\]: A2-2 \(emulated\) on \S+, local rank 0$", both, re.M), both[-6000:]
+    assert re.search(rf"^poseidon\[rank 0\]: A2-4 \(emulated\) on \S+, local rank 0, compute stretched "
+                     rf"x{factors['A2-4']:.2f}$", both, re.M), both[-6000:]
+    assert sorted(iteration_losses(both)) == [1, 2, 3, 4, 5, 6], both[-6000:]
+
+
+def test_an_agent_leaves_and_the_survivor_replans_and_resumes(reference, tmp_path):
+    """Agent 1's processes are killed (its rank frozen at hand-over first, so it never trains): agent 0's
+    next attempt plans for its own device and loads the checkpoint of iteration 2, saved under the plan
+    of both agents' devices."""
+    (_, ref0), (_, ref1) = reference[0]
+    uninterrupted = iteration_losses(ref0 + ref1)
+    ck = reference[1]
+    args = [*TRAIN, "--load", ck, "--ckpt-step", "2"]
+    agents = launch(tmp_path, [args, args], torchrun=["--max-restarts", "1", "--rdzv-id", "leave", *LAST_CALL],
+                    env={"POSEIDON_INJECT_FAULT": "hand-over:1:stop:0"})
+    try:
+        agents[1].wait_for(r"^poseidon\[rank 1\]: now global rank")
+        agents[1].kill()  # the agent leaves: launcher and worker gone without a word
+        code, out = agents[0].finish()
+    finally:
+        for agent in agents:
+            agent.kill()
+    assert code == 0, out[-6000:]
+    assert re.search(r"^poseidon: re-planned for attempt 1 of this run \(A2-2 x1 gone; 2 -> 1 devices\): a new plan$",
+                     out, re.M), out[-6000:]
+    assert re.search(rf"^loaded checkpoint from {re.escape(ck)} at iteration 2 \(TP 1 PP 1 DP 1\) in [\d.]+ s$", out, re.M), out[-6000:]
+    resumed = iteration_losses(out.split("re-planned for attempt 1")[-1])
+    assert sorted(resumed) == [3, 4, 5, 6], out[-6000:]
+    for iteration, loss in resumed.items():
+        assert abs(loss - uninterrupted[iteration]) <= LOSS_TOLERANCE, (iteration, loss, uninterrupted)
+
+
+def test_an_agent_joins_and_the_job_replans_for_both_and_resumes(reference, tmp_path):
+    """Agent 0 alone plans for its device (its rank then waits, so the job is still running), agent 1
+    joins: torchrun restarts the workers of both for the new membership, the plan is for both devices, the
+    checkpoint of iteration 4 is loaded and iterations 5 and 6 train."""
+    (_, ref0), (_, ref1) = reference[0]
+    uninterrupted = iteration_losses(ref0 + ref1)
+    ck = reference[1]
+    args = [*TRAIN, "--load", ck, "--ckpt-step", "4"]
+    port = free_port()
+    kwargs = dict(torchrun=["--rdzv-id", "join", *LAST_CALL], env={"POSEIDON_INJECT_FAULT": "hand-over:0:wait:w1"})
+    alone = Agent(tmp_path, 0, f"127.0.0.1:{port}", args, **kwargs)
+    agents = [alone]
+    try:
+        alone.wait_for(r"^poseidon\[rank 0\]: now global rank 0")  # planned for one device
+        agents.append(Agent(tmp_path, 1, f"127.0.0.1:{port}", args, **kwargs))
+        results = [agent.finish() for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    both = results[0][1] + results[1][1]
+    assert [code for code, _ in results] == [0, 0], both[-6000:]
+    assert re.search(r"^poseidon: re-planned for attempt 1 of this run \(A2-2 x1 added; 1 -> 2 devices\): a new plan$",
+                     both, re.M), both[-6000:]
+    assert re.search(rf"^loaded checkpoint from {re.escape(ck)} at iteration 4 \(TP \d PP \d DP \d\) in [\d.]+ s$", both, re.M)
+    resumed = iteration_losses(both)
+    assert sorted(resumed) == [5, 6], both[-6000:]
+    for iteration, loss in resumed.items():
+        assert abs(loss - uninterrupted[iteration]) <= LOSS_TOLERANCE, (iteration, loss, uninterrupted)
