@@ -139,11 +139,13 @@ def _stretched(inputs: tuple[str, ...], part: str = "layer", batch_dim: int = 1)
     def make(original):
         @functools.wraps(original)
         def forward(self, *args, **kwargs):
-            if _state.get("targets") is not None and torch.is_grad_enabled():
-                # GPTModel._postprocess runs on every stage; only the last one has the output layer + loss
-                if part != "head" or getattr(self, "post_process", True):
-                    return _deadline_forward(original, self, args, kwargs, part, inputs, batch_dim)
+            if part == "head" and not getattr(self, "post_process", True):
+                # GPTModel._postprocess runs on every stage; only the last one has the output layer + loss.
+                # Elsewhere it hands the stage's output back as it is: wrapped, it would be a view, which
+                # Megatron-LM refuses to free after sending it (deallocate_pipeline_outputs)
                 return original(self, *args, **kwargs)
+            if _state.get("targets") is not None and torch.is_grad_enabled():
+                return _deadline_forward(original, self, args, kwargs, part, inputs, batch_dim)
             stretch = _state["factor"] - 1.0
             if stretch <= 0.0 or not torch.is_grad_enabled():
                 return original(self, *args, **kwargs)

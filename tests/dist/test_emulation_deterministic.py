@@ -403,3 +403,26 @@ def test_launcher_gives_each_emulated_job_its_own_stamp_file_and_removes_it():
         assert os.path.isdir(os.path.dirname(path)) and not os.path.exists(path)
     assert not os.path.exists(os.path.dirname(path))
     assert emulated_links.STAMPS_ENV not in os.environ
+
+
+class _PassThroughHead(torch.nn.Module):
+    """A stand-in for GPTModel._postprocess on a stage without the output layer: hands its input back."""
+
+    post_process = False
+
+    def forward(self, hidden_states=None):
+        return hidden_states
+
+
+def test_stretch_mode_hands_a_stage_without_output_layer_its_own_tensor():
+    """Megatron-LM's stretch-mode run at PP 2 failed with "counter-productive to free a view of another
+    tensor": the head wrapper wrapped a non-last stage's output (which _postprocess returns as is) in a view."""
+    head = _PassThroughHead()
+    forward = compute_patch._stretched(("hidden_states",), part="head")(_PassThroughHead.forward)
+    compute_patch.set_factor(1.5)
+    try:
+        x = torch.randn(4, 1, 8, requires_grad=True) * 2
+        out = forward(head, hidden_states=x)
+    finally:
+        compute_patch.set_factor(1.0)
+    assert out is x and out._base is None
