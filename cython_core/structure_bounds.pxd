@@ -62,22 +62,22 @@ cdef class StructureBounds:
                          int[::1] parent_lb, int[::1] parent_cap, int[::1] parent_capt,
                          bint inherit) noexcept nogil
     cdef inline int _type_slopes(self) noexcept nogil
-    cdef inline void _type_room(self, int k, int[::1] lb, int[::1] cap, int[::1] capt, int ns) noexcept nogil
+    cdef inline void _type_room(self, int k, int[::1] lb, int[::1] cap, int[::1] capt, int n_left) noexcept nogil
     cdef inline int _top_sum(self, int[::1] order, int[::1] count, int[::1] vals, int t, int r, int n) noexcept nogil
-    cdef inline double _phi(self, int e, int r, int t2, int ns, double[::1] slope1, double[::1] slope2,
+    cdef inline double _placement_cost(self, int e, int r, int t2, int n_left, double[::1] slope1, double[::1] slope2,
                      int[::1] slope_rank, int[::1] room) noexcept nogil
-    cdef inline double _gammas(self, int k, int[::1] lb, int[::1] room_of, double[::1] gam, int ns,
+    cdef inline double _rounding_losses(self, int k, int[::1] lb, int[::1] room_of, double[::1] gam, int n_left,
                         int[::1] rank_lb, int[::1] lb_even, int[::1] lb_start) noexcept nogil
     cdef inline int _path_caps(self, int k, int left, int[::1] lb, int[::1] cap, int[::1] capt) noexcept nogil
-    cdef inline void _path_prices(self, int q, int k, int[::1] lb, int ns) noexcept nogil
+    cdef inline void _path_prices(self, int q, int k, int[::1] lb, int n_left) noexcept nogil
     cdef inline bint _path_cuts(self, int k, int extra, double limit, int[::1] lb, int[::1] cap) noexcept nogil
     @cython.locals(d=cython.int)
     cdef inline int _owner_caps(self, int q, int k, int extra, double limit, int[::1] lb, int[::1] cap,
-                         int[::1] capt, int ns) noexcept nogil
+                         int[::1] capt, int n_left) noexcept nogil
     @cython.locals(fit=cython.bint)
-    cdef inline bint _others_fit(self, int k, int r, int t, int e, double own, double rhs, int ns,
+    cdef inline bint _others_fit(self, int k, int r, int t, int e, double own, double rhs, int n_left,
                           int[::1] lb) noexcept nogil
-    cdef inline int _stage_caps(self, int r, int[::1] lb, int[::1] cap, int[::1] capt, int ns) noexcept nogil
+    cdef inline int _stage_caps(self, int r, int[::1] lb, int[::1] cap, int[::1] capt, int n_left) noexcept nogil
     cdef inline double _count_gain(self, int a, int b, int[::1] lb, int[::1] cap, int[::1] capt, int extra,
                             double need) noexcept nogil
     cdef inline double _joint_gain(self, int a, int b, int[::1] lb, int[::1] cap, int[::1] capt, int extra,

@@ -54,6 +54,9 @@ class SplitSearch(StructureBounds):
 
     def __init__(self, table, shape, num_layers: int, *, ridge: bool, blocks: bool, type_class,
                  gap: float = 0.0, backward: bool = False):
+        if shape.pure_python and __name__ == "poseidon_plugin._core._search":
+            raise TypeError("the compiled search needs the compiled DAG kernel (shape built with "
+                            "pure_python=False)")
         self.table, self.shape = table, shape
         self.num_layers = num_layers
         self.ridge, self.blocks = ridge, blocks

@@ -18,7 +18,8 @@ One source for both backends: written in Cython's pure-Python mode, typed by
 ``cython_core/structure_bounds.pxd`` and compiled as ``poseidon_plugin._core.structure_bounds`` (the base
 class of the compiled ``SplitSearch``); uncompiled (``POSEIDON_PURE_PYTHON=1``) it runs as it is. Every
 array is a flat typed buffer (``array`` behind a ``memoryview``): a stage ``vs`` of rank ``r`` is
-``vs = c * pp + r``, a (stage, type) entry ``vs * nt + t``, a (rank, type) one ``r * nt + t``.
+``vs = c * pp + r``, a (stage, type) entry ``vs * nt + t``, a (rank, type) one ``r * nt + t``;
+``n_left``: how many remaining types :meth:`StructureBounds._type_slopes` listed (slope index ``i``).
 """
 
 from __future__ import annotations
@@ -334,7 +335,7 @@ class StructureBounds:
             n += 1
         return n
 
-    def _type_room(self, k: int, lb, cap, capt, ns: int) -> None:
+    def _type_room(self, k: int, lb, cap, capt, n_left: int) -> None:
         """``room_above[(r * nt + t2) * nt + t]``: most layers above their lower bounds that the
         undecided ranks other than ``r`` can hold on type ``t`` when ``r`` takes type ``t2`` (the ``n``
         best of them, ``n`` = the type's remaining ranks); -1 when too few of them can host ``t``.
@@ -346,7 +347,7 @@ class StructureBounds:
         for i in range(pp * nt):
             above[i] = -1
             whole[i] = -1
-        for i in range(ns):
+        for i in range(n_left):
             t = self.slope_type[i]
             self.n_above[t] = 0
             self.n_whole[t] = 0
@@ -372,9 +373,9 @@ class StructureBounds:
                     self.order_above[t * pp + j] = r
                     self.n_above[t] += 1
         for r in range(k, self.ub):
-            for i2 in range(ns):
+            for i2 in range(n_left):
                 t2 = self.slope_type[i2]
-                for i in range(ns):
+                for i in range(n_left):
                     t = self.slope_type[i]
                     n = self.remaining[t] - (1 if t == t2 else 0)
                     self.room_above[(r * nt + t2) * nt + t] = self._top_sum(self.order_above, self.n_above,
@@ -399,14 +400,14 @@ class StructureBounds:
             return -1
         return total
 
-    def _phi(self, e: int, r: int, t2: int, ns: int, slope1, slope2, slope_rank, room) -> float:
+    def _placement_cost(self, e: int, r: int, t2: int, n_left: int, slope1, slope2, slope_rank, room) -> float:
         """Cheapest cost of ``e`` more layers on the undecided ranks other than ``r`` (which takes
         ``t2``): the cheapest types first (per type its smallest slope ``slope1``, or ``slope2`` when
         ``slope_rank`` is ``r``), each up to what its ranks can hold (``room``, as ``room_above``); inf
         if they cannot hold them."""
         nt = self.nt
         n = 0
-        for i in range(ns):
+        for i in range(n_left):
             t = self.slope_type[i]
             if room[(r * nt + t2) * nt + t] < 0:
                 return INF
@@ -433,20 +434,20 @@ class StructureBounds:
             return cost
         return INF
 
-    def _gammas(self, k: int, lb, room_of, gam, ns: int, rank_lb, lb_even, lb_start) -> float:
+    def _rounding_losses(self, k: int, lb, room_of, gam, n_left: int, rank_lb, lb_even, lb_start) -> float:
         """Per undecided rank ``r`` (into ``gam[r]``, max over its types): how far its cost along the
         current path of ``d`` layers above its lower bounds ``lb`` can fall below ``beta d`` (``beta``:
         the mean of its chunk slopes, as :meth:`_path_prices` stored them), over the counts
         ``room_of[r * nt + t]`` it can hold (-1: not that type); returns their sum. ``rank_lb``,
         ``lb_even``, ``lb_start``: per rank its lower-bound layers, whether they are spread like a
-        rank's layers, and their count mod V. docs/SEARCH.md ("The placement bounds") says why."""
+        rank's layers, and their count mod V. docs/SEARCH.md ("Mass and capacity reasoning") says why."""
         pp, v, nt = self.pp, self.v, self.nt
         xs = self.chunk_slope
         gsum = 0.0
         for r in range(k, self.ub):
             s_lb = rank_lb[r]
             gmax = 0.0
-            for i in range(ns):
+            for i in range(n_left):
                 t = self.slope_type[i]
                 if room_of[r * nt + t] < 0:
                     continue
@@ -492,13 +493,13 @@ class StructureBounds:
         changed = 0
         limit = self.tau * (1.0 + PATH_SLACK)
         self._fill(lb, capt)
-        ns = self._type_slopes()
+        n_left = self._type_slopes()
         extra = left
         for r in range(k, self.ub):
             for c in range(v):
                 extra -= lb[c * pp + r]
-        self._type_room(k, lb, cap, capt, ns)
-        for r in range(k, self.ub):            # per rank, for _gammas (the same for every path)
+        self._type_room(k, lb, cap, capt, n_left)
+        for r in range(k, self.ub):            # per rank, for _rounding_losses (the same for every path)
             s_lb = 0
             for c in range(v):
                 s_lb += lb[c * pp + r]
@@ -511,19 +512,19 @@ class StructureBounds:
         for q in range(self.n_paths):
             if self.path_owner[q] < k or self.path_owner[q] >= self.ub:
                 continue        # the owner is decided: no caps (below); the DAG bound covers its cut
-            self._path_prices(q, k, lb, ns)
+            self._path_prices(q, k, lb, n_left)
             if self._path_cuts(k, extra, limit, lb, cap):
                 return -1
             if self.rank_min2 == INF:
                 continue
-            got = self._owner_caps(q, k, extra, limit, lb, cap, capt, ns)
+            got = self._owner_caps(q, k, extra, limit, lb, cap, capt, n_left)
             if got < 0:
                 return -1
             if got:
                 changed = 1
         return changed
 
-    def _path_prices(self, q: int, k: int, lb, ns: int) -> None:
+    def _path_prices(self, q: int, k: int, lb, n_left: int) -> None:
         """Path ``q`` at the node, per-layer slopes along it (into the search's scratch):
         ``base_cost``: the path at the lower bounds; per undecided stage its slope at the cheapest
         remaining type (``alpha``) and per type (``stage_slope[vs * nt + i]``, ``i``: the slope index);
@@ -546,7 +547,7 @@ class StructureBounds:
         b1 = INF
         b2 = INF
         argr = -1
-        for i in range(ns):
+        for i in range(n_left):
             t = self.slope_type[i]
             self.type_min1[t] = INF
             self.type_min2[t] = INF
@@ -557,7 +558,7 @@ class StructureBounds:
         for r in range(k, self.ub):
             rmin = INF
             self.rank_lb_cost[r] = 0.0
-            for i in range(ns):
+            for i in range(n_left):
                 t = self.slope_type[i]
                 self.rank_type_min[t] = INF
                 self.rank_type_sum[t] = 0.0
@@ -571,12 +572,12 @@ class StructureBounds:
                     self.alpha[vs] = 0.0
                     a1 = 0.0
                     rmin = 0.0
-                    for i in range(ns):
+                    for i in range(n_left):
                         self.rank_type_min[self.slope_type[i]] = 0.0
                         self.stage_slope[vs * nt + i] = 0.0
                     continue
                 a = INF
-                for i in range(ns):
+                for i in range(n_left):
                     x = kf * self.slope_forward[i] + kb * self.slope_backward[i] + ka * self.slope_allreduce[i]
                     self.stage_slope[vs * nt + i] = x
                     if x < a:
@@ -603,7 +604,7 @@ class StructureBounds:
                 argr = r
             elif rmin < b2:
                 b2 = rmin
-            for i in range(ns):
+            for i in range(n_left):
                 t = self.slope_type[i]
                 y = self.rank_type_min[t]
                 if y < self.type_min1[t]:
@@ -641,7 +642,7 @@ class StructureBounds:
                 return True
         return False
 
-    def _owner_caps(self, q: int, k: int, extra: int, limit: float, lb, cap, capt, ns: int) -> int:
+    def _owner_caps(self, q: int, k: int, extra: int, limit: float, lb, cap, capt, n_left: int) -> int:
         """Caps per type of the owner rank ``r`` of path ``q`` (into ``capt``), then of its stages
         (into ``cap``): -1 when no type can take the rank, 1 when a stage cap fell, else 0.
 
@@ -661,7 +662,7 @@ class StructureBounds:
         s_lb = 0
         for c in range(v):
             s_lb += lb[c * pp + r]
-        for i in range(ns):
+        for i in range(n_left):
             t = self.slope_type[i]
             ct_sum = 0
             for c in range(v):
@@ -704,9 +705,9 @@ class StructureBounds:
                     if n < 0:
                         own = INF          # this count leaves a chunk below its lower bound
                         break
-                    own += n * (self.coef_f[cf + vs] * self.slope_forward[i] + self.coef_b[cf + vs] * self.slope_backward[i]
-                                + ka * self.slope_allreduce[i])
-                if own < INF and self._others_fit(k, r, t, extra - d, own, rhs, ns, lb):
+                    own += n * (self.coef_f[cf + vs] * self.slope_forward[i]
+                                + self.coef_b[cf + vs] * self.slope_backward[i] + ka * self.slope_allreduce[i])
+                if own < INF and self._others_fit(k, r, t, extra - d, own, rhs, n_left, lb):
                     break
                 d -= 1
             if d < ct_sum - s_lb:
@@ -718,16 +719,17 @@ class StructureBounds:
                         ct = lb[vs] - 1     # type t cannot take rank r
                     if ct < capt[vs * nt + t]:
                         capt[vs * nt + t] = ct
-        return self._stage_caps(r, lb, cap, capt, ns)
+        return self._stage_caps(r, lb, cap, capt, n_left)
 
-    def _others_fit(self, k: int, r: int, t: int, e: int, own: float, rhs: float, ns: int, lb) -> bool:
+    def _others_fit(self, k: int, r: int, t: int, e: int, own: float, rhs: float, n_left: int, lb) -> bool:
         """Whether ``own`` plus each lower bound on the cost, along the current path, of the ``e``
         layers above their lower bounds that the undecided ranks other than ``r`` (on type ``t``) take
-        stays below ``rhs``: the four placement bounds of docs/SEARCH.md ("The placement bounds"), a
+        stays below ``rhs``: the four placement bounds of docs/SEARCH.md ("Mass and capacity
+        reasoning"; "The placement bounds a pair at a time"), a
         pair at a time; (iii) and (iv) with whole layer counts (``room_whole``), (i) and (ii) above the
         lower bounds (``room_above``). A pair's mean-slope bound without its rounding loss is at least
         both bounds of the pair: when it fits with ``FIT_SLACK`` to spare, so does the pair, and the
-        losses (:meth:`_gammas`) are not computed. Either way the answer is the same."""
+        losses (:meth:`_rounding_losses`) are not computed. Either way the answer is the same."""
         pp, v = self.pp, self.v
         if self.others_lb_cost < 0.0:
             # all the other ranks' layers placed by type, their lower bounds too (base priced those
@@ -744,33 +746,35 @@ class StructureBounds:
         fit = True
         pn = INF
         if v > 1:
-            pn = self._phi(self.others_lb_layers + e, r, t, ns, self.type_mean1, self.type_mean2,
+            pn = self._placement_cost(self.others_lb_layers + e, r, t, n_left, self.type_mean1, self.type_mean2,
                            self.type_mean_rank, self.room_whole)
         if v == 1 or not own + (pn - lbo) < rhs - FIT_SLACK * (abs(rhs) + abs(own) + abs(pn)):
             if v > 1:
                 if self.loss_sum_whole < 0.0:
-                    self.loss_sum_whole = self._gammas(k, self.zero_lb, self.rank_room_whole, self.loss_whole,
-                                                       ns, self.zero_ranks, self.one_ranks, self.zero_ranks)
+                    self.loss_sum_whole = self._rounding_losses(k, self.zero_lb, self.rank_room_whole, self.loss_whole,
+                                                       n_left, self.zero_ranks, self.one_ranks, self.zero_ranks)
                 fit = own + (pn - (self.loss_sum_whole - self.loss_whole[r]) - lbo) < rhs
-            fit = fit and own + (self._phi(self.others_lb_layers + e, r, t, ns, self.type_min1, self.type_min2,
-                                           self.type_min_rank, self.room_whole) - lbo) < rhs
+            fit = fit and own + (self._placement_cost(self.others_lb_layers + e, r, t, n_left, self.type_min1,
+                                                      self.type_min2, self.type_min_rank, self.room_whole)
+                                 - lbo) < rhs
         if not fit:
             return False
         # (ii) and (i)
         pn = INF
         if v > 1:
-            pn = self._phi(e, r, t, ns, self.type_mean1, self.type_mean2, self.type_mean_rank, self.room_above)
+            pn = self._placement_cost(e, r, t, n_left, self.type_mean1, self.type_mean2, self.type_mean_rank,
+                                      self.room_above)
         if v == 1 or not own + pn < rhs - FIT_SLACK * (abs(rhs) + abs(own) + abs(pn)):
             if v > 1:
                 if self.loss_sum < 0.0:
-                    self.loss_sum = self._gammas(k, lb, self.rank_room_above, self.loss_above, ns,
+                    self.loss_sum = self._rounding_losses(k, lb, self.rank_room_above, self.loss_above, n_left,
                                                  self.rank_lb, self.lb_even, self.lb_start)
                 fit = own + (pn - (self.loss_sum - self.loss_above[r])) < rhs
-            fit = fit and own + self._phi(e, r, t, ns, self.type_min1, self.type_min2, self.type_min_rank,
-                                          self.room_above) < rhs
+            fit = fit and own + self._placement_cost(e, r, t, n_left, self.type_min1, self.type_min2,
+                                                     self.type_min_rank, self.room_above) < rhs
         return fit
 
-    def _stage_caps(self, r: int, lb, cap, capt, ns: int) -> int:
+    def _stage_caps(self, r: int, lb, cap, capt, n_left: int) -> int:
         """Each stage of rank ``r``: its cap is the largest over the types that can still take the
         whole rank. -1 when none can, 1 when a cap fell, else 0."""
         pp, v, nt = self.pp, self.v, self.nt
@@ -778,7 +782,7 @@ class StructureBounds:
         for c in range(v):
             vs = c * pp + r
             top = -1
-            for i in range(ns):
+            for i in range(n_left):
                 t = self.slope_type[i]
                 if self._fits(r, t, lb, capt) and capt[vs * nt + t] > top:
                     top = capt[vs * nt + t]
@@ -793,8 +797,8 @@ class StructureBounds:
 
     def _count_gain(self, a: int, b: int, lb, cap, capt, extra: int, need: float) -> float:
         """After a DAG bound run: how much more, along one of its longest paths, every completion
-        below tau costs than the fill priced the undecided ranks ``[a, b)`` (docs/SEARCH.md, "The gain
-        along the bound's longest path"): the larger of two lower bounds, (1) apart (a Lagrangian
+        below tau costs than the fill priced the undecided ranks ``[a, b)`` (docs/SEARCH.md, "gain along
+        the bound's longest path"): the larger of two lower bounds, (1) apart (a Lagrangian
         bound of the type assignment, multipliers the per-type mean costs, plus the ``extra`` layers
         above the lower bounds at each stage's least slope) and (2) joint (:meth:`_joint_gain`). Once a
         bound reaches ``need`` (what cuts the child) it is returned as it stands."""
@@ -863,7 +867,7 @@ class StructureBounds:
         return ll if ll > 0.0 else 0.0   # (the extra part alone is >= 0)
 
     def _joint_gain(self, a: int, b: int, lb, cap, capt, extra: int, need: float) -> float:
-        """The gain's second bound (docs/SEARCH.md, "The joint gain"): per rank and type its
+        """The gain's second bound (docs/SEARCH.md, "the joint gain"): per rank and type its
         lower-bound layers' gain ``lb_gain`` plus the room above them at ``gain_slope``, the layer sum
         relaxed with one multiplier ``mu`` and the type assignment solved exactly; the bound is concave
         in ``mu`` with its maximum at a slope: a bisection over the sorted distinct slopes (stopped once

@@ -541,13 +541,13 @@ def test_placement_shortcut_never_changes_a_decision(monkeypatch):
     give the same plans and counters, and the shortcut does skip loss computations."""
     from poseidon_plugin.search import structure_bounds as bounds_mod
     calls = [0]
-    gammas = bounds_mod.StructureBounds._gammas
+    gammas = bounds_mod.StructureBounds._rounding_losses
 
     def counted(self, *args):
         calls[0] += 1
         return gammas(self, *args)
 
-    monkeypatch.setattr(bounds_mod.StructureBounds, "_gammas", counted)
+    monkeypatch.setattr(bounds_mod.StructureBounds, "_rounding_losses", counted)
     seen = {True: 0, False: 0}
     structures = 0
     for seed in range(400):
