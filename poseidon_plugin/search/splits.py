@@ -111,10 +111,10 @@ class SplitSearch(StructureBounds):
         self.last = int_buffer(nt)     # ridge: layers of the type's previous rank
         self.down = int_buffer(nt)     # ridge: the type's sequence already falls
         self.capped = int_buffer(nt)   # ridge: the type's previous rank is full
-        self.lbs = int_buffer((pp + 1) * nv)         # per depth: the stages' lower bounds ...
-        self.caps = int_buffer((pp + 1) * nv)        # ... caps, and caps per (stage, type)
-        self.capts = int_buffer((pp + 1) * nv * nt)
-        self.ctr = memoryview(array("q", [0]) * N_COUNTERS)
+        self.lbs = memoryview(int_buffer((pp + 1) * nv))    # per depth: the stages' lower bounds ...
+        self.caps = memoryview(int_buffer((pp + 1) * nv))   # ... caps, and caps per (stage, type)
+        self.capts = memoryview(int_buffer((pp + 1) * nv * nt))
+        self.ctr = array("q", [0]) * N_COUNTERS
         self.best_types = int_buffer(pp)
         self.best_layers = int_buffer(nv)
         # the fill's scratch (StructureBounds._fill)

@@ -17,7 +17,7 @@ parameter vector) and tightens the per-stage lower bounds ``lb`` and caps ``cap`
 One source for both backends: written in Cython's pure-Python mode, typed by
 ``cython_core/structure_bounds.pxd`` and compiled as ``poseidon_plugin._core.structure_bounds`` (the base
 class of the compiled ``SplitSearch``); uncompiled (``POSEIDON_PURE_PYTHON=1``) it runs as it is. Every
-array is a flat typed buffer (``array`` behind a ``memoryview``): a stage ``vs`` of rank ``r`` is
+array is a flat typed buffer (an ``array``; a ``memoryview`` of one where it is sliced): a stage ``vs`` of rank ``r`` is
 ``vs = c * pp + r``, a (stage, type) entry ``vs * nt + t``, a (rank, type) one ``r * nt + t``;
 ``n_left``: how many remaining types :meth:`StructureBounds._type_slopes` listed (slope index ``i``).
 """
@@ -46,23 +46,24 @@ def chunk_layers(total: int, chunk: int, v: int) -> int:
 
 
 def int_buffer(n: int, fill: int = 0):
-    """A flat ``int`` buffer of ``n`` entries (at least one), each ``fill``."""
-    return memoryview(array("i", [fill]) * (n if n > 0 else 1))
+    """A flat ``int`` buffer of ``n`` entries (at least one), each ``fill`` (an ``array``: wrap it in a
+    ``memoryview`` where it is sliced, since slicing an ``array`` copies)."""
+    return array("i", [fill]) * (n if n > 0 else 1)
 
 
 def float_buffer(n: int, fill: float = 0.0):
     """A flat ``double`` buffer of ``n`` entries (at least one), each ``fill``."""
-    return memoryview(array("d", [fill]) * (n if n > 0 else 1))
+    return array("d", [fill]) * (n if n > 0 else 1)
 
 
 def int_copy(seq):
     """A flat ``int`` buffer holding ``seq`` (one 0 when it is empty)."""
-    return memoryview(array("i", seq) if len(seq) else array("i", [0]))
+    return array("i", seq) if len(seq) else array("i", [0])
 
 
 def float_copy(seq):
     """A flat ``double`` buffer holding ``seq`` (one 0.0 when it is empty)."""
-    return memoryview(array("d", seq) if len(seq) else array("d", [0.0]))
+    return array("d", seq) if len(seq) else array("d", [0.0])
 
 
 class StructureBounds:
