@@ -31,9 +31,11 @@ extensions = [
               [os.path.join("poseidon_plugin", "_core", os.path.basename(src))], extra_compile_args=["-O3"])
     for src in SOURCES
 ]
-# the pure-Python-mode sources carry no directive comments: they are set here (the .pyx set their own)
+# the pure-Python-mode sources carry no directive comments: they are set here (the .pyx set their own);
+# their annotations are documentation (the .pxd declares the C types) and their locals' C types are inferred
 DIRECTIVES = {"language_level": "3", "boundscheck": False, "wraparound": False, "cdivision": True,
-              "initializedcheck": False, "auto_pickle": False}
+              "initializedcheck": False, "auto_pickle": False, "infer_types": True,
+              "annotation_typing": False}
 
 # the one version string lives in poseidon_plugin/__init__.py
 with open(os.path.join("poseidon_plugin", "__init__.py"), encoding="utf-8") as f:

@@ -38,4 +38,7 @@ cdef class DagKernel:
     cdef double run(self, const double* params) noexcept nogil
     cdef double _max_sink(self) noexcept nogil
     cdef void critical(self, const double* params, int* cnt) noexcept nogil
+    # run / critical on typed buffers (the search's entries; the pure kernel has methods of these names)
+    cdef double longest_into(self, double[::1] params) noexcept nogil
+    cdef void critical_into(self, double[::1] params, int[::1] cnt) noexcept nogil
     cdef _pack(self)

@@ -207,6 +207,12 @@ cdef class DagKernel:
                 v = self.src[best_e]
         cnt[0] = 0
 
+    cdef double longest_into(self, double[::1] params) noexcept nogil:
+        return self.run(&params[0])
+
+    cdef void critical_into(self, double[::1] params, int[::1] cnt) noexcept nogil:
+        self.critical(&params[0], &cnt[0])
+
     def longest(self, double[::1] params not None):
         """Iteration time for the parameter vector ``params`` (array('d') or any float64 buffer)."""
         if params.shape[0] < self.n_params:

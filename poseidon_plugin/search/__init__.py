@@ -8,8 +8,8 @@ Public API::
     result.stats          # SearchStats: simulator calls, pruned branches per rule, wall time
 
 docs/SEARCH.md explains the space, the bounds and which pruning is provably safe. ``poseidon plan`` is
-in :mod:`.cli`. The hot loop is compiled (``poseidon_plugin._core._search``); ``POSEIDON_PURE_PYTHON=1`` runs
-its pure-Python twin (:mod:`.splits`) with identical results.
+in :mod:`.cli`. The hot loop (:mod:`.splits` + :mod:`.structure_bounds`, one source) is compiled as
+``poseidon_plugin._core._search``; ``POSEIDON_PURE_PYTHON=1`` runs the same files uncompiled, with identical results.
 """
 
 from .engine import search, use_pure_python

@@ -295,7 +295,7 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
     :func:`interleaved_drain_counts`, ``Y = T - S_L / V`` (``S_L``: the layers' work). With
     ``target``: a value just above it as soon as the capacity there is short (the caller needs no
     more), else the bisection. ``assign``: the assignment solver, :func:`.assignment.best_assignment` by
-    default (the compiled search passes its twin, which gives the same integral results)."""
+    default (the compiled search passes the compiled build of the same solver)."""
     assign = assign or best_assignment
     slack = 1.0 + 1e-9
     m = micro_batches

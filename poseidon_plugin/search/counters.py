@@ -1,6 +1,5 @@
-"""Counters of the structure search: one index per name, shared by the pure loop (:mod:`.splits`,
-:mod:`.structure_bounds`) and the compiled one (``poseidon_plugin._core._search`` exports the same ``COUNTER_NAMES``;
-a unit test compares them)."""
+"""Counters of the structure search: one index per name, read by :mod:`.splits` and :mod:`.structure_bounds`
+(compiled, they copy the indices into C globals when imported) and by the engine."""
 
 COUNTER_NAMES = ("nodes", "bound_evals", "sim_calls", "pruned_bound", "pruned_path", "pruned_memory",
                  "pruned_ridge", "pruned_order", "improved")

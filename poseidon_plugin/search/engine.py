@@ -54,7 +54,7 @@ def use_pure_python(options: SearchOptions) -> bool:
     for every compiled piece), else ``options.pure_python``, else the compiled core when it is built."""
     if options.pure_python:
         return True
-    return compiled("_dag") is None or compiled("_search") is None
+    return compiled("_dag") is None or compiled("_search") is None or compiled("assignment") is None
 
 
 class SearchRun:
@@ -91,11 +91,10 @@ class SearchRun:
         self.resume_at: dict[tuple, int] = {}   # a group the clock cut: its first structure not closed
         self.node_budget = node_budget
         self.pure = use_pure_python(options)
-        # the positional bound's assignment solver: the compiled twin unless the search is pure
+        # the positional bound's assignment solver: the compiled one unless the search is pure
         self.assign = None
         if not self.pure:
-            from poseidon_plugin._core._search import best_capacity_assignment
-            self.assign = best_capacity_assignment
+            self.assign = compiled("assignment").best_assignment
         self.space = SearchSpace(cm, options)
         self.shapes = ShapeCache(self.pure, options.comm_model, cm.comm_extras)
         self.board = Leaderboard(options.top_k,

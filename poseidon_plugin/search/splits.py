@@ -8,9 +8,10 @@ type and layers, and simulates every complete plan that can still beat the thres
 chunks first (``chunk_layers``): virtual stage ``vs = chunk x pp + rank`` holds
 ``(l + V - 1 - chunk) // V`` of the rank's ``l`` layers.
 
-This module (the tree walk) and :mod:`.structure_bounds` (the lower bounds and caps) are the pure-Python
-reference of ``poseidon_plugin._core._search.SplitSearch``: same algorithm, same floating-point operations in
-the same order, same counters. docs/SEARCH.md explains the bounds and why each pruning rule is safe:
+This module (the tree walk) and :mod:`.structure_bounds` (the lower bounds and caps) are one source for
+both backends: written in Cython's pure-Python mode, typed by ``cython_core/_search.pxd`` and compiled as
+``poseidon_plugin._core._search`` (the engine's fast path); uncompiled (``POSEIDON_PURE_PYTHON=1``) the
+same file runs as it is. docs/SEARCH.md explains the bounds and why each pruning rule is safe:
 
 * **memory**: a rank gets at most the layers it can hold (the cost model's formula);
 * **mass / path bounds** (exact-safe): per bound path, its cost is linear in the layers; the layers
@@ -31,84 +32,224 @@ from __future__ import annotations
 import math
 import time
 from array import array
-from dataclasses import dataclass
 
-from ..stagecost import memory_need, put_rank_times, send_index
-from .structure_bounds import (PATH_SLACK, MIN_ALLREDUCE, MIN_BACKWARD, MIN_EMBEDDING_ALLREDUCE, MIN_EMBEDDING_BACKWARD,
-                     MIN_EMBEDDING_FORWARD, MIN_FORWARD, MIN_HEAD_ALLREDUCE, MIN_HEAD_BACKWARD,
-                     MIN_HEAD_FORWARD, MIN_SEND, StructureBounds, chunk_layers)
-from .counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES, PRUNED_BOUND,
-                       PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH, PRUNED_RIDGE, SIM_CALLS)
-from .shapes import ShapeData
-from .tables import TypeTable
+from poseidon_plugin.search.constants import CLOCK_EVERY, N_MINS, N_TYPE_MINS, PATH_SLACK
+from poseidon_plugin.search.counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES,
+                                             PRUNED_BOUND, PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH,
+                                             PRUNED_RIDGE, SIM_CALLS)
+from poseidon_plugin.search.split_result import SplitResult
+
+from .structure_bounds import (StructureBounds, chunk_layers, float_buffer, float_copy, int_buffer,
+                               int_copy)
 
 INF = math.inf
-CLOCK_EVERY = 1024          # nodes between two looks at the clock (time limit)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SplitResult:
-    """Outcome of one structure's search."""
-
-    time_ms: float                 # best time found below the threshold (inf: none)
-    types: tuple[int, ...]         # type index per rank (into the table), empty when none
-    layers: tuple[int, ...]        # layers per virtual stage, empty when none
-    counters: tuple[int, ...]      # COUNTER_NAMES
-    aborted: bool = False          # stopped by the deadline: not proven optimal
 
 
 class SplitSearch(StructureBounds):
     """Exact (or ridge-pruned) search of one structure; re-usable with different counts and ``tau``.
 
-    The bounds and caps are the methods of :class:`~.structure_bounds.StructureBounds`; this class walks the
-    tree (:meth:`_node`, :meth:`_children`) and fills the DAG bound's parameter vector (:meth:`_fill`).
+    The bounds and caps are the methods of :class:`~.structure_bounds.StructureBounds`; this class holds
+    the search state and walks the tree (:meth:`_node`, :meth:`_children`).
     """
 
-    def __init__(self, table: TypeTable, shape: ShapeData, num_layers: int, *, ridge: bool,
-                 blocks: bool, type_class: array, gap: float = 0.0, backward: bool = False):
-        self.table, self.shape, self.num_layers = table, shape, num_layers
+    def __init__(self, table, shape, num_layers: int, *, ridge: bool, blocks: bool, type_class,
+                 gap: float = 0.0, backward: bool = False):
+        if shape.pure_python and __name__ == "poseidon_plugin._core._search":
+            raise TypeError("the compiled search needs the compiled DAG kernel (shape built with "
+                            "pure_python=False)")
+        self.table, self.shape = table, shape
+        self.num_layers = num_layers
         self.ridge, self.blocks = ridge, blocks
         # decide the ranks from the last one (the ridge and block rules follow the pipeline order)
         self.backward = backward and not ridge and not blocks
-        self.ub = shape.pp                               # the undecided ranks are [k, ub) at a node
         # relative optimality gap: a plan must beat best / (1 + gap) to be worth searching for
         self.shrink = 1.0 / (1.0 + gap)
-        self.type_class = type_class                     # identical types share a class id
-        self.nt = len(table.names)
-        pp, v = shape.pp, shape.virtual_stages
-        self.pp, self.v, self.nv = pp, v, pp * v
+        nt = self.nt = len(table.names)
+        pp = self.pp = shape.pp
+        v = self.v = shape.virtual_stages
+        nv = self.nv = pp * v
         self.stride = table.max_slots
-        self.params = shape.new_params()
-        self.zero_lb = [0] * self.nv
-        # the gain's scratch: per (rank, type) its lower-bound layers' cost over the fill's; per
-        # (stage, type) its slope along the path and its room above the lower bound
-        self.crt = [0.0] * (pp * self.nt)
-        self.jslope = [0.0] * (self.nv * self.nt)
-        self.jroom = [0] * (self.nv * self.nt)
-        self.jslack = 0
-        self.kernel = None
+        self.ub = pp                                     # the undecided ranks are [k, ub) at a node
+        self.kernel = None                               # built on the first full search
+        self.params = float_copy(shape.new_params())     # comm-model extras at their defaults
+        # the type table (per type; per slot: t * stride + slot)
+        self.forward_ms = float_copy(table.forward_ms)
+        self.backward_ms = float_copy(table.backward_ms)
+        self.embedding_forward_ms = float_copy(table.embedding_forward_ms)
+        self.embedding_backward_ms = float_copy(table.embedding_backward_ms)
+        self.head_forward_ms = float_copy(table.head_forward_ms)
+        self.head_backward_ms = float_copy(table.head_backward_ms)
+        self.step_forward_ms = float_copy(table.step_forward_ms)
+        self.step_backward_ms = float_copy(table.step_backward_ms)
+        self.optimizer_ms = float_copy(table.optimizer_ms)
+        self.optimizer_fixed_ms = float_copy(table.optimizer_fixed_ms)
+        self.send_cross_ms = float_copy(table.send_cross_ms)
+        self.allreduce_ms = float_copy(table.allreduce_ms)
+        self.embedding_allreduce_ms = float_copy(table.embedding_allreduce_ms)
+        self.head_allreduce_ms = float_copy(table.head_allreduce_ms)
+        self.send_same_ms = float_copy(table.send_same_ms)
+        self.send_wrap_ms = float_copy(table.send_wrap_ms)
+        self.has_allreduce = int_copy(table.has_allreduce)
+        self.type_class = int_copy(type_class)           # identical types share a class id
+        paths = shape.paths
+        self.n_paths = paths.count
+        self.coef_f = int_copy(paths.coef_f)
+        self.coef_b = int_copy(paths.coef_b)
+        self.coef_ar = int_copy(paths.coef_ar)
+        self.term_ptr = int_copy(paths.term_ptr)
+        self.term_idx = int_copy(paths.term_idx)
+        self.term_coef = int_copy(paths.term_coef)
+        self.path_owner = int_copy(paths.owner)
+        # search state
+        self.counts = int_buffer(nt)
+        self.remaining = int_buffer(nt)
+        self.used = int_buffer(nt)     # per type: its ranks decided in pipeline order (slots 0..used-1)
+        self.hi = int_buffer(nt)       # per type: its slots hi.. belong to ranks decided from the end
+        self.types = int_buffer(pp)
+        self.slot = int_buffer(pp)
+        self.layers = int_buffer(nv)
+        self.last = int_buffer(nt)     # ridge: layers of the type's previous rank
+        self.down = int_buffer(nt)     # ridge: the type's sequence already falls
+        self.capped = int_buffer(nt)   # ridge: the type's previous rank is full
+        self.lbs = memoryview(int_buffer((pp + 1) * nv))    # per depth: the stages' lower bounds ...
+        self.caps = memoryview(int_buffer((pp + 1) * nv))   # ... caps, and caps per (stage, type)
+        self.capts = memoryview(int_buffer((pp + 1) * nv * nt))
+        self.ctr = array("q", [0]) * N_COUNTERS
+        self.best_types = int_buffer(pp)
+        self.best_layers = int_buffer(nv)
+        # the fill's scratch (StructureBounds._fill)
+        self.mins = float_buffer(N_MINS)
+        self.type_mins = float_buffer(nt * N_TYPE_MINS)
+        self.rank_min_costs = float_buffer(N_TYPE_MINS)
+        self.fill_forward = float_buffer(pp)     # the per-layer forward, backward, all-reduce ms the
+        self.fill_backward = float_buffer(pp)    # fill priced each undecided rank at
+        self.fill_allreduce = float_buffer(pp)
+        # the path bounds' scratch (StructureBounds._path_caps and what it calls)
+        self.slope_type = int_buffer(nt)
+        self.slope_forward = float_buffer(nt)
+        self.slope_backward = float_buffer(nt)
+        self.slope_allreduce = float_buffer(nt)
+        self.rank_room_above = int_buffer(pp * nt)
+        self.rank_room_whole = int_buffer(pp * nt)
+        self.order_above = int_buffer(nt * pp)
+        self.order_whole = int_buffer(nt * pp)
+        self.n_above = int_buffer(nt)
+        self.n_whole = int_buffer(nt)
+        self.room_above = int_buffer(pp * nt * nt)
+        self.room_whole = int_buffer(pp * nt * nt)
+        self.phi_type = int_buffer(nt)
+        self.phi_slope = float_buffer(nt)
+        self.alpha = float_buffer(nv)
+        self.stage_slope = float_buffer(nv * nt)
+        self.stage_order = int_buffer(nv)
+        self.chunk_slope = float_buffer(v)
+        self.rank_type_min = float_buffer(nt)
+        self.rank_type_sum = float_buffer(nt)
+        self.type_min1 = float_buffer(nt)
+        self.type_min2 = float_buffer(nt)
+        self.type_min_rank = int_buffer(nt)
+        self.type_mean1 = float_buffer(nt)
+        self.type_mean2 = float_buffer(nt)
+        self.type_mean_rank = int_buffer(nt)
+        self.rank_lb_cost = float_buffer(pp)
+        self.loss_above = float_buffer(pp)
+        self.loss_whole = float_buffer(pp)
+        self.rank_lb = int_buffer(pp)
+        self.lb_even = int_buffer(pp)
+        self.lb_start = int_buffer(pp)
+        self.zero_ranks = int_buffer(pp)
+        self.one_ranks = int_buffer(pp, 1)
+        self.zero_lb = int_buffer(nv)
+        self.rank_values = int_buffer(pp)
+        # the gain's scratch (StructureBounds._count_gain, _joint_gain)
+        self.path_counts = int_buffer(shape.n_params)
+        self.lb_gain = float_buffer(pp * nt)
+        self.type_mean_gain = float_buffer(nt)
+        self.type_gain_ranks = int_buffer(nt)
+        self.gain_slope = float_buffer(nv * nt)
+        self.gain_room = int_buffer(nv * nt)
+        self.gain_mu = float_buffer(nv * nt)
+        self.gain_slack = 0
+        self.assign_value = float_buffer(nt * pp)
+        self.assign_capacity = int_buffer(nt * pp)
+        self.assign_owner = int_buffer(pp)
+        self.assign_used = int_buffer(nt)
+        self.assign_gain = float_buffer(nt)
+        self.assign_via_type = int_buffer(nt)
+        self.assign_via_rank = int_buffer(nt)
         # memory: most layers rank r holds on type t (all chunks; < V when the rank cannot be used)
-        self.cap_rank = array("i", [0]) * (self.nt * pp)
-        for t in range(self.nt):
+        self.live = int_copy(shape.live)
+        self.layer_state_bytes = float_copy(table.layer_state_bytes)
+        self.layer_activation_bytes = float_copy(table.layer_activation_bytes)
+        self.embedding_state_bytes = float_copy(table.embedding_state_bytes)
+        self.embedding_activation_bytes = float_copy(table.embedding_activation_bytes)
+        self.head_state_bytes = float_copy(table.head_state_bytes)
+        self.head_activation_bytes = float_copy(table.head_activation_bytes)
+        self.usable_bytes = float_copy(table.usable_bytes)
+        self.cap_rank = int_buffer(nt * pp)
+        for t in range(nt):
             for r in range(pp):
                 self.cap_rank[t * pp + r] = self._rank_cap(t, r)
 
+    # --- memory ---------------------------------------------------------------------------------
+
+    def _memory_need(self, t: int, r: int, layers: int) -> float:
+        """Peak bytes of rank ``r`` on type ``t`` holding ``layers`` layers spread over its chunks: the
+        operations of :func:`~poseidon_plugin.stagecost.rank_memory`, in its order."""
+        v = self.v
+        state = 0.0
+        chunk_act = 0.0
+        for c in range(v):
+            n = chunk_layers(layers, c, v)
+            s = n * self.layer_state_bytes[t]
+            a = n * self.layer_activation_bytes[t]
+            if c == 0 and r == 0:
+                s += self.embedding_state_bytes[t]
+                a += self.embedding_activation_bytes[t]
+            if c == v - 1 and r == self.pp - 1:
+                s += self.head_state_bytes[t]
+                a += self.head_activation_bytes[t]
+            state += s
+            if a > chunk_act:
+                chunk_act = a
+        return state + self.live[r] * chunk_act
+
     def _rank_cap(self, t: int, r: int) -> int:
-        """Most layers rank ``r`` on type ``t`` can hold (binary search on the cost model's formula)."""
-        v, usable = self.v, self.table.usable_bytes[t]
-        chunks = [0] * v
-        lo, hi = 0, self.num_layers
+        """Most layers rank ``r`` on type ``t`` can hold (binary search on the memory formula)."""
+        lo = 0
+        hi = self.num_layers
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            for c in range(v):
-                chunks[c] = chunk_layers(mid, c, v)
-            if memory_need(t, r, chunks, self.table, self.shape) > usable:
+            if self._memory_need(t, r, mid) > self.usable_bytes[t]:
                 hi = mid - 1
             else:
                 lo = mid
         return lo
 
     # --- search ---------------------------------------------------------------------------------
+
+    def _reset(self, counts) -> int:
+        """The state of a fresh search for ``counts`` ranks per type; their sum."""
+        total = 0
+        for t in range(self.nt):
+            self.counts[t] = counts[t]
+            self.remaining[t] = counts[t]
+            self.used[t] = 0
+            self.hi[t] = counts[t]
+            self.last[t] = 0
+            self.down[t] = 0
+            self.capped[t] = 0
+            total += counts[t]
+        self.ub = self.pp
+        for r in range(self.pp):
+            self.types[r] = -1
+            self.slot[r] = 0
+        for i in range(self.nv):
+            self.layers[i] = 0
+        for i in range(N_COUNTERS):
+            self.ctr[i] = 0
+        self.exact_counts = total == self.pp
+        return total
 
     def run(self, counts, tau: float, *, root_only: bool = False,
             deadline: float = INF, max_nodes: int = 0) -> SplitResult:
@@ -118,100 +259,63 @@ class SplitSearch(StructureBounds):
         both backends) stops the search early: ``aborted`` is then set and the result is the best
         found so far.
         """
-        pp, nv, nt = self.pp, self.nv, self.nt
-        self.counts = list(counts)
-        self.remaining = list(counts)
-        self.used = [0] * nt        # per type: its ranks decided in pipeline order (slots 0..used-1)
-        self.hi = list(counts)      # per type: its slots hi.. belong to ranks decided from the end
-        self.ub = pp
-        self.types = [-1] * pp
-        self.slot = [0] * pp
-        self.layers = [0] * nv
-        self.last = [0] * nt                             # ridge: layers of the type's previous rank
-        self.down = [0] * nt                             # ridge: the type's sequence already falls
-        self.capped = [0] * nt                           # ridge: the type's previous rank is full
-        self.lb = [[0] * nv for _ in range(pp + 1)]
-        self.cap = [[0] * nv for _ in range(pp + 1)]
-        self.capt = [[0] * (nv * nt) for _ in range(pp + 1)]
-        self.exact_counts = sum(counts) == pp
-        self.ctr = [0] * N_COUNTERS
+        total = self._reset(counts)
         self.tau = tau
-        self.best_types: tuple[int, ...] = ()
-        self.best_layers: tuple[int, ...] = ()
         self.best = INF
+        self.have_best = False
         self.deadline = deadline
         self.max_nodes = max_nodes
         self.aborted = False
         # root_only accepts counts that are upper limits (a type's free slots): the bounds only ask
         # which types may still appear, never how many
-        if root_only and sum(counts) >= pp:
+        if root_only and total >= self.pp:
             self._root_check()
-        elif sum(counts) == pp:
+        elif total == self.pp:
             if self.kernel is None:
                 self.kernel = self.shape.kernel
             self._node(0, self.num_layers)
-        return SplitResult(time_ms=self.best, types=self.best_types, layers=self.best_layers,
-                           counters=tuple(self.ctr), aborted=self.aborted)
+        types = layers = ()
+        if self.have_best:
+            types = tuple([self.best_types[i] for i in range(self.pp)])
+            layers = tuple([self.best_layers[i] for i in range(self.nv)])
+        return SplitResult(time_ms=self.best, types=types, layers=layers,
+                           counters=tuple([self.ctr[i] for i in range(N_COUNTERS)]), aborted=self.aborted)
 
     def _root_check(self) -> None:
         """Path and mass bounds at the root only (no DAG needed): ``best = 0`` when not pruned."""
+        nv = self.nv
         self.ctr[NODES] += 1
-        if self._propagate(0, self.num_layers, self.lb[0], self.cap[0], self.capt[0]):
+        lb = self.lbs[0:nv]
+        cap = self.caps[0:nv]
+        capt = self.capts[0:nv * self.nt]
+        if self._propagate(0, self.num_layers, lb, cap, capt, lb, cap, capt, False):
             self.best = 0.0
-
-    def _fill(self, lb, capt=None) -> None:
-        """Parameter vector: decided ranks exactly as :meth:`CostModel.stage_times` (the same
-        :func:`~poseidon_plugin.stagecost.put_rank_times`), undecided ones at lower bounds: layers at
-        ``lb``, costs at the minimum over the types they may still take: with the node's per-type
-        caps ``capt``, only the types that can hold the rank's lower bounds (:meth:`_rank_mins`)."""
-        pp, v = self.pp, self.v
-        tb, p, types, layers = self.table, self.params, self.types, self.layers
-        mins = self._unknown_mins()
-        self.mins = mins
-        self.fill_slopes = fs = [(0.0, 0.0, 0.0)] * pp
-        for r in range(pp):
-            t = types[r]
-            if t >= 0:
-                tb.put_rank_times(p, pp, v, r, layers, lb, t, t * self.stride + self.slot[r])
-            else:   # framework terms left out: still a lower bound (stagecost)
-                m = self._rank_mins(r, lb, capt, mins)
-                put_rank_times(p, pp, v, r, layers, lb, m[MIN_FORWARD], m[MIN_BACKWARD],
-                               m[MIN_ALLREDUCE], m[MIN_EMBEDDING_FORWARD],
-                               m[MIN_EMBEDDING_BACKWARD], m[MIN_EMBEDDING_ALLREDUCE],
-                               m[MIN_HEAD_FORWARD], m[MIN_HEAD_BACKWARD],
-                               m[MIN_HEAD_ALLREDUCE], 1)
-                fs[r] = (m[MIN_FORWARD], m[MIN_BACKWARD], m[MIN_ALLREDUCE])
-            p[send_index(pp, v, r)] = self._send_lb(r, mins[MIN_SEND])
 
     def bound_params(self, counts, types, layers, lb, capt=None) -> list[float]:
         """The DAG bound's parameter vector with the ranks ``types[r] >= 0`` decided (``layers`` per
         virtual stage; 0: undecided, priced at ``lb``, over the types whose per-type caps ``capt``
-        (``vs * nt + t``; None: none) hold it): what :meth:`_fill` writes. The compiled twin has the
-        same method; tests compare the two field by field."""
-        nt = self.nt
-        self.counts, self.remaining, self.used = list(counts), list(counts), [0] * nt
-        self.hi, self.ub = list(counts), self.pp
-        self.types, self.slot = [-1] * self.pp, [0] * self.pp
-        for r, t in enumerate(types):
+        (``vs * nt + t``; None: every remaining type) hold it): what :meth:`_fill` writes."""
+        nv, nt = self.nv, self.nt
+        self._reset(counts)
+        for r in range(self.pp):
+            t = types[r]
             if t >= 0:
-                self.types[r], self.slot[r] = t, self.used[t]
+                self.types[r] = t
+                self.slot[r] = self.used[t]
                 self.remaining[t] -= 1
                 self.used[t] += 1
-        self.layers = list(layers)
-        self._fill(list(lb), None if capt is None else list(capt))
-        self.layers = [0] * self.nv
-        return list(self.params)
-
-    def _lb_sum(self, a: int, b: int, lb) -> int:
-        """Layers of the ranks ``[a, b)`` at their lower bounds."""
-        s = 0
-        for r in range(a, b):
-            for c in range(self.v):
-                s += lb[c * self.pp + r]
-        return s
+        for i in range(nv):
+            self.layers[i] = layers[i]
+            self.lbs[i] = lb[i]
+        for i in range(nv * nt):
+            self.capts[i] = self.num_layers if capt is None else capt[i]
+        self._fill(self.lbs[0:nv], self.capts[0:nv * nt])
+        for i in range(nv):
+            self.layers[i] = 0
+        return [self.params[i] for i in range(len(self.params))]
 
     def _type_allowed(self, r: int, t: int) -> int:
-        """0 if rank ``r`` may take type ``t`` now; else the counter that rejects it."""
+        """0 if rank ``r`` may take type ``t`` now; else the counter that rejects it (-1: none)."""
         if self.remaining[t] <= 0:
             return -1
         if self.blocks and r > 0:
@@ -231,28 +335,38 @@ class SplitSearch(StructureBounds):
         """Decide the rank of depth ``k`` (type and layers) with ``left`` layers for the undecided ranks:
         rank ``k`` of ``[k, pp)`` in pipeline order, or rank ``pp - 1 - k`` of ``[0, pp - k)`` from
         the end (``backward``)."""
-        ctr = self.ctr
+        nv, nt = self.nv, self.nt
         if self.aborted:
             return
-        ctr[NODES] += 1
-        if (ctr[NODES] % CLOCK_EVERY == 0 and time.monotonic() > self.deadline) or \
-                ctr[NODES] == self.max_nodes:
+        self.ctr[NODES] += 1
+        if (self.ctr[NODES] % CLOCK_EVERY == 0 and time.monotonic() > self.deadline) or \
+                self.ctr[NODES] == self.max_nodes:
             self.aborted = True
             return
         if self.backward:
-            r, a, b = self.pp - 1 - k, 0, self.pp - k
+            r = self.pp - 1 - k
+            a = 0
+            b = self.pp - k
         else:
-            r, a, b = k, k, self.pp
+            r = k
+            a = k
+            b = self.pp
         self.ub = b
-        lb, cap = self.lb[k], self.cap[k]
-        parent = (self.lb[k - 1], self.cap[k - 1], self.capt[k - 1]) if k > 0 else None
-        if not self._propagate(a, left, lb, cap, self.capt[k], parent):
+        lb = self.lbs[k * nv:(k + 1) * nv]
+        cap = self.caps[k * nv:(k + 1) * nv]
+        capt = self.capts[k * nv * nt:(k + 1) * nv * nt]
+        if k == 0:
+            ok = self._propagate(a, left, lb, cap, capt, lb, cap, capt, False)
+        else:
+            ok = self._propagate(a, left, lb, cap, capt, self.lbs[(k - 1) * nv:k * nv],
+                                 self.caps[(k - 1) * nv:k * nv], self.capts[(k - 1) * nv * nt:k * nv * nt], True)
+        if not ok:
             return
-        for t in range(self.nt):
+        for t in range(nt):
             why = self._type_allowed(r, t)
             if why:
                 if why > 0:
-                    ctr[why] += 1
+                    self.ctr[why] += 1
                 continue
             self.types[r] = t
             if self.backward:
@@ -262,7 +376,7 @@ class SplitSearch(StructureBounds):
                 self.slot[r] = self.used[t]
                 self.used[t] += 1
             self.remaining[t] -= 1
-            self._children(k, r, a, b, left, t, lb, cap, self.capt[k])
+            self._children(k, r, a, b, left, t, lb, cap, capt)
             self.types[r] = -1
             self.remaining[t] += 1
             if self.backward:
@@ -273,11 +387,10 @@ class SplitSearch(StructureBounds):
     def _child_lower_bounds(self, a: int, b: int, rest: int, s_cap: int, lb, cap, out) -> bool:
         """Lower bounds of the stages of ranks ``[a, b)`` when they hold ``rest`` layers (``s_cap``: the
         sum of their caps): ``lb`` raised by the sum rule, into ``out``; whether any rose."""
-        pp = self.pp
         raised = False
         for vs in range(self.nv):
             out[vs] = lb[vs]
-            if a <= vs % pp < b:
+            if a <= vs % self.pp < b:
                 x = rest - (s_cap - cap[vs])
                 if x > lb[vs]:
                     out[vs] = x
@@ -287,10 +400,11 @@ class SplitSearch(StructureBounds):
     def _children(self, k: int, r: int, a: int, b: int, left: int, t: int, lb, cap, capt) -> None:
         """Try rank ``r`` (depth ``k``, undecided ranks ``[a, b)``) on type ``t`` with increasing layer
         counts; the child's undecided ranks are ``[ca, cb)``."""
-        pp, v = self.pp, self.v
-        ctr = self.ctr
-        ca, cb = (a + 1, b) if r == a else (a, b - 1)
-        lo, hi = v, self.num_layers
+        pp, v, nv = self.pp, self.v, self.nv
+        ca = a + 1 if r == a else a
+        cb = b if r == a else b - 1
+        lo = v
+        hi = self.num_layers
         for c in range(v):                 # chunk c of l layers is within [lb, cap] of its stage
             vs = c * pp + r
             x = v * lb[vs] - v + 1 + c
@@ -305,23 +419,32 @@ class SplitSearch(StructureBounds):
             # rank k takes the rest
             room = self._type_capacity(ca, cb, lb, cap, capt)
             if room < 0:
-                ctr[PRUNED_PATH] += 1
+                self.ctr[PRUNED_PATH] += 1
                 return
             if left - room > lo:
                 lo = left - room
         mem = self.cap_rank[t * pp + r]
         if mem < hi:
-            ctr[PRUNED_MEMORY] += hi - max(mem, lo - 1)
+            x = lo - 1
+            if mem > x:
+                x = mem
+            self.ctr[PRUNED_MEMORY] += hi - x
             hi = mem
         if k == pp - 1:
             if left < lo or left > hi:
                 return
-            lo = hi = left
-        last, down, capped = self.last[t], self.down[t], self.capped[t]
+            lo = left
+            hi = left
+        last = self.last[t]
+        down = self.down[t]
+        capped = self.capped[t]
         # ridge (Theorem 2 and Lemma 5-6 of the paper): along a type's ranks the layers only rise
         # where the earlier rank is at its memory cap, and never again once they have fallen
         if self.ridge and last > 0 and (down or not capped) and last < hi:
-            ctr[PRUNED_RIDGE] += hi - max(last, lo - 1)
+            x = lo - 1
+            if last > x:
+                x = last
+            self.ctr[PRUNED_RIDGE] += hi - x
             hi = last
         # with l layers here the later ranks hold left - l, each stage at most its cap: a stage holds at
         # least left - l - (the other stages' caps). Where that raises a lower bound the DAG bound is
@@ -329,56 +452,62 @@ class SplitSearch(StructureBounds):
         # elsewhere with lb, monotone in l, and its first cut ends the loop
         s_cap = 0
         if k < pp - 1:
-            for vs in range(self.nv):
+            for vs in range(nv):
                 if ca <= vs % pp < cb:
                     s_cap += cap[vs]
         s_lb = self._lb_sum(ca, cb, lb)   # the later ranks' layers at lb (the gain's extra layers: the rest)
-        lb2 = self.lb[k + 1]          # the child's lower bounds, scratch: its propagation overwrites them
+        lb2 = self.lbs[(k + 1) * nv:(k + 2) * nv]   # the child's lower bounds, scratch: its propagation overwrites them
         l = lo
         while l <= hi and not self.aborted:
             for c in range(v):
                 self.layers[c * pp + r] = chunk_layers(l, c, v)
             if k < pp - 1 and self._child_lower_bounds(ca, cb, left - l, s_cap, lb, cap, lb2):
                 self._fill(lb2, capt)
-                ctr[BOUND_EVALS] += 1
-                val = self.kernel.longest(self.params)
+                self.ctr[BOUND_EVALS] += 1
+                val = self.kernel.longest_into(self.params)
+                limit = self.tau * (1.0 + PATH_SLACK)
                 if val >= self.tau or val + self._count_gain(
-                        ca, cb, lb2, cap, capt, left - l - self._lb_sum(ca, cb, lb2),
-                        self.tau * (1.0 + PATH_SLACK) - val) >= self.tau * (1.0 + PATH_SLACK):
-                    ctr[PRUNED_BOUND] += 1
+                        ca, cb, lb2, cap, capt, left - l - self._lb_sum(ca, cb, lb2), limit - val) >= limit:
+                    self.ctr[PRUNED_BOUND] += 1
                     l += 1
                     continue
                 val = 0.0
             else:
                 self._fill(lb, capt)
-                ctr[SIM_CALLS if k == pp - 1 else BOUND_EVALS] += 1
-                val = self.kernel.longest(self.params)
+                if k == pp - 1:
+                    self.ctr[SIM_CALLS] += 1
+                else:
+                    self.ctr[BOUND_EVALS] += 1
+                val = self.kernel.longest_into(self.params)
                 if val >= self.tau:
-                    ctr[PRUNED_BOUND] += hi - l + 1
+                    self.ctr[PRUNED_BOUND] += hi - l + 1
                     break
+                limit = self.tau * (1.0 + PATH_SLACK)
                 if k < pp - 1 and val + self._count_gain(ca, cb, lb, cap, capt, left - l - s_lb,
-                                                         self.tau * (1.0 + PATH_SLACK) - val) \
-                        >= self.tau * (1.0 + PATH_SLACK):
-                    ctr[PRUNED_BOUND] += 1      # this count only: the gain is not monotone in it
+                                                         limit - val) >= limit:
+                    self.ctr[PRUNED_BOUND] += 1      # this count only: the gain is not monotone in it
                     l += 1
                     continue
             if k == pp - 1:
-                ctr[IMPROVED] += 1
+                self.ctr[IMPROVED] += 1
                 self.best = val
                 self.tau = val * self.shrink
-                self.best_types = tuple(self.types)
-                self.best_layers = tuple(self.layers)
+                self.have_best = True
+                for y in range(pp):
+                    self.best_types[y] = self.types[y]
+                for y in range(nv):
+                    self.best_layers[y] = self.layers[y]
             else:
                 self.last[t] = l
                 self.down[t] = 1 if (down or (last > 0 and l < last)) else 0
                 self.capped[t] = 1 if l == mem else 0
                 self._node(k + 1, left - l)
-                self.last[t], self.down[t], self.capped[t] = last, down, capped
+                self.last[t] = last
+                self.down[t] = down
+                self.capped[t] = capped
             l += 1
         for c in range(v):
             self.layers[c * pp + r] = 0
 
 
-__all__ = ["BOUND_EVALS", "COUNTER_NAMES", "IMPROVED", "N_COUNTERS", "NODES", "PRUNED_BOUND",
-           "PRUNED_MEMORY", "PRUNED_ORDER", "PRUNED_PATH", "PRUNED_RIDGE", "SIM_CALLS", "SplitResult",
-           "SplitSearch", "chunk_layers"]
+__all__ = ["COUNTER_NAMES", "SplitResult", "SplitSearch", "chunk_layers"]

@@ -68,6 +68,16 @@ class DagKernel:
         cnt[0] = 0
         return cnt
 
+    def longest_into(self, params) -> float:
+        """:meth:`longest` (the compiled kernel's typed entry for the search, which calls it on its
+        parameter buffer)."""
+        return self.longest(params)
+
+    def critical_into(self, params, cnt) -> None:
+        """:meth:`critical_counts` written into ``cnt`` (the compiled kernel's typed entry)."""
+        for i, x in enumerate(self.critical_counts(params)):
+            cnt[i] = x
+
     def fill(self, params, forward_ms, backward_ms, send_ms, allreduce_ms) -> None:
         """Write stage times into ``params`` following the ParamLayout (lengths already validated)."""
         nv, pp = self._nv, self._pp

@@ -58,6 +58,20 @@ def random_structure(seed: int, pure: bool):
     return table, ShapeData(schedule, pp, m, v, pure), counts, layers
 
 
+def propagate(ss, k, left, lb, cap, capt, parent=None):
+    """``ss._propagate`` from scratch, or from the parent node's ``(lb, cap, capt)``."""
+    if parent is None:
+        return ss._propagate(k, left, lb, cap, capt, lb, cap, capt, False)
+    return ss._propagate(k, left, lb, cap, capt, *parent, True)
+
+
+def fill(ss, lb, capt=None):
+    """``ss._fill`` with the node's per-type caps, or (None) caps every type meets."""
+    if capt is None:
+        capt = [ss.num_layers] * (ss.nv * ss.nt)
+    ss._fill(lb, capt)
+
+
 def brute_force(table, shape, counts, num_layers):
     """Every (time, types, layers) of the structure that fits memory."""
     params = array("d", [0.0]) * shape.n_params
@@ -152,9 +166,9 @@ def test_lower_bounds_never_exceed_any_completion(seed):
                 ss.layers[c * pp + r] = layers[c * pp + r]
         left = num_layers - sum(ss.layers)
         lb, cap, capt = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v * len(counts))
-        assert ss._propagate(k, left, lb, cap, capt)
+        assert propagate(ss, k, left, lb, cap, capt)
         _assert_within([p for p in completions if p[0] < tau], range(k, pp), pp, v, lb, cap, capt)
-        ss._fill(lb)
+        fill(ss, lb)
         assert ss.kernel.longest(ss.params) <= best
 
 
@@ -216,14 +230,14 @@ def _inherited_case(seed: int) -> int | None:
         ss.tau = min(p[0] for p in parent_done) * (1 + 1e-9) + 1e-12
         left = _decide(ss, counts, types, layers, k - 1, pp, v)
         plb, pcap, pcapt = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v * nt)
-        assert ss._propagate(k - 1, left, plb, pcap, pcapt)
+        assert propagate(ss, k - 1, left, plb, pcap, pcapt)
         completions = [p for p in parent_done if p[1][k - 1] == types[k - 1]
                        and all(p[2][c * pp + k - 1] == layers[c * pp + k - 1] for c in range(v))]
         left = _decide(ss, counts, types, layers, k, pp, v)
         lb, cap, capt = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v * nt)
-        ok = ss._propagate(k, left, lb, cap, capt, (plb, pcap, pcapt))
+        ok = propagate(ss, k, left, lb, cap, capt, (plb, pcap, pcapt))
         fresh = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v * nt)
-        fresh_ok = ss._propagate(k, left, *fresh)
+        fresh_ok = propagate(ss, k, left, *fresh)
         beat = [p for p in completions if p[0] < ss.tau]
         if beat:
             assert ok
@@ -267,7 +281,7 @@ def _child_bound_case(seed: int) -> int | None:
         ss.tau = min(p[0] for p in node) * 1.05
         left = _decide(ss, counts, types, layers, k, pp, v)
         lb, cap, capt = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v * nt)
-        assert ss._propagate(k, left, lb, cap, capt)
+        assert propagate(ss, k, left, lb, cap, capt)
         s_cap = sum(cap[vs] for vs in range(pp * v) if vs % pp > k)
         children = {}
         for t_ms, typ, lay in node:
@@ -282,10 +296,10 @@ def _child_bound_case(seed: int) -> int | None:
                 ss.layers[c * pp + k] = (l + v - 1 - c) // v
             out = [0] * (pp * v)
             if ss._child_lower_bounds(k + 1, pp, left - l, s_cap, lb, cap, out):
-                ss._fill(out)
+                fill(ss, out)
                 raised = ss.kernel.longest(ss.params)
                 assert raised <= best
-                ss._fill(lb)
+                fill(ss, lb)
                 stronger += raised > ss.kernel.longest(ss.params)
             ss.types[k] = -1
             ss.remaining[t] += 1
@@ -527,13 +541,13 @@ def test_placement_shortcut_never_changes_a_decision(monkeypatch):
     give the same plans and counters, and the shortcut does skip loss computations."""
     from poseidon_plugin.search import structure_bounds as bounds_mod
     calls = [0]
-    gammas = bounds_mod.StructureBounds._gammas
+    gammas = bounds_mod.StructureBounds._rounding_losses
 
     def counted(self, *args):
         calls[0] += 1
         return gammas(self, *args)
 
-    monkeypatch.setattr(bounds_mod.StructureBounds, "_gammas", counted)
+    monkeypatch.setattr(bounds_mod.StructureBounds, "_rounding_losses", counted)
     seen = {True: 0, False: 0}
     structures = 0
     for seed in range(400):
@@ -640,11 +654,11 @@ def test_bounds_from_the_end_and_the_path_gain_never_exceed_a_completion(seed):
         tau = best * (1 + 1e-9) + 1e-12
         ss.tau = tau
         lb, cap, capt = [0] * (pp * v), [0] * (pp * v), [0] * (pp * v * nt)
-        assert ss._propagate(a, left, lb, cap, capt)
+        assert propagate(ss, a, left, lb, cap, capt)
         _assert_within([p for p in completions if p[0] < tau], range(a, b), pp, v, lb, cap, capt)
         ss._fill(lb, capt)
         val = ss.kernel.longest(ss.params)
-        gain = ss._count_gain(a, b, lb, cap, capt, left - ss._lb_sum(a, b, lb))
+        gain = ss._count_gain(a, b, lb, cap, capt, left - ss._lb_sum(a, b, lb), math.inf)
         assert gain >= 0.0
         assert val + gain <= best * (1 + 1e-9)
 

@@ -4,6 +4,7 @@ Both backends (compiled loop and its pure-Python twin, fixture ``pure_python``) 
 exhaustive reference simulates every plan of the space with no pruning at all.
 """
 
+import dataclasses
 import os
 import random
 
@@ -105,22 +106,25 @@ def test_cutoff_keeps_the_optimum_below_it(seed, pure_python):
                     reason="POSEIDON_PURE_PYTHON=1 forces the pure loop")
 @pytest.mark.parametrize("seed", range(8))
 def test_backends_agree_on_stats(seed):
-    """The compiled loop and its twin take the same decisions: the same plan and alternatives, and
-    every statistic equal (all counters, pruned per rule, structures, shapes, warm-up samples) but the
-    wall time and the kernel's name -- which must say that each backend really ran."""
+    """The compiled loop and the uncompiled one take the same decisions (:func:`assert_backends_agree`)."""
     cm, schedules = random_problem(100 + seed)
     for mode in ("exact", "default"):
-        compiled, pure = (search(cm, SearchOptions(mode=mode, schedules=schedules, top_k=3,
-                                                   warmup_samples=20, pure_python=p))
-                          for p in (False, True))
-        assert (compiled.stats.kernel, pure.stats.kernel) == ("compiled", "pure-python")
-        assert compiled.plan.plan_hash() == pure.plan.plan_hash()
-        assert compiled.alternatives == pure.alternatives
-        sa, sb = compiled.stats.to_dict(), pure.stats.to_dict()
-        for d in (sa, sb):
-            del d["wall_s"], d["kernel"]
-        assert sa == sb
-        assert sa["nodes"] > 0 and sa["simulator_calls"] > 0
+        assert_backends_agree(cm, SearchOptions(mode=mode, schedules=schedules, top_k=3, warmup_samples=20))
+
+
+def assert_backends_agree(cm, options) -> None:
+    """The same plan and alternatives on both backends, and every statistic equal (all counters, pruned
+    per rule, structures, shapes, warm-up samples) but the wall time and the kernel's name -- which must
+    say that each backend really ran."""
+    compiled, pure = (search(cm, dataclasses.replace(options, pure_python=p)) for p in (False, True))
+    assert (compiled.stats.kernel, pure.stats.kernel) == ("compiled", "pure-python")
+    assert compiled.plan.plan_hash() == pure.plan.plan_hash()
+    assert compiled.alternatives == pure.alternatives
+    sa, sb = compiled.stats.to_dict(), pure.stats.to_dict()
+    for d in (sa, sb):
+        del d["wall_s"], d["kernel"]
+    assert sa == sb
+    assert sa["nodes"] > 0 and sa["simulator_calls"] > 0
 
 
 def test_infeasible_problem_agrees():

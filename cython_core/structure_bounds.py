@@ -1,0 +1,1 @@
+../poseidon_plugin/search/structure_bounds.py

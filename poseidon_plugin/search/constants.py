@@ -1,0 +1,34 @@
+"""The structure search's constants, defined once.
+
+A plain module: the compiled search (``poseidon_plugin._core._search`` and ``._core.structure_bounds``,
+built from :mod:`.splits` and :mod:`.structure_bounds`) copies them into C globals when it is imported,
+and the same sources read them from here uncompiled (``POSEIDON_PURE_PYTHON=1``).
+"""
+
+# relative slack on the path bounds (sums in a different order than the kernel's): they prune only
+# when the bound exceeds tau by more than float noise; the DAG bound is compared exactly (monotone)
+PATH_SLACK = 1e-9
+# relative margin of the placement bounds' shortcut (StructureBounds._others_fit): a bound known to be
+# at most another (in exact arithmetic) is taken to fit only when the other fits by this much more
+FIT_SLACK = 1e-12
+# rounds of the path bounds and the type-aware capacity at a root; a node that inherits its parent's
+# bounds starts near a fixpoint, and one round on top of the parent's does nearly what two did from
+# scratch, in less time (bench_search measures it)
+PROPAGATION_ROUNDS = 3
+INHERITED_ROUNDS = 2
+CLOCK_EVERY = 1024          # nodes between two looks at the clock (time limit)
+
+# StructureBounds.mins: the smallest cost of each kind over the types an undecided rank may take
+MIN_NAMES = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding_backward_ms",
+             "head_forward_ms", "head_backward_ms", "allreduce_ms", "embedding_allreduce_ms",
+             "head_allreduce_ms", "send_ms")
+MIN_FORWARD, MIN_BACKWARD, MIN_EMBEDDING_FORWARD, MIN_EMBEDDING_BACKWARD, MIN_HEAD_FORWARD, \
+    MIN_HEAD_BACKWARD, MIN_ALLREDUCE, MIN_EMBEDDING_ALLREDUCE, MIN_HEAD_ALLREDUCE, MIN_SEND = \
+    range(len(MIN_NAMES))
+N_MINS = len(MIN_NAMES)
+N_TYPE_MINS = MIN_SEND      # the kinds a type has of its own (the transfers depend on the link)
+
+__all__ = ["CLOCK_EVERY", "FIT_SLACK", "INHERITED_ROUNDS", "MIN_ALLREDUCE", "MIN_BACKWARD",
+           "MIN_EMBEDDING_ALLREDUCE", "MIN_EMBEDDING_BACKWARD", "MIN_EMBEDDING_FORWARD", "MIN_FORWARD",
+           "MIN_HEAD_ALLREDUCE", "MIN_HEAD_BACKWARD", "MIN_HEAD_FORWARD", "MIN_NAMES", "MIN_SEND",
+           "N_MINS", "N_TYPE_MINS", "PATH_SLACK", "PROPAGATION_ROUNDS"]
