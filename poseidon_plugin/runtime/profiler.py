@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import poseidon_plugin
-from poseidon_plugin.runtime import emulation
+from poseidon_plugin.runtime import client_step, emulation
 from poseidon_plugin.runtime.collectives import all_gather_json
 from poseidon_plugin.runtime.devices import Device
 from poseidon_plugin.runtime.inventory import World
@@ -107,12 +107,15 @@ def profile_software() -> dict[str, str]:
     return {**software_versions(), **({"emulation": tag} if tag else {})}
 
 
-ENTRY_GENERATION = "framework-1"
-"""What a cached entry measures; entries of an older generation (no framework fields) are measured again."""
+ENTRY_GENERATION = "framework-2"
+"""What a cached entry measures; entries of an older generation (framework-1: no job's own step, i.e. no
+``first_step_ms`` / ``last_step_ms``; before: no framework fields) are measured again."""
 
 
-def cache_key(job: JobFlags, request: ProfileRequest, device: Device) -> dict[str, str]:
-    """Everything a cached entry depends on, as strings (stored in the profile's ``software`` field)."""
+def cache_key(job: JobFlags, request: ProfileRequest, device: Device,
+              client: client_step.Client | None = None) -> dict[str, str]:
+    """Everything a cached entry depends on, as strings (stored in the profile's ``software`` field): with
+    the job's own step (``client``), the training script's source too."""
     layer = {
         "hidden": job.hidden_size, "ffn": job.ffn_hidden_size, "heads": job.num_attention_heads,
         "groups": job.num_query_groups, "swiglu": job.swiglu, "norm": job.normalization,
@@ -124,7 +127,9 @@ def cache_key(job: JobFlags, request: ProfileRequest, device: Device) -> dict[st
         "device_type": request.device_type, "device": f"{device.kind}:{device.name()}",
         "slowdown": f"{device.slowdown():.6g}", "tp": str(request.tp), "mbs": str(request.mbs),
         "seq": str(job.seq_length), "dtype": job.dtype, "layer": json.dumps(layer, sort_keys=True),
-        "emulation": emulation.profile_cache_tag(), "entry": ENTRY_GENERATION, **software_versions(),
+        "emulation": emulation.profile_cache_tag(), "entry": ENTRY_GENERATION,
+        "client": "" if client is None else f"{os.path.basename(client.script)}:{client.digest()}",
+        **software_versions(),
     }
 
 
@@ -244,8 +249,9 @@ def _seed_tracker(groups: Any) -> None:
 
 
 def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest, *, warmup: int,
-            iters: int) -> dict[str, Any]:
-    """Profile one (TP, mbs) on this rank's TP group; the ProfileEntry fields as a dict."""
+            iters: int, client: client_step.Client | None = None) -> dict[str, Any]:
+    """Profile one (TP, mbs) on this rank's TP group; the ProfileEntry fields as a dict (and, under
+    ``client_note``, what became of the job's own step: ``runtime/client_step.py``)."""
     on_cpu = device.torch_device.type == "cpu"
     config = transformer_config(job, tensor_parallel=request.tp, num_layers=1, on_cpu=on_cpu)
     with parallel_state_for(groups):
@@ -296,6 +302,11 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
     with parallel_state_for(groups):
         framework = _framework_ms(model, groups, job, device, request, model_forward, model_backward,
                                   iters=iters)
+        own = ("no training script given" if client is None else
+               client_step.measure(client, job, device, getattr(groups, "tp", None), request.tp, request.mbs,
+                                   loss, iters=iters))
+    framework.update({"first_step_ms": 0.0, "last_step_ms": 0.0} if isinstance(own, str) else own)
+    framework["client_note"] = client_step.describe(own)
     framework.update(_optimizer_ms(model, layer, device, iters=iters))
     # deterministic emulation: the sizes are the emulated model's, the times stay measured
     return emulation.override_profile_entry({
@@ -517,12 +528,15 @@ def _profiling_groups(world: World, requests: Sequence[ProfileRequest], rank: in
 
 def profile_world(*, world: World, rank: int, device: Device, job: JobFlags, model: ModelSpec,
                   requests: Sequence[ProfileRequest], cache_dir: str, warmup: int, iters: int,
-                  progress: Callable[[str], None] | None = None) -> ProfileOutcome:
+                  progress: Callable[[str], None] | None = None,
+                  client: client_step.Client | None = None) -> ProfileOutcome:
     """Collective: cached entries are shared, the missing ones measured by the ranks of their type, merged.
 
-    ``progress`` receives one line per configuration this rank measures, from one rank per (host, type)."""
+    ``progress`` receives one line per configuration this rank measures, from one rank per (host, type), and
+    what became of the job's own step (``client``: the training script) there."""
     me = world.ranks[rank]
-    keys = {req.key: cache_key(job, req, device) for req in requests if req.device_type == me.device_type}
+    keys = {req.key: cache_key(job, req, device, client) for req in requests
+            if req.device_type == me.device_type}
     local = {}
     for req in requests:
         if req.key in keys:
@@ -544,7 +558,9 @@ def profile_world(*, world: World, rank: int, device: Device, job: JobFlags, mod
             if progress is not None and _writes_cache(world, rank):
                 progress(f"profiling {req.device_type} TP {req.tp} micro-batch {req.mbs} ({index + 1}/{len(mine)}, "
                          f"{time.perf_counter() - started:.0f} s so far)")
-            doc = measure(job, device, groups[req.tp], req, warmup=warmup, iters=iters)
+            doc = measure(job, device, groups[req.tp], req, warmup=warmup, iters=iters, client=client)
+            if progress is not None and _writes_cache(world, rank):
+                progress(f"{req.device_type} TP {req.tp} micro-batch {req.mbs}: {doc.pop('client_note')}")
             measured.append({**doc, "p2p_call_ms": call_ms})
     merged = dict(cached)
     if missing:
