@@ -11,7 +11,8 @@ duration), with a stand-in for the model (the profiled model's forward is timed 
 position, the returned loss function on the profiled model's output. The differences from the middle
 position are the profile's ``first_step_ms`` and ``last_step_ms`` (``specs/profile.py``); the cost model
 adds them to the embedding's and the output layer's forward (``costmodel.py``), so the split search prices
-them where they apply.
+them where they apply. The middle position's cost is part of the profile's ``step_forward_ms``, which every
+forward step of every stage pays (in place of the profiler's stand-in step's own tokens and loss).
 
 Two kinds of script are understood, each through its own functions:
 
@@ -220,7 +221,7 @@ def kind(client: Client) -> tuple[str, Callable] | str:
     """``(name, context factory)`` of the script's kind, or why it is not understood."""
     try:
         ns = client.namespace()
-    except BaseException as exc:  # noqa: BLE001 -- a script that does not import as a module is not understood
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 -- a script that does not load: not understood
         return f"{client.script} does not load as a module ({type(exc).__name__}: {exc})"
     if not callable(ns.get("forward_step")):
         return f"{client.script} defines no forward_step(data_iterator, model)"
@@ -233,8 +234,9 @@ def kind(client: Client) -> tuple[str, Callable] | str:
 
 def measure(client: Client, job: JobFlags, device: Device, tp_group: Any, tp: int, mbs: int,
             output: torch.Tensor, *, iters: int) -> dict[str, float] | str:
-    """Collective over the TP group: ``{"first_step_ms", "last_step_ms"}`` (ms per forward micro-batch beyond
-    a middle stage's), or why the script's step is not timed. ``output``: the profiled model's per-token loss
+    """Collective over the TP group: ``{"middle_step_ms", "first_step_ms", "last_step_ms"}`` (ms per forward
+    micro-batch at a middle stage, and beyond that at the first and the last), or why the script's step is not
+    timed. ``output``: the profiled model's per-token loss
     (what the script's loss function takes)."""
     found = kind(client)
     if isinstance(found, str):
@@ -252,7 +254,7 @@ def measure(client: Client, job: JobFlags, device: Device, tp_group: Any, tp: in
         costs = {p: _position_ms(client.namespace()["forward_step"], data, output, device, POSITIONS.index(p),
                                  loss=p == "last", iters=iters)
                  for p in POSITIONS}
-    return {"first_step_ms": max(costs["first"] - costs["middle"], 0.0),
+    return {"middle_step_ms": costs["middle"], "first_step_ms": max(costs["first"] - costs["middle"], 0.0),
             "last_step_ms": max(costs["last"] - costs["middle"], 0.0)}
 
 
@@ -280,7 +282,8 @@ def describe(costs: dict[str, float] | str) -> str:
     """One line for the log."""
     if isinstance(costs, str):
         return f"job's own step not profiled: {costs}"
-    return f"job's own step: first stage +{costs['first_step_ms']:.2f} ms, last stage +{costs['last_step_ms']:.2f} ms"
+    return (f"job's own step: {costs['middle_step_ms']:.2f} ms per micro-batch, first stage "
+            f"+{costs['first_step_ms']:.2f} ms, last stage +{costs['last_step_ms']:.2f} ms")
 
 
 __all__ = ["Client", "POSITIONS", "describe", "kind", "measure"]

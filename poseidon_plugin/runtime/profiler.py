@@ -305,8 +305,15 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
         own = ("no training script given" if client is None else
                client_step.measure(client, job, device, getattr(groups, "tp", None), request.tp, request.mbs,
                                    loss, iters=iters))
-    framework.update({"first_step_ms": 0.0, "last_step_ms": 0.0} if isinstance(own, str) else own)
+    # every stage's step pays the job's own step at a middle position (or, not measured, the stand-in's)
+    synthetic = framework.pop("synthetic_step_ms")
     framework["client_note"] = client_step.describe(own)
+    if isinstance(own, str):
+        framework.update(first_step_ms=0.0, last_step_ms=0.0)
+        framework["step_forward_ms"] += synthetic
+    else:
+        framework["step_forward_ms"] += own["middle_step_ms"]
+        framework.update(first_step_ms=own["first_step_ms"], last_step_ms=own["last_step_ms"])
     framework.update(_optimizer_ms(model, layer, device, iters=iters))
     # deterministic emulation: the sizes are the emulated model's, the times stay measured
     return emulation.override_profile_entry({
@@ -368,7 +375,10 @@ def _framework_ms(model: torch.nn.Module, groups: Any, job: JobFlags, device: De
     (``forward_backward_no_pipelining``) runs :data:`FRAMEWORK_MICRO_BATCHES` micro-batches of the profiled
     model, fed like ``pretrain_gpt.py`` (fresh random tokens, per-token loss averaged by a loss function); a
     step's cost is megatron's ``forward_step`` (``backward_step``) minus the model's own forward (backward)
-    measured by the hooks, plus half the schedule's time outside both (bookkeeping)."""
+    measured by the hooks, plus half the schedule's time outside both (bookkeeping). The forward one leaves
+    out what this stand-in step itself does (its tokens and its loss function), returned apart as
+    ``synthetic_step_ms``: where the job's own step is measured (``runtime/client_step.py``), that takes its
+    place."""
     import inspect
 
     from megatron.core.pipeline_parallel import schedules
@@ -376,13 +386,20 @@ def _framework_ms(model: torch.nn.Module, groups: Any, job: JobFlags, device: De
     vocab, shape = job.vocab_size, (request.mbs, job.seq_length)
     positions = torch.arange(job.seq_length, device=device.torch_device).unsqueeze(0).expand(shape)
 
+    own: list[tuple[Any, Any]] = []   # marks around the stand-in step's own work (its data, its loss)
+
     def loss_func(per_token: torch.Tensor):
+        start = device.mark()
         loss = per_token.float().mean()
-        return loss, {"lm loss": loss.detach().clone()}
+        report = {"lm loss": loss.detach().clone()}
+        own.append((start, device.mark()))
+        return loss, report
 
     def forward_step_func(data_iterator: Any, chunk: torch.nn.Module):
+        start = device.mark()
         tokens = torch.randint(0, vocab, shape).to(device.torch_device)
         labels = torch.randint(0, vocab, shape).to(device.torch_device)
+        own.append((start, device.mark()))
         return chunk(tokens, positions, None, labels=labels), loss_func
 
     kwargs: dict[str, Any] = {"forward_step_func": forward_step_func, "data_iterator": None, "model": model,
@@ -396,6 +413,7 @@ def _framework_ms(model: torch.nn.Module, groups: Any, job: JobFlags, device: De
         kwargs["pg_collection"] = collection
     runs = []
     for index in range(1 + iters):   # the first call pays one-time allocations
+        own.clear()
         calls: dict[str, list] = {"forward": [], "backward": []}
         with _timed_steps(device, calls):
             start = device.mark()
@@ -403,18 +421,21 @@ def _framework_ms(model: torch.nn.Module, groups: Any, job: JobFlags, device: De
             stop = device.mark()
         model.zero_grad(set_to_none=True)
         if index:
-            runs.append((start, stop, calls))
+            runs.append((start, stop, calls, list(own)))
     device.synchronize()
-    forward, backward, outside = [], [], []
-    for start, stop, calls in runs:
+    forward, backward, outside, synthetic = [], [], [], []
+    for start, stop, calls, marks in runs:
+        synthetic.append(sum(device.ms_between(a, b) for a, b in marks) / FRAMEWORK_MICRO_BATCHES)
         f = [device.ms_between(a, b) for a, b in calls["forward"]]
         b = [device.ms_between(a, b) for a, b in calls["backward"]]
         forward += f
         backward += b
         outside.append((device.ms_between(start, stop) - sum(f) - sum(b)) / FRAMEWORK_MICRO_BATCHES)
     between = max(statistics.median(outside), 0.0) / 2
-    return {"step_forward_ms": max(statistics.median(forward) - model_forward_ms, 0.0) + between,
-            "step_backward_ms": max(statistics.median(backward) - model_backward_ms, 0.0) + between}
+    synthetic_ms = statistics.median(synthetic)
+    return {"step_forward_ms": max(statistics.median(forward) - model_forward_ms - synthetic_ms, 0.0) + between,
+            "step_backward_ms": max(statistics.median(backward) - model_backward_ms, 0.0) + between,
+            "synthetic_step_ms": synthetic_ms}
 
 
 def _optimizer_ms(model: torch.nn.Module, layer: torch.nn.Module, device: Device, *, iters: int) -> dict[str, float]:

@@ -82,8 +82,8 @@ def test_positions_are_the_scripts_own_step_and_loss(tmp_path):
     client = _client(tmp_path, STAND_IN)
     job = read_job("train.py", ARGS)
     costs = client_step.measure(client, job, _ScriptClock(client), None, 2, 4, torch.zeros(4, 16), iters=3)
-    # first: +5 of data beyond a middle stage's 1; last: +2 of data and the 4 of its loss function
-    assert costs == {"first_step_ms": 5.0, "last_step_ms": 6.0}
+    # a middle stage's step costs 1; first: +5 of data beyond it; last: +2 of data and the 4 of its loss function
+    assert costs == {"middle_step_ms": 1.0, "first_step_ms": 5.0, "last_step_ms": 6.0}
     calls = client.namespace()["CALLS"]
     steps = [c[1:3] for c in calls if c[0] == "step"]
     assert steps == [(True, False)] * 4 + [(False, False)] * 4 + [(False, True)] * 4   # 1 untimed + 3 each
@@ -102,7 +102,7 @@ def test_poseidons_own_script_is_timed_with_its_own_batches():
     assert client_step.kind(client)[0] == "pretrain_gpt.py"
     job = read_job("pretrain_gpt.py", ARGS)
     costs = client_step.measure(client, job, Device(0), None, 1, 2, torch.zeros(2, 16), iters=2)
-    assert set(costs) == {"first_step_ms", "last_step_ms"} and min(costs.values()) >= 0.0
+    assert set(costs) == {"middle_step_ms", "first_step_ms", "last_step_ms"} and min(costs.values()) >= 0.0
 
 
 @pytest.mark.parametrize("source, why", [
