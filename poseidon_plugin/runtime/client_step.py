@@ -50,6 +50,9 @@ POSITIONS = ("first", "middle", "last")
 """Pipeline positions timed; their ranks among :data:`PROBE_STAGES` stages."""
 PROBE_STAGES = 3
 """Pipeline size ``parallel_state`` reports while timing (first, middle, last)."""
+MIN_ROUNDS = 10
+"""Timed rounds (one call at each position) at least, whatever ``--poseidon-profile-iters`` says: a call costs
+milliseconds, and its broadcast is the noisiest part of the step."""
 MEGATRON_LM_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 """The ``args_defaults`` Megatron-LM's ``pretrain_gpt.py`` passes to ``pretrain``."""
 
@@ -145,9 +148,10 @@ def _probe_args(client: Client, job: JobFlags, tp: int, mbs: int, on_cpu: bool) 
 
 @contextlib.contextmanager
 def _megatron_lm(client: Client, job: JobFlags, tp: int, mbs: int, tp_rank: int,
-                 on_cpu: bool) -> Iterator[Any]:
+                 device: torch.device) -> Iterator[Any]:
     """Megatron-LM's global arguments for the measurement, and TP rank 0's data iterator (None elsewhere)."""
     ns = client.namespace()
+    on_cpu = device.type == "cpu"
     with contextlib.ExitStack() as stack:
         if on_cpu:   # Megatron-LM's CUDA runtime calls, as on the training's CPU ranks (reverted after)
             from poseidon_plugin.patches import megatron_training
@@ -208,12 +212,12 @@ def _cycle(loader: Any) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def _own_script(client: Client, job: JobFlags, tp: int, mbs: int, tp_rank: int, on_cpu: bool) -> Iterator[Any]:
+def _own_script(client: Client, job: JobFlags, tp: int, mbs: int, tp_rank: int,
+                device: torch.device) -> Iterator[Any]:
     """``scripts/pretrain_gpt.py``: its own synthetic batches at the profiled micro-batch size."""
     ns = client.namespace()
     args = ns["parse_args"](rewrite(client.args, ["--tensor-model-parallel-size", str(tp),
                                                   "--micro-batch-size", str(mbs)]))
-    device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
     yield ns["synthetic_batches"](args, job.vocab_size, device)
 
 
@@ -242,40 +246,43 @@ def measure(client: Client, job: JobFlags, device: Device, tp_group: Any, tp: in
     if isinstance(found, str):
         return found
     name, context = found
-    on_cpu = device.torch_device.type == "cpu"
     tp_rank = tp_group.rank() if tp_group is not None else 0
     with contextlib.ExitStack() as stack:
         # the profiled model is its own data-parallel replica
         stack.enter_context(_parallel_state(DATA_PARALLEL_RANK=0, DATA_PARALLEL_WORLD_SIZE=1))
         try:   # no collective before the timed calls: every rank of the TP group fails here alike, or none
-            data = stack.enter_context(context(client, job, tp, mbs, tp_rank, on_cpu))
+            data = stack.enter_context(context(client, job, tp, mbs, tp_rank, device.torch_device))
         except (Exception, SystemExit) as exc:  # noqa: BLE001 -- a set-up the script refuses: priced without it
             return f"{name} script's step not set up for profiling ({type(exc).__name__}: {exc})"
-        costs = {p: _position_ms(client.namespace()["forward_step"], data, output, device, POSITIONS.index(p),
-                                 loss=p == "last", iters=iters)
-                 for p in POSITIONS}
-    return {"middle_step_ms": costs["middle"], "first_step_ms": max(costs["first"] - costs["middle"], 0.0),
-            "last_step_ms": max(costs["last"] - costs["middle"], 0.0)}
+        return _positions_ms(client.namespace()["forward_step"], data, output, device, iters=iters)
 
 
-def _position_ms(forward_step: Callable, data: Any, output: torch.Tensor, device: Device, index: int, *,
-                 loss: bool, iters: int) -> float:
-    """Median ms of the script's forward step (and its loss function when ``loss``) outside the model, at
-    pipeline rank ``index``; the first call is not timed (it starts the data loader)."""
-    times = []
-    detached = output.detach()
-    with _position(index):
-        for call in range(1 + iters):
-            model = _StandIn(detached.requires_grad_(False), device)
-            start = device.mark()
-            _, loss_func = forward_step(data, model)
-            if loss:
-                loss_func(detached)
-            stop = device.mark()
-            if call:
-                times.append(device.ms_between(start, stop) - model.inside_ms)
+def _positions_ms(forward_step: Callable, data: Any, output: torch.Tensor, device: Device, *,
+                  iters: int) -> dict[str, float]:
+    """The script's forward step (with its loss function at the last position) outside the model, per call:
+    rounds of one call at each position in turn (a change of load on the host shifts the three alike), the
+    first round not timed (it starts the data loader). The middle position's median, and the medians of the
+    first's and the last's excess over the middle call of the same round."""
+    detached = output.detach().requires_grad_(False)
+    rounds: list[list[float]] = []
+    for index in range(1 + max(iters, MIN_ROUNDS)):
+        costs = []
+        for rank, position in enumerate(POSITIONS):
+            model = _StandIn(detached, device)
+            with _position(rank):
+                start = device.mark()
+                _, loss_func = forward_step(data, model)
+                if position == "last":
+                    loss_func(detached)
+                stop = device.mark()
+            costs.append(device.ms_between(start, stop) - model.inside_ms)
+        if index:
+            rounds.append(costs)
     device.synchronize()
-    return statistics.median(times)
+    first, middle, last = (POSITIONS.index(p) for p in ("first", "middle", "last"))
+    return {"middle_step_ms": statistics.median(r[middle] for r in rounds),
+            "first_step_ms": max(statistics.median(r[first] - r[middle] for r in rounds), 0.0),
+            "last_step_ms": max(statistics.median(r[last] - r[middle] for r in rounds), 0.0)}
 
 
 def describe(costs: dict[str, float] | str) -> str:

@@ -85,9 +85,10 @@ def test_positions_are_the_scripts_own_step_and_loss(tmp_path):
     # a middle stage's step costs 1; first: +5 of data beyond it; last: +2 of data and the 4 of its loss function
     assert costs == {"middle_step_ms": 1.0, "first_step_ms": 5.0, "last_step_ms": 6.0}
     calls = client.namespace()["CALLS"]
+    rounds = 1 + client_step.MIN_ROUNDS   # one untimed, then at least MIN_ROUNDS (more than iters=3)
     steps = [c[1:3] for c in calls if c[0] == "step"]
-    assert steps == [(True, False)] * 4 + [(False, False)] * 4 + [(False, True)] * 4   # 1 untimed + 3 each
-    assert [c for c in calls if c[0] == "loss"] == [("loss", True)] * 4               # the last position only
+    assert steps == [(True, False), (False, False), (False, True)] * rounds   # first, middle, last in turn
+    assert [c for c in calls if c[0] == "loss"] == [("loss", True)] * rounds   # the last position only
     # the script's own argument parser saw the profiled TP and micro-batch size
     argv = calls[0][3]
     assert argv[argv.index("--tensor-model-parallel-size") + 1] == "2"
