@@ -7,6 +7,8 @@ the facts behind each row are in docs/RUNTIME.md ("CPU ranks: what the shim stan
   ``fork()`` really switches states, so TP shards start different and dropout streams are per TP rank);
   first, so that megatron-core (and torch._dynamo, which it imports and which indexes every torch.cuda
   function once) is imported while torch.cuda is still the original;
+* megatron-core's ``deallocate_output_tensor`` (``deallocate_pipeline_outputs``, Megatron-LM's default) keeps
+  the output's old storage alive: gloo's send reads it until the send completes;
 * ``torch.cuda.current_device`` -> the CPU device (buffers are allocated on it), ``synchronize`` /
   ``set_device`` / ``empty_cache`` -> no-ops, streams and events -> null objects (CPU work is synchronous);
   ``get_rng_state`` / ``set_rng_state`` -> the (empty) state of a CUDA generator a CPU rank does not have.
@@ -200,13 +202,28 @@ def _no_cuda_generator_state(original: Any):
     return get_rng_state
 
 
+def _keep_sent_storage(original: Any):
+    def deallocate_output_tensor(out: Any, deallocate_pipeline_outputs: bool = False) -> None:
+        # Megatron frees a stage's output right after *posting* its send, by swapping the tensor's storage for
+        # one element; on CUDA the send's stream keeps the memory, gloo's send reads the old storage's raw
+        # pointer until it completes: freed under it, the next stage can receive garbage (NaN). The old storage
+        # stays alive, held by the (pseudo-freed) output until Megatron drops it after its backward.
+        kept = out.data if out is not None and deallocate_pipeline_outputs else None
+        original(out, deallocate_pipeline_outputs)
+        if kept is not None:
+            out._poseidon_sent_storage = kept
+    return deallocate_output_tensor
+
+
 def _rows() -> tuple[Patch, ...]:
     rows: list[Patch] = []
     if importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None:
         rows += [Patch(target=f"{_RANDOM}._CUDA_RNG_STATE_TRACKER", make=_cpu_tracker, value=True),
                  Patch(target=f"{_RANDOM}._CUDA_RNG_STATE_TRACKER_INITIALIZED", make=lambda original: True,
                        value=True),
-                 Patch(target=f"{_RANDOM}.initialize_rng_tracker", make=_initialize_rng_tracker, sweep=True)]
+                 Patch(target=f"{_RANDOM}.initialize_rng_tracker", make=_initialize_rng_tracker, sweep=True),
+                 Patch(target="megatron.core.pipeline_parallel.schedules.deallocate_output_tensor",
+                       make=_keep_sent_storage, sweep=True)]
     rows += [
         Patch(target="torch.cuda.current_device", make=_current_device),
         Patch(target="torch.cuda.synchronize", make=_no_op),

@@ -19,7 +19,9 @@ Model (docs/SPECS.md has the formulas and constants):
   ``2(dp-1)/dp x grad bytes / bw + 2(dp-1) x latency``; with the distributed optimizer a reduce-scatter
   of gradients plus an all-gather of parameters;
 * framework (measured profiles): every (chunk, micro-batch) step pays the profile's ``step_forward_ms`` /
-  ``step_backward_ms``; the optimizer step (``optimizer_ms`` per layer, / DP with the distributed optimizer,
+  ``step_backward_ms``; the job's own step by position is part of the first and last stage's extras
+  (``embedding_forward_ms`` + ``first_step_ms``, ``head_forward_ms`` + ``last_step_ms``: each forward
+  micro-batch of the first / last virtual stage); the optimizer step (``optimizer_ms`` per layer, / DP with the distributed optimizer,
   + ``optimizer_fixed_ms``) follows each stage's gradient sync, so the iteration is what a user sees between
   two logged iterations;
 * memory = parameters x (weight + grad + optimizer bytes, the optimizer part / DP with the distributed
@@ -97,9 +99,9 @@ class GroupCosts:
     dp: int
     forward_ms: float                 # one layer
     backward_ms: float
-    embedding_forward_ms: float       # extra on the first virtual stage (embedding)
+    embedding_forward_ms: float       # extra on the first virtual stage (embedding; the job's own step there)
     embedding_backward_ms: float
-    head_forward_ms: float            # extra on the last virtual stage (output layer + loss)
+    head_forward_ms: float            # extra on the last virtual stage (output layer + loss; the job's step there)
     head_backward_ms: float
     allreduce_ms: tuple[float, float]            # DP gradient sync of one layer
     embedding_allreduce_ms: tuple[float, float]  # of the embedding
@@ -399,8 +401,10 @@ class CostModel:
         return GroupCosts(
             device_type=device_type, tp=tp, mbs=mbs, dp=dp,
             forward_ms=forward_ms, backward_ms=backward_ms,
-            embedding_forward_ms=e.embedding_forward_ms, embedding_backward_ms=e.embedding_backward_ms,
-            head_forward_ms=e.head_forward_ms, head_backward_ms=e.head_backward_ms,
+            # the job's own step by position (data and its broadcast; labels and loss) goes where it is paid
+            embedding_forward_ms=e.embedding_forward_ms + e.first_step_ms,
+            embedding_backward_ms=e.embedding_backward_ms,
+            head_forward_ms=e.head_forward_ms + e.last_step_ms, head_backward_ms=e.head_backward_ms,
             allreduce_ms=layer_sync, embedding_allreduce_ms=sync(e.embedding_params),
             head_allreduce_ms=sync(e.head_params), send_ms=(sends[0], sends[1], sends[2]),
             layer_state_bytes=layer_state, ep=ep, etp=etp,

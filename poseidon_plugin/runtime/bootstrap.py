@@ -376,7 +376,7 @@ def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) 
     """A saved plan checked against the world, or: probe links, profile, search on rank 0, share."""
     from poseidon_plugin.costmodel import CostModel
     from poseidon_plugin.plan import Plan
-    from poseidon_plugin.runtime import inventory, planning, profiler
+    from poseidon_plugin.runtime import client_step, inventory, planning, profiler
     from poseidon_plugin.specs import write_profile
 
     opts, device, declared = job.opts, devices.device, devices.declared
@@ -413,9 +413,10 @@ def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) 
                                                micro_batch_sizes=job.target.micro_batch_sizes, keep=opts.keep)
         if emulated is not None and not opts.keep:  # TP degrees this host cannot emulate (emulation.fit_to_host)
             requests = [r for r in requests if emulated.allows_tp(r.tp)]
+        client = client_step.Client(script=job.script, args=tuple(job.script_args), is_module=job.is_module)
         return profiler.profile_world(world=world, rank=job.rank, device=device, job=job.flags, model=model,
                                       requests=requests, cache_dir=cache_dir, warmup=opts.profile_warmup,
-                                      iters=opts.profile_iters, progress=log.rank_line)
+                                      iters=opts.profile_iters, progress=log.rank_line, client=client)
 
     outcome = phases.run("profiling", profile)
     phases.notes["profiling"] = f"cache: reused {outcome.reused} of {outcome.reused + outcome.measured} configurations"

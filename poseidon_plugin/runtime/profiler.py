@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import poseidon_plugin
-from poseidon_plugin.runtime import emulation
+from poseidon_plugin.runtime import client_step, emulation
 from poseidon_plugin.runtime.collectives import all_gather_json
 from poseidon_plugin.runtime.devices import Device
 from poseidon_plugin.runtime.inventory import World
@@ -107,12 +107,15 @@ def profile_software() -> dict[str, str]:
     return {**software_versions(), **({"emulation": tag} if tag else {})}
 
 
-ENTRY_GENERATION = "framework-1"
-"""What a cached entry measures; entries of an older generation (no framework fields) are measured again."""
+ENTRY_GENERATION = "framework-2"
+"""What a cached entry measures; entries of an older generation (framework-1: no job's own step, i.e. no
+``first_step_ms`` / ``last_step_ms``; before: no framework fields) are measured again."""
 
 
-def cache_key(job: JobFlags, request: ProfileRequest, device: Device) -> dict[str, str]:
-    """Everything a cached entry depends on, as strings (stored in the profile's ``software`` field)."""
+def cache_key(job: JobFlags, request: ProfileRequest, device: Device,
+              client: client_step.Client | None = None) -> dict[str, str]:
+    """Everything a cached entry depends on, as strings (stored in the profile's ``software`` field): with
+    the job's own step (``client``), the training script's source too."""
     layer = {
         "hidden": job.hidden_size, "ffn": job.ffn_hidden_size, "heads": job.num_attention_heads,
         "groups": job.num_query_groups, "swiglu": job.swiglu, "norm": job.normalization,
@@ -124,7 +127,9 @@ def cache_key(job: JobFlags, request: ProfileRequest, device: Device) -> dict[st
         "device_type": request.device_type, "device": f"{device.kind}:{device.name()}",
         "slowdown": f"{device.slowdown():.6g}", "tp": str(request.tp), "mbs": str(request.mbs),
         "seq": str(job.seq_length), "dtype": job.dtype, "layer": json.dumps(layer, sort_keys=True),
-        "emulation": emulation.profile_cache_tag(), "entry": ENTRY_GENERATION, **software_versions(),
+        "emulation": emulation.profile_cache_tag(), "entry": ENTRY_GENERATION,
+        "client": "" if client is None else f"{os.path.basename(client.script)}:{client.digest()}",
+        **software_versions(),
     }
 
 
@@ -244,8 +249,9 @@ def _seed_tracker(groups: Any) -> None:
 
 
 def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest, *, warmup: int,
-            iters: int) -> dict[str, Any]:
-    """Profile one (TP, mbs) on this rank's TP group; the ProfileEntry fields as a dict."""
+            iters: int, client: client_step.Client | None = None) -> dict[str, Any]:
+    """Profile one (TP, mbs) on this rank's TP group; the ProfileEntry fields as a dict (and, under
+    ``client_note``, what became of the job's own step: ``runtime/client_step.py``)."""
     on_cpu = device.torch_device.type == "cpu"
     config = transformer_config(job, tensor_parallel=request.tp, num_layers=1, on_cpu=on_cpu)
     with parallel_state_for(groups):
@@ -296,6 +302,18 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
     with parallel_state_for(groups):
         framework = _framework_ms(model, groups, job, device, request, model_forward, model_backward,
                                   iters=iters)
+        own = ("no training script given" if client is None else
+               client_step.measure(client, job, device, getattr(groups, "tp", None), request.tp, request.mbs,
+                                   loss, iters=iters))
+    # every stage's step pays the job's own step at a middle position (or, not measured, the stand-in's)
+    synthetic = framework.pop("synthetic_step_ms")
+    framework["client_note"] = client_step.describe(own)
+    if isinstance(own, str):
+        framework.update(first_step_ms=0.0, last_step_ms=0.0)
+        framework["step_forward_ms"] += synthetic
+    else:
+        framework["step_forward_ms"] += own["middle_step_ms"]
+        framework.update(first_step_ms=own["first_step_ms"], last_step_ms=own["last_step_ms"])
     framework.update(_optimizer_ms(model, layer, device, iters=iters))
     # deterministic emulation: the sizes are the emulated model's, the times stay measured
     return emulation.override_profile_entry({
@@ -357,7 +375,10 @@ def _framework_ms(model: torch.nn.Module, groups: Any, job: JobFlags, device: De
     (``forward_backward_no_pipelining``) runs :data:`FRAMEWORK_MICRO_BATCHES` micro-batches of the profiled
     model, fed like ``pretrain_gpt.py`` (fresh random tokens, per-token loss averaged by a loss function); a
     step's cost is megatron's ``forward_step`` (``backward_step``) minus the model's own forward (backward)
-    measured by the hooks, plus half the schedule's time outside both (bookkeeping)."""
+    measured by the hooks, plus half the schedule's time outside both (bookkeeping). The forward one leaves
+    out what this stand-in step itself does (its tokens and its loss function), returned apart as
+    ``synthetic_step_ms``: where the job's own step is measured (``runtime/client_step.py``), that takes its
+    place."""
     import inspect
 
     from megatron.core.pipeline_parallel import schedules
@@ -365,13 +386,20 @@ def _framework_ms(model: torch.nn.Module, groups: Any, job: JobFlags, device: De
     vocab, shape = job.vocab_size, (request.mbs, job.seq_length)
     positions = torch.arange(job.seq_length, device=device.torch_device).unsqueeze(0).expand(shape)
 
+    own: list[tuple[Any, Any]] = []   # marks around the stand-in step's own work (its data, its loss)
+
     def loss_func(per_token: torch.Tensor):
+        start = device.mark()
         loss = per_token.float().mean()
-        return loss, {"lm loss": loss.detach().clone()}
+        report = {"lm loss": loss.detach().clone()}
+        own.append((start, device.mark()))
+        return loss, report
 
     def forward_step_func(data_iterator: Any, chunk: torch.nn.Module):
+        start = device.mark()
         tokens = torch.randint(0, vocab, shape).to(device.torch_device)
         labels = torch.randint(0, vocab, shape).to(device.torch_device)
+        own.append((start, device.mark()))
         return chunk(tokens, positions, None, labels=labels), loss_func
 
     kwargs: dict[str, Any] = {"forward_step_func": forward_step_func, "data_iterator": None, "model": model,
@@ -385,6 +413,7 @@ def _framework_ms(model: torch.nn.Module, groups: Any, job: JobFlags, device: De
         kwargs["pg_collection"] = collection
     runs = []
     for index in range(1 + iters):   # the first call pays one-time allocations
+        own.clear()
         calls: dict[str, list] = {"forward": [], "backward": []}
         with _timed_steps(device, calls):
             start = device.mark()
@@ -392,18 +421,21 @@ def _framework_ms(model: torch.nn.Module, groups: Any, job: JobFlags, device: De
             stop = device.mark()
         model.zero_grad(set_to_none=True)
         if index:
-            runs.append((start, stop, calls))
+            runs.append((start, stop, calls, list(own)))
     device.synchronize()
-    forward, backward, outside = [], [], []
-    for start, stop, calls in runs:
+    forward, backward, outside, synthetic = [], [], [], []
+    for start, stop, calls, marks in runs:
+        synthetic.append(sum(device.ms_between(a, b) for a, b in marks) / FRAMEWORK_MICRO_BATCHES)
         f = [device.ms_between(a, b) for a, b in calls["forward"]]
         b = [device.ms_between(a, b) for a, b in calls["backward"]]
         forward += f
         backward += b
         outside.append((device.ms_between(start, stop) - sum(f) - sum(b)) / FRAMEWORK_MICRO_BATCHES)
     between = max(statistics.median(outside), 0.0) / 2
-    return {"step_forward_ms": max(statistics.median(forward) - model_forward_ms, 0.0) + between,
-            "step_backward_ms": max(statistics.median(backward) - model_backward_ms, 0.0) + between}
+    synthetic_ms = statistics.median(synthetic)
+    return {"step_forward_ms": max(statistics.median(forward) - model_forward_ms - synthetic_ms, 0.0) + between,
+            "step_backward_ms": max(statistics.median(backward) - model_backward_ms, 0.0) + between,
+            "synthetic_step_ms": synthetic_ms}
 
 
 def _optimizer_ms(model: torch.nn.Module, layer: torch.nn.Module, device: Device, *, iters: int) -> dict[str, float]:
@@ -517,12 +549,15 @@ def _profiling_groups(world: World, requests: Sequence[ProfileRequest], rank: in
 
 def profile_world(*, world: World, rank: int, device: Device, job: JobFlags, model: ModelSpec,
                   requests: Sequence[ProfileRequest], cache_dir: str, warmup: int, iters: int,
-                  progress: Callable[[str], None] | None = None) -> ProfileOutcome:
+                  progress: Callable[[str], None] | None = None,
+                  client: client_step.Client | None = None) -> ProfileOutcome:
     """Collective: cached entries are shared, the missing ones measured by the ranks of their type, merged.
 
-    ``progress`` receives one line per configuration this rank measures, from one rank per (host, type)."""
+    ``progress`` receives one line per configuration this rank measures, from one rank per (host, type), and
+    what became of the job's own step (``client``: the training script) there."""
     me = world.ranks[rank]
-    keys = {req.key: cache_key(job, req, device) for req in requests if req.device_type == me.device_type}
+    keys = {req.key: cache_key(job, req, device, client) for req in requests
+            if req.device_type == me.device_type}
     local = {}
     for req in requests:
         if req.key in keys:
@@ -544,7 +579,9 @@ def profile_world(*, world: World, rank: int, device: Device, job: JobFlags, mod
             if progress is not None and _writes_cache(world, rank):
                 progress(f"profiling {req.device_type} TP {req.tp} micro-batch {req.mbs} ({index + 1}/{len(mine)}, "
                          f"{time.perf_counter() - started:.0f} s so far)")
-            doc = measure(job, device, groups[req.tp], req, warmup=warmup, iters=iters)
+            doc = measure(job, device, groups[req.tp], req, warmup=warmup, iters=iters, client=client)
+            if progress is not None and _writes_cache(world, rank):
+                progress(f"{req.device_type} TP {req.tp} micro-batch {req.mbs}: {doc.pop('client_note')}")
             measured.append({**doc, "p2p_call_ms": call_ms})
     merged = dict(cached)
     if missing:

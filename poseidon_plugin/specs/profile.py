@@ -16,9 +16,14 @@ File format (``format: poseidon-profile``, ``version: 1``)::
                   "head_forward_ms": 3.0, "head_backward_ms": 6.0, "head_params": ...,
                   "head_activation_bytes": ...,
                   "step_forward_ms": 0.4, "step_backward_ms": 0.3, "p2p_call_ms": 0.1,
-                  "optimizer_ms": 0.2, "optimizer_fixed_ms": 1.5}, ...]}
+                  "optimizer_ms": 0.2, "optimizer_fixed_ms": 1.5,
+                  "first_step_ms": 14.0, "last_step_ms": 15.2}, ...]}
 
-The framework fields (``FRAMEWORK_FIELDS``) are optional: files written before them load with 0.
+The framework fields (``FRAMEWORK_FIELDS``) are optional: files written before them load with 0. The
+position fields ``first_step_ms`` / ``last_step_ms`` are the job's own step (its training script's
+``forward_step``: data loading with its TP broadcast, the loss function) beyond what it costs on a middle
+stage, per forward micro-batch, measured by ``runtime/client_step.py``; the cost model adds them to the
+embedding's and the output layer's forward.
 """
 
 from __future__ import annotations
@@ -67,6 +72,9 @@ class ProfileEntry:
     optimizer_ms: float = 0.0           # optimizer step, share of one layer's parameters, per iteration
     optimizer_fixed_ms: float = 0.0     # optimizer step of a stage besides its layers' share (per-call cost,
                                         # embedding and output layer), per iteration
+    # The job's own step by stage position, beyond a middle stage's (0 where not measured):
+    first_step_ms: float = 0.0          # per forward micro-batch on the first stage (its data and TP broadcast)
+    last_step_ms: float = 0.0           # per forward micro-batch on the last stage (labels, mask, loss function)
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -76,8 +84,9 @@ class ProfileEntry:
 
 _ENTRY_FLOATS = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding_backward_ms",
                  "head_forward_ms", "head_backward_ms", "step_forward_ms", "step_backward_ms", "p2p_call_ms",
-                 "optimizer_ms", "optimizer_fixed_ms")
-FRAMEWORK_FIELDS = ("step_forward_ms", "step_backward_ms", "p2p_call_ms", "optimizer_ms", "optimizer_fixed_ms")
+                 "optimizer_ms", "optimizer_fixed_ms", "first_step_ms", "last_step_ms")
+FRAMEWORK_FIELDS = ("step_forward_ms", "step_backward_ms", "p2p_call_ms", "optimizer_ms", "optimizer_fixed_ms",
+                    "first_step_ms", "last_step_ms")
 """Per-micro-batch and per-iteration costs around the layers; optional (0) in files."""
 _ENTRY_INTS = ("layer_params", "activation_bytes", "send_bytes", "embedding_params",
                "embedding_activation_bytes", "head_params", "head_activation_bytes")

@@ -95,3 +95,31 @@ def test_emulated_output_is_not_a_view_and_still_marks_backward_start():
     assert pair[0]._base is None
     marked.sum().backward()
     assert clock.backward_start is not None
+
+
+def test_freed_pipeline_output_keeps_the_storage_gloo_is_sending():
+    """Megatron-LM frees each stage's output right after posting its send (``deallocate_pipeline_outputs``);
+    gloo's send reads the old storage until it completes, so freeing it under the send made the next stage
+    receive garbage: NaN losses from the third iteration of interleaved plans (p2p overlap) in bench_e2e
+    --client megatron-lm. On a CPU rank the storage now outlives the send; Megatron's contract (a
+    one-element output for its custom backward) is kept."""
+    from megatron.core.pipeline_parallel import schedules
+
+    from poseidon_plugin.runtime import cpu_shim
+
+    installed_here = not cpu_shim.installed()
+    cpu_shim.install(force=True)
+    try:
+        x = torch.randn(64, 8, requires_grad=True)
+        out = x * 2
+        values, pointer = out.detach().clone(), out.data_ptr()
+        schedules.deallocate_output_tensor(out, deallocate_pipeline_outputs=True)
+        assert out.numel() == 1 and out.grad_fn is not None
+        kept = out._poseidon_sent_storage
+        assert kept.data_ptr() == pointer and torch.equal(kept, values)
+        other = x * 3
+        schedules.deallocate_output_tensor(other, deallocate_pipeline_outputs=False)  # not freed: untouched
+        assert other.numel() == 64 * 8 and not hasattr(other, "_poseidon_sent_storage")
+    finally:
+        if installed_here:
+            cpu_shim.uninstall()

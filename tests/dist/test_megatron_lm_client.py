@@ -79,6 +79,26 @@ def test_searched_interleaved_plan_trains_with_planned_layers_and_finite_loss(se
     assert "grad norm:" in out  # Megatron's clipping ran (it asserts CUDA gradients without the shim)
 
 
+def test_profile_prices_megatron_lms_own_step_at_the_first_and_last_stage(searched, cache):
+    """Defect 3: the prediction missed what Megatron-LM's forward_step costs besides the model: get_batch's TP
+    broadcast of the batch (first and last stage) and its loss function (last). The profile now carries the
+    script's own step by position, measured on the TP 2 group of each type."""
+    code, out, _ = searched
+    assert code == 0, out[-4000:]
+    (merged,) = [os.path.join(cache, f) for f in os.listdir(cache) if f.endswith("-profile.json")]
+    with open(merged, encoding="utf-8") as f:
+        entries = json.load(f)["entries"]
+    assert {(e["device_type"], e["tp"]) for e in entries} == {("A2-2", 2), ("A2-4", 2)}
+    assert all(e["first_step_ms"] > 0 and e["last_step_ms"] > 0 for e in entries), entries
+    lines = re.findall(r"^poseidon\[rank \d\]: A2-[24] TP 2 micro-batch 1: job's own step: [\d.]+ ms per "
+                       r"micro-batch, first stage \+[\d.]+ ms, last stage \+[\d.]+ ms$", out, re.M)
+    assert len(lines) == 2, out[-4000:]
+    # the cached entries are keyed by the script's source too
+    cached = [f for f in os.listdir(cache) if f.endswith(".json") and not f.endswith("-profile.json")]
+    with open(os.path.join(cache, cached[0]), encoding="utf-8") as f:
+        assert json.load(f)["software"]["client"].startswith("pretrain_gpt.py:")
+
+
 def test_user_flags_the_plan_replaces_are_logged(searched):
     """Defect 5: ``--decoder-first-pipeline-num-layers 2`` vanished without a word."""
     code, out, _ = searched

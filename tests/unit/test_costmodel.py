@@ -415,3 +415,45 @@ def test_cost_model_builds_no_device_list(monkeypatch):
     place = big.placement(cand)
     assert place.stage_devices[1][0].index == 400_000 and place.stage_devices[1][0].node == 50_000
     assert big.make_plan(cand).stages[1].devices[-1] == (50_003, 7)
+
+
+# --- the job's own step by stage position (first_step_ms / last_step_ms) ----------------------------
+
+def _with_position_steps(first: float, last: float) -> CostModel:
+    entries = tuple(dataclasses.replace(e, first_step_ms=first, last_step_ms=last) for e in PROFILE.entries)
+    return CostModel(CLUSTER, MODEL, dataclasses.replace(PROFILE, entries=entries))
+
+
+@pytest.mark.parametrize("cand", [
+    Candidate(tp=1, pp=3, dp=2, mbs=2, stage_types=("X", "X", "Y"), layers=(5, 4, 3)),
+    Candidate(tp=1, pp=2, dp=1, mbs=1, stage_types=("X", "Y"), layers=(1, 2, 3, 6),
+              schedule="interleaved-1f1b", virtual_stages=2),
+    Candidate(tp=2, pp=1, dp=1, mbs=1, stage_types=("Y",), layers=(12,)),
+])
+def test_position_steps_are_priced_on_the_first_and_last_virtual_stage_only(cm, cand):
+    priced = _with_position_steps(first=7.0, last=11.0)
+    base_f, base_b, base_send, base_ar = cm.stage_times(cand)
+    f, b, send, ar = priced.stage_times(cand)
+    first, last = 0, cand.pp * cand.virtual_stages - 1   # rank 0 chunk 0; last rank, last chunk
+    extra = [0.0] * len(f)
+    extra[first] += 7.0
+    extra[last] += 11.0
+    assert f == pytest.approx([x + e for x, e in zip(base_f, extra)])
+    # forward only: backward, sends and the gradient sync are the same
+    assert (b, send, ar) == (base_b, base_send, base_ar)
+
+
+def test_position_steps_reach_the_search_tables_through_the_stage_extras():
+    from poseidon_plugin.search.tables import type_table
+
+    base = CostModel(CLUSTER, MODEL, PROFILE)
+    priced = _with_position_steps(first=7.0, last=11.0)
+    for name in "XY":
+        gc, gp = base.group(name, 1, 1, 1), priced.group(name, 1, 1, 1)
+        assert gp.embedding_forward_ms == pytest.approx(gc.embedding_forward_ms + 7.0)
+        assert gp.head_forward_ms == pytest.approx(gc.head_forward_ms + 11.0)
+        assert (gp.forward_ms, gp.step_forward_ms, gp.backward_ms) == (gc.forward_ms, gc.step_forward_ms,
+                                                                      gc.backward_ms)
+    table = type_table(priced, 1, 1, 1, ("X", "Y"))
+    assert list(table.embedding_forward_ms) == pytest.approx([0.25 + 7.0, 0.25 + 7.0])
+    assert list(table.head_forward_ms) == pytest.approx([1.5 + 11.0, 1.5 + 11.0])

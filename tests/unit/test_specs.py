@@ -377,7 +377,7 @@ def test_profile_framework_fields_round_trip_and_old_files_load(tmp_path):
 
     p = _profile()
     values = dict(step_forward_ms=0.4, step_backward_ms=0.3, p2p_call_ms=0.125, optimizer_ms=0.2,
-                  optimizer_fixed_ms=1.5)
+                  optimizer_fixed_ms=1.5, first_step_ms=14.0, last_step_ms=15.25)
     assert set(values) == set(FRAMEWORK_FIELDS)
     measured = dataclasses.replace(p, entries=tuple(dataclasses.replace(e, **values) for e in p.entries))
     write_profile(tmp_path / "new.json", measured)
@@ -395,4 +395,9 @@ def test_profile_framework_fields_round_trip_and_old_files_load(tmp_path):
     doc["entries"][0]["step_forward_ms"] = -1.0
     (tmp_path / "bad.json").write_text(json.dumps(doc))
     with pytest.raises(InputError, match=r"entries\[0\]\.step_forward_ms = -1.0 is invalid"):
+        load_profile(tmp_path / "bad.json")
+    doc["entries"][0]["step_forward_ms"] = 0.4
+    doc["entries"][0]["last_step_ms"] = "fast"
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(InputError, match=r"entries\[0\]\.last_step_ms"):
         load_profile(tmp_path / "bad.json")
