@@ -3,11 +3,13 @@
 The cost model (:meth:`CostModel.stage_times`, :meth:`CostModel.memory_per_stage`, ``GroupCosts``), the
 search's complete plans (``search/evaluate.py``) and its DAG bound (``search/splits.py``) all call these
 functions, so every route to a plan's time does the same operations in the same order and gives the
-same number, bit for bit. The compiled search (``cython_core/_search.pyx`` (``poseidon_plugin._core._search``)) mirrors them in C; a unit
-test compares the two field by field.
+same number, bit for bit. The split search's typed loops repeat two of them on flat buffers
+(``StructureBounds._fill`` in ``search/structure_bounds.py`` and ``SplitSearch._memory_need`` in
+``search/splits.py``, compiled as ``poseidon_plugin._core``): ``tests/unit/test_search_backends.py``
+checks their memory caps against :func:`memory_need` and their plans' times against the exhaustive search.
 
 One set of names, from the profile to the compiled search (``GroupCosts`` fields, ``TypeTable``
-columns, ``_search.pyx`` attributes, the arguments below):
+columns, ``StructureBounds`` attributes, the arguments below):
 
 ================================  ================================================================
 ``forward_ms``, ``backward_ms``   one layer, one micro-batch
