@@ -372,8 +372,9 @@ def measure_expert_parallel(job: JobFlags, device: Device, groups: Any, request:
 def profiled_eps(job: JobFlags, tp: int, node_devices: int, keep: bool) -> tuple[int, ...]:
     """The EP degrees > 1 measured for TP ``tp`` on a node of ``node_devices``: those the search may choose
     with expert TP = TP (dividing the experts; sequence parallelism where TP > 1, megatron-core's rule)
-    whose ``TP x EP`` block fits the node; ``keep`` (``--poseidon-keep``): the job's own EP only."""
-    if not job.num_experts or (tp > 1 and not job.sequence_parallel):
+    whose ``TP x EP`` block fits the node; ``keep`` (``--poseidon-keep``): the job's own EP only. None under a
+    deterministic emulation (it prices the expert layout analytically, as the cost model's fallback does)."""
+    if not job.num_experts or (tp > 1 and not job.sequence_parallel) or emulation.times_layers():
         return ()
     eps = (job.expert_parallel,) if keep else range(2, job.num_experts + 1)
     return tuple(ep for ep in eps if ep > 1 and job.num_experts % ep == 0 and tp * ep <= node_devices)
