@@ -244,8 +244,9 @@ def _seed_tracker(groups: Any) -> None:
     from megatron.core.tensor_parallel import random as mc_random
 
     tp_rank = groups.tp.rank() if getattr(groups, "tp", None) is not None else 0
+    ep_rank = groups.ep.rank() if getattr(groups, "ep", None) is not None else 0   # 0 but in an EP block
     try:
-        mc_random.model_parallel_cuda_manual_seed(1234, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+        mc_random.model_parallel_cuda_manual_seed(1234, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=0)
     except TypeError:  # megatron-core 0.12: the ranks come from parallel_state (pointed at the group here)
         mc_random.model_parallel_cuda_manual_seed(1234)
 
@@ -256,18 +257,13 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
     ``client_note``, what became of the job's own step: ``runtime/client_step.py``)."""
     on_cpu = device.torch_device.type == "cpu"
     config = transformer_config(job, tensor_parallel=request.tp, num_layers=1, on_cpu=on_cpu)
-    with parallel_state_for(groups):
-        _seed_tracker(groups)
-        model = gpt_model(job, config, pre_process=True, post_process=True, pg_collection=groups)
-        if not on_cpu:
-            model.to(device.torch_device)
-        steps, peak, loss = _run_steps(model, job, device, request, warmup=warmup, iters=iters)
+    model, steps, peak, loss = _run_steps(job, config, device, groups, request, warmup=warmup, iters=iters)
     layer = model.decoder.layers[0]
     head_params = padded_vocab_size(job, request.tp) * job.hidden_size // request.tp
     head_params += sum(p.numel() for p in model.decoder.final_layernorm.parameters())
 
     def span(start: str, stop: str) -> float:
-        return max(statistics.median(device.ms_between(s.marks[start], s.marks[stop]) for s in steps), 1e-6)
+        return _span(device, steps, start, stop)
 
     first = steps[0]
     model_forward = span("start", "forward_end")
@@ -309,10 +305,25 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
     })
 
 
-def _run_steps(model: torch.nn.Module, job: JobFlags, device: Device, request: ProfileRequest, *, warmup: int,
-               iters: int) -> tuple[list[_StepMarks], Any, torch.Tensor]:
-    """Forward and backward steps of the one-layer model on fixed random tokens: the timed steps' marks,
-    the peak memory of the first timed one, the last loss."""
+def _run_steps(job: JobFlags, config: Any, device: Device, groups: Any, request: ProfileRequest, *, warmup: int,
+               iters: int) -> tuple[torch.nn.Module, list[_StepMarks], Any, torch.Tensor]:
+    """The one-layer model of ``config`` built on ``groups``, and its forward and backward steps on fixed
+    random tokens: the model, the timed steps' marks, the peak memory of the first timed one, the last loss."""
+    with parallel_state_for(groups):
+        _seed_tracker(groups)
+        model = gpt_model(job, config, pre_process=True, post_process=True, pg_collection=groups)
+        if device.torch_device.type != "cpu":
+            model.to(device.torch_device)
+        return (model, *_steps(model, job, device, request, warmup=warmup, iters=iters))
+
+
+def _span(device: Device, steps: list[_StepMarks], start: str, stop: str) -> float:
+    """Median ms from mark ``start`` to mark ``stop`` over the timed steps (at least 1 ns)."""
+    return max(statistics.median(device.ms_between(s.marks[start], s.marks[stop]) for s in steps), 1e-6)
+
+
+def _steps(model: torch.nn.Module, job: JobFlags, device: Device, request: ProfileRequest, *, warmup: int,
+           iters: int) -> tuple[list[_StepMarks], Any, torch.Tensor]:
     hooks = _Hooks(model, device)
     vocab = job.vocab_size
     shape = (request.mbs, job.seq_length)
@@ -355,18 +366,9 @@ def measure_expert_parallel(job: JobFlags, device: Device, groups: Any, request:
     # the dispatcher a plan with EP > 1 runs (plan.py adds --moe-token-dispatcher-type alltoall)
     config = transformer_config(job, tensor_parallel=request.tp, num_layers=1, on_cpu=on_cpu,
                                 expert_model_parallel_size=ep, moe_token_dispatcher_type="alltoall")
-    with parallel_state_for(groups):
-        _seed_tracker(groups)
-        model = gpt_model(job, config, pre_process=True, post_process=True, pg_collection=groups)
-        if not on_cpu:
-            model.to(device.torch_device)
-        steps, _peak, _loss = _run_steps(model, job, device, request, warmup=warmup, iters=iters)
-
-    def span(start: str, stop: str) -> float:
-        return max(statistics.median(device.ms_between(s.marks[start], s.marks[stop]) for s in steps), 1e-6)
-
-    return {"ep": ep, "forward_ms": span("layer_pre", "layer_post"),
-            "backward_ms": span("layer_out_grad", "layer_in_grad")}
+    _model, steps, _peak, _loss = _run_steps(job, config, device, groups, request, warmup=warmup, iters=iters)
+    return {"ep": ep, "forward_ms": _span(device, steps, "layer_pre", "layer_post"),
+            "backward_ms": _span(device, steps, "layer_out_grad", "layer_in_grad")}
 
 
 def profiled_eps(job: JobFlags, tp: int, node_devices: int, keep: bool) -> tuple[int, ...]:
