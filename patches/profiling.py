@@ -18,7 +18,8 @@ from .table import Patch, PatchTable
 _PS = "megatron.core.parallel_state"
 
 # parallel_state global -> (field of the groups object, field used when it is absent). Expert groups:
-# a profiled layer runs its experts on its own TP group (EP = 1), as the plan's profile assumes.
+# a profiled layer runs its experts on its own TP group (EP = 1), as the plan's profile assumes; the
+# profiler's EP > 1 measurement passes EP groups of its own (``ep``, ``tp_ep``).
 GROUP_GLOBALS = {
     "_TENSOR_MODEL_PARALLEL_GROUP": ("tp", None),
     "_PIPELINE_MODEL_PARALLEL_GROUP": ("pp", None),

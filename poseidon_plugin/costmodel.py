@@ -389,9 +389,15 @@ class CostModel:
             layer_sync = (dense_sync[0] + expert_sync[0], dense_sync[1] + expert_sync[1])
             layer_state = (dense * per_param + experts * (self.param_bytes + self.grad_bytes
                                                           + self.optimizer_bytes / (edp if dist else 1)))
-            extra_f, extra_b = expert_parallel_ms(cl, self.model, device_type, tp, mbs, ep, e_tp,
-                                                  self.expert_link(device_type, e_tp, ep), c)
-            forward_ms, backward_ms = forward_ms + extra_f, backward_ms + extra_b
+            link = self.expert_link(device_type, e_tp, ep)
+            measured = e.expert_parallel_ms(ep) if etp is None and link == LINK_INTRA_NODE else None
+            if measured is not None:
+                # the job's own layer measured at this EP (its all-to-all over the node's link, the
+                # dispatcher's work): it replaces the analytic term
+                forward_ms, backward_ms = measured
+            else:
+                extra_f, extra_b = expert_parallel_ms(cl, self.model, device_type, tp, mbs, ep, e_tp, link, c)
+                forward_ms, backward_ms = forward_ms + extra_f, backward_ms + extra_b
 
         sends = []
         for kind in (LINK_INTRA_NODE, LINK_INTER_NODE, LINK_CROSS_TYPE):

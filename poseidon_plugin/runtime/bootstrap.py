@@ -416,7 +416,8 @@ def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) 
         client = client_step.Client(script=job.script, args=tuple(job.script_args), is_module=job.is_module)
         return profiler.profile_world(world=world, rank=job.rank, device=device, job=job.flags, model=model,
                                       requests=requests, cache_dir=cache_dir, warmup=opts.profile_warmup,
-                                      iters=opts.profile_iters, progress=log.rank_line, client=client)
+                                      iters=opts.profile_iters, progress=log.rank_line, client=client,
+                                      keep=opts.keep)
 
     outcome = phases.run("profiling", profile)
     phases.notes["profiling"] = f"cache: reused {outcome.reused} of {outcome.reused + outcome.measured} configurations"

@@ -555,6 +555,12 @@ def override_profile_entry(doc: dict) -> dict:
     return doc if state is None else state.override_profile(doc)
 
 
+def times_layers() -> bool:
+    """A deterministic emulation is in effect: it times the layers itself (an MoE layer's expert layout from
+    the analytic term: ``bind_plan``), so the profiler measures no expert-parallel layer under it."""
+    return _active["state"] is not None
+
+
 def profile_cache_tag() -> str:
     """For the profiler's cache key: the deterministic emulation in effect ('' without one)."""
     state = _active["state"]

@@ -234,7 +234,8 @@ def process_groups(*, tp: Any, pp: Any, cp: Any) -> Any:
     groups.tp, groups.pp, groups.cp = tp, pp, cp
     groups.embd = groups.pos_embd = None
     # MoE layers read their groups here too: a profiled layer runs its experts on its TP group (EP 1, one
-    # replica), as the plan's profile assumes (patches/profiling.py: the same for parallel_state)
+    # replica), as the plan's profile assumes (patches/profiling.py: the same for parallel_state); the
+    # profiler's EP > 1 measurement sets its own EP groups over these (profiler._profiling_groups)
     groups.ep = groups.expt_dp = groups.dp = pp
     groups.expt_tp = groups.tp_ep = groups.tp_cp = groups.tp_dp_cp = tp
     return groups

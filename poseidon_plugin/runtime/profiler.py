@@ -42,6 +42,7 @@ from poseidon_plugin.runtime.megatron_model import (gpt_model, padded_vocab_size
                                                      process_groups, transformer_config)
 from poseidon_plugin.specs import ClusterSpec, ModelSpec, ProfileEntry, ProfileSpec, load_profile, valid_tp_degrees
 from poseidon_plugin.specs import write_profile
+from poseidon_plugin.specs.profile import entry_doc
 from poseidon_plugin.errors import InputError, PoseidonError
 
 
@@ -107,8 +108,9 @@ def profile_software() -> dict[str, str]:
     return {**software_versions(), **({"emulation": tag} if tag else {})}
 
 
-ENTRY_GENERATION = "framework-2"
-"""What a cached entry measures; entries of an older generation (framework-1: no job's own step, i.e. no
+ENTRY_GENERATION = "framework-3"
+"""What a cached entry measures; entries of an older generation (framework-2: no ``expert_parallel``;
+framework-1: no job's own step, i.e. no
 ``first_step_ms`` / ``last_step_ms``; before: no framework fields) are measured again."""
 
 
@@ -242,8 +244,9 @@ def _seed_tracker(groups: Any) -> None:
     from megatron.core.tensor_parallel import random as mc_random
 
     tp_rank = groups.tp.rank() if getattr(groups, "tp", None) is not None else 0
+    ep_rank = groups.ep.rank() if getattr(groups, "ep", None) is not None else 0   # 0 but in an EP block
     try:
-        mc_random.model_parallel_cuda_manual_seed(1234, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+        mc_random.model_parallel_cuda_manual_seed(1234, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=0)
     except TypeError:  # megatron-core 0.12: the ranks come from parallel_state (pointed at the group here)
         mc_random.model_parallel_cuda_manual_seed(1234)
 
@@ -254,47 +257,13 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
     ``client_note``, what became of the job's own step: ``runtime/client_step.py``)."""
     on_cpu = device.torch_device.type == "cpu"
     config = transformer_config(job, tensor_parallel=request.tp, num_layers=1, on_cpu=on_cpu)
-    with parallel_state_for(groups):
-        _seed_tracker(groups)
-        model = gpt_model(job, config, pre_process=True, post_process=True, pg_collection=groups)
-        if not on_cpu:
-            model.to(device.torch_device)
-        hooks = _Hooks(model, device)
-        vocab = job.vocab_size
-        shape = (request.mbs, job.seq_length)
-        generator = torch.Generator().manual_seed(1234)
-        tokens = torch.randint(0, vocab, shape, generator=generator).to(device.torch_device)
-        labels = torch.randint(0, vocab, shape, generator=generator).to(device.torch_device)
-        positions = torch.arange(job.seq_length, device=device.torch_device).unsqueeze(0).expand(shape)
-        steps: list[_StepMarks] = []
-        peak = None
-        try:
-            for index in range(warmup + iters):
-                timed = index >= warmup
-                if index == warmup:
-                    device.reset_peak_memory()
-                step = hooks.new_step(accounting=index == warmup)
-                step.marks["start"] = device.mark()
-                with torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t):
-                    loss = model(tokens, positions, None, labels=labels)
-                step.marks["forward_end"] = device.mark()
-                step.marks["backward_start"] = device.mark()
-                loss.backward(torch.ones_like(loss))
-                step.marks["backward_end"] = device.mark()
-                model.zero_grad(set_to_none=True)
-                if index == warmup:
-                    peak = device.peak_memory()
-                if timed:
-                    steps.append(step)
-            device.synchronize()
-        finally:
-            hooks.remove()
+    model, steps, peak, loss = _run_steps(job, config, device, groups, request, warmup=warmup, iters=iters)
     layer = model.decoder.layers[0]
     head_params = padded_vocab_size(job, request.tp) * job.hidden_size // request.tp
     head_params += sum(p.numel() for p in model.decoder.final_layernorm.parameters())
 
     def span(start: str, stop: str) -> float:
-        return max(statistics.median(device.ms_between(s.marks[start], s.marks[stop]) for s in steps), 1e-6)
+        return _span(device, steps, start, stop)
 
     first = steps[0]
     model_forward = span("start", "forward_end")
@@ -334,6 +303,83 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
         "head_activation_bytes": first.saved["head"],
         "peak_memory_bytes": peak,
     })
+
+
+def _run_steps(job: JobFlags, config: Any, device: Device, groups: Any, request: ProfileRequest, *, warmup: int,
+               iters: int) -> tuple[torch.nn.Module, list[_StepMarks], Any, torch.Tensor]:
+    """The one-layer model of ``config`` built on ``groups``, and its forward and backward steps on fixed
+    random tokens: the model, the timed steps' marks, the peak memory of the first timed one, the last loss."""
+    with parallel_state_for(groups):
+        _seed_tracker(groups)
+        model = gpt_model(job, config, pre_process=True, post_process=True, pg_collection=groups)
+        if device.torch_device.type != "cpu":
+            model.to(device.torch_device)
+        return (model, *_steps(model, job, device, request, warmup=warmup, iters=iters))
+
+
+def _span(device: Device, steps: list[_StepMarks], start: str, stop: str) -> float:
+    """Median ms from mark ``start`` to mark ``stop`` over the timed steps (at least 1 ns)."""
+    return max(statistics.median(device.ms_between(s.marks[start], s.marks[stop]) for s in steps), 1e-6)
+
+
+def _steps(model: torch.nn.Module, job: JobFlags, device: Device, request: ProfileRequest, *, warmup: int,
+           iters: int) -> tuple[list[_StepMarks], Any, torch.Tensor]:
+    hooks = _Hooks(model, device)
+    vocab = job.vocab_size
+    shape = (request.mbs, job.seq_length)
+    generator = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, vocab, shape, generator=generator).to(device.torch_device)
+    labels = torch.randint(0, vocab, shape, generator=generator).to(device.torch_device)
+    positions = torch.arange(job.seq_length, device=device.torch_device).unsqueeze(0).expand(shape)
+    steps: list[_StepMarks] = []
+    peak = None
+    try:
+        for index in range(warmup + iters):
+            timed = index >= warmup
+            if index == warmup:
+                device.reset_peak_memory()
+            step = hooks.new_step(accounting=index == warmup)
+            step.marks["start"] = device.mark()
+            with torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t):
+                loss = model(tokens, positions, None, labels=labels)
+            step.marks["forward_end"] = device.mark()
+            step.marks["backward_start"] = device.mark()
+            loss.backward(torch.ones_like(loss))
+            step.marks["backward_end"] = device.mark()
+            model.zero_grad(set_to_none=True)
+            if index == warmup:
+                peak = device.peak_memory()
+            if timed:
+                steps.append(step)
+        device.synchronize()
+    finally:
+        hooks.remove()
+    return steps, peak, loss
+
+
+def measure_expert_parallel(job: JobFlags, device: Device, groups: Any, request: ProfileRequest, ep: int, *,
+                            warmup: int, iters: int) -> dict[str, Any]:
+    """The MoE layer's forward and backward at EP ``ep`` (expert TP = TP) on this rank's EP block
+    (:func:`_profiling_groups`): megatron-core's all-to-all dispatcher, its collectives on the block's
+    groups (gloo for CPU ranks), each rank holding ``E / ep`` experts. ``{ep, forward_ms, backward_ms}``."""
+    on_cpu = device.torch_device.type == "cpu"
+    # the dispatcher a plan with EP > 1 runs (plan.py adds --moe-token-dispatcher-type alltoall)
+    config = transformer_config(job, tensor_parallel=request.tp, num_layers=1, on_cpu=on_cpu,
+                                expert_model_parallel_size=ep, moe_token_dispatcher_type="alltoall")
+    _model, steps, _peak, _loss = _run_steps(job, config, device, groups, request, warmup=warmup, iters=iters)
+    return {"ep": ep, "forward_ms": _span(device, steps, "layer_pre", "layer_post"),
+            "backward_ms": _span(device, steps, "layer_out_grad", "layer_in_grad")}
+
+
+def profiled_eps(job: JobFlags, tp: int, node_devices: int, keep: bool) -> tuple[int, ...]:
+    """The EP degrees > 1 measured for TP ``tp`` on a node of ``node_devices``: those the search may choose
+    with expert TP = TP (dividing the experts; sequence parallelism where TP > 1, megatron-core's rule)
+    whose ``TP x EP`` block fits the node; ``keep`` (``--poseidon-keep``): the job's own EP only. None under a
+    deterministic emulation (it prices the expert layout analytically, as the cost model's fallback does)."""
+    if not job.num_experts or (tp > 1 and not job.sequence_parallel) or emulation.times_layers():
+        return ()
+    eps = (job.expert_parallel,) if keep else range(2, job.num_experts + 1)
+    return tuple(ep for ep in eps if ep > 1 and job.num_experts % ep == 0 and tp * ep <= node_devices)
 
 
 FRAMEWORK_MICRO_BATCHES = 4
@@ -526,14 +572,18 @@ class ProfileOutcome:
     """Cache files this rank could not write (why, per file); the measurements were used all the same."""
 
 
-def _profiling_groups(world: World, requests: Sequence[ProfileRequest], rank: int) -> dict[int, Any]:
-    """``{tp: ProcessGroupCollection}`` for this rank's TP groups; every rank creates every group, in order."""
+def _profiling_groups(world: World, requests: Sequence[ProfileRequest], rank: int, job: JobFlags,
+                      keep: bool = False) -> dict[tuple[int, int], Any]:
+    """``{(tp, ep): groups}`` for this rank's profiling groups: ``ep = 1``, its TP group; ``ep > 1``
+    (:func:`profiled_eps`), its block of ``tp x ep`` consecutive devices of a node, TP groups inside it,
+    EP groups across them (Megatron's expert rank order, expert TP = TP). Every rank creates every group,
+    in order."""
     own = None
     for r in range(len(world.ranks)):  # singleton pipeline / context groups: the profiled model has one stage
         group = dist.new_group([r])
         if r == rank:
             own = group
-    collections: dict[int, Any] = {}
+    collections: dict[tuple[int, int], Any] = {}
     for tp in sorted({req.tp for req in requests}):
         types = {req.device_type for req in requests if req.tp == tp}
         for index, node in enumerate(world.nodes):
@@ -543,14 +593,27 @@ def _profiling_groups(world: World, requests: Sequence[ProfileRequest], rank: in
                 members = list(node[start:start + tp])
                 group = dist.new_group(members)
                 if rank in members:
-                    collections[tp] = process_groups(tp=group, pp=own, cp=own)
+                    collections[(tp, 1)] = process_groups(tp=group, pp=own, cp=own)
+            for ep in profiled_eps(job, tp, len(node), keep):
+                for start in range(0, len(node) - tp * ep + 1, tp * ep):
+                    block = list(node[start:start + tp * ep])
+                    whole = dist.new_group(block)
+                    tps = [dist.new_group(block[i:i + tp]) for i in range(0, len(block), tp)]
+                    eps = [dist.new_group(block[i::tp]) for i in range(tp)]
+                    if rank in block:
+                        at = block.index(rank)
+                        groups = process_groups(tp=tps[at // tp], pp=own, cp=own)
+                        groups.ep = groups.dp = eps[at % tp]
+                        groups.expt_dp = own
+                        groups.tp_ep = groups.tp_dp_cp = whole
+                        collections[(tp, ep)] = groups
     return collections
 
 
 def profile_world(*, world: World, rank: int, device: Device, job: JobFlags, model: ModelSpec,
                   requests: Sequence[ProfileRequest], cache_dir: str, warmup: int, iters: int,
                   progress: Callable[[str], None] | None = None,
-                  client: client_step.Client | None = None) -> ProfileOutcome:
+                  client: client_step.Client | None = None, keep: bool = False) -> ProfileOutcome:
     """Collective: cached entries are shared, the missing ones measured by the ranks of their type, merged.
 
     ``progress`` receives one line per configuration this rank measures, from one rank per (host, type), and
@@ -572,14 +635,17 @@ def profile_world(*, world: World, rank: int, device: Device, job: JobFlags, mod
     measured: list[dict] = []
     if missing:
         call_ms = p2p_call_ms(world, rank, device, job)
-        groups = _profiling_groups(world, missing, rank)
-        mine = [req for req in missing if req.device_type == me.device_type and req.tp in groups]
+        groups = _profiling_groups(world, missing, rank, job, keep)
+        mine = [req for req in missing if req.device_type == me.device_type and (req.tp, 1) in groups]
         started = time.perf_counter()
         for index, req in enumerate(mine):
             if progress is not None and _writes_cache(world, rank):
                 progress(f"profiling {req.device_type} TP {req.tp} micro-batch {req.mbs} ({index + 1}/{len(mine)}, "
                          f"{time.perf_counter() - started:.0f} s so far)")
-            doc = measure(job, device, groups[req.tp], req, warmup=warmup, iters=iters, client=client)
+            doc = measure(job, device, groups[(req.tp, 1)], req, warmup=warmup, iters=iters, client=client)
+            doc["expert_parallel"] = [
+                measure_expert_parallel(job, device, groups[(req.tp, ep)], req, ep, warmup=warmup, iters=iters)
+                for ep in sorted(ep for tp, ep in groups if tp == req.tp and ep > 1)]
             if progress is not None and _writes_cache(world, rank):
                 progress(f"{req.device_type} TP {req.tp} micro-batch {req.mbs}: {doc.pop('client_note')}")
             measured.append({**doc, "p2p_call_ms": call_ms})
@@ -621,17 +687,28 @@ _FIELDS = tuple(ProfileEntry.__dataclass_fields__)
 
 
 def _entry_fields(doc: dict) -> dict:
-    return {name: doc[name] for name in _FIELDS if name in doc}
+    out = {name: doc[name] for name in _FIELDS if name in doc}
+    out["expert_parallel"] = tuple(sorted((int(m["ep"]), float(m["forward_ms"]), float(m["backward_ms"]))
+                                          for m in doc.get("expert_parallel", ())))
+    return out
 
 
 def _entry_doc(entry: ProfileEntry) -> dict:
-    return {name: getattr(entry, name) for name in _FIELDS}
+    return entry_doc(entry)
 
 
 def _median_entry(docs: list[dict]) -> dict:
-    """Times: median over the TP groups that measured; sizes: the largest (memory must fit on all)."""
+    """Times: median over the TP groups (EP blocks) that measured; sizes: the largest (memory must fit on all)."""
     out = dict(docs[0])
     for name in _FIELDS:
+        if name == "expert_parallel":
+            by_ep: dict[int, list[dict]] = {}
+            for doc in docs:
+                for m in doc.get(name, ()):
+                    by_ep.setdefault(m["ep"], []).append(m)
+            out[name] = [{"ep": ep, **{k: statistics.median(m[k] for m in ms) for k in ("forward_ms", "backward_ms")}}
+                         for ep, ms in sorted(by_ep.items())]
+            continue
         values = [doc[name] for doc in docs]
         if name.endswith("_ms"):
             out[name] = statistics.median(values)

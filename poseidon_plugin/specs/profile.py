@@ -17,13 +17,16 @@ File format (``format: poseidon-profile``, ``version: 1``)::
                   "head_activation_bytes": ...,
                   "step_forward_ms": 0.4, "step_backward_ms": 0.3, "p2p_call_ms": 0.1,
                   "optimizer_ms": 0.2, "optimizer_fixed_ms": 1.5,
-                  "first_step_ms": 14.0, "last_step_ms": 15.2}, ...]}
+                  "first_step_ms": 14.0, "last_step_ms": 15.2,
+                  "expert_parallel": [{"ep": 2, "forward_ms": 7.9, "backward_ms": 14.1}]}, ...]}
 
 The framework fields (``FRAMEWORK_FIELDS``) are optional: files written before them load with 0. The
 position fields ``first_step_ms`` / ``last_step_ms`` are the job's own step (its training script's
 ``forward_step``: data loading with its TP broadcast, the loss function) beyond what it costs on a middle
 stage, per forward micro-batch, measured by ``runtime/client_step.py``; the cost model adds them to the
-embedding's and the output layer's forward.
+embedding's and the output layer's forward. ``expert_parallel`` (optional, MoE models) is the layer's
+forward and backward measured at each EP > 1 that fits a node (expert TP = TP, the real all-to-all
+dispatcher on the profiling group); the cost model uses it in place of the analytic EP term.
 """
 
 from __future__ import annotations
@@ -75,6 +78,16 @@ class ProfileEntry:
     # The job's own step by stage position, beyond a middle stage's (0 where not measured):
     first_step_ms: float = 0.0          # per forward micro-batch on the first stage (its data and TP broadcast)
     last_step_ms: float = 0.0           # per forward micro-batch on the last stage (labels, mask, loss function)
+    # MoE: the layer measured with expert parallelism, expert TP = TP, its all-to-all dispatcher inside a node:
+    # ``(ep, forward_ms, backward_ms)`` per measured EP > 1, ascending (empty where not measured)
+    expert_parallel: tuple[tuple[int, float, float], ...] = ()
+
+    def expert_parallel_ms(self, ep: int) -> tuple[float, float] | None:
+        """The measured ``(forward_ms, backward_ms)`` of the layer at EP ``ep``, or ``None``."""
+        for degree, forward, backward in self.expert_parallel:
+            if degree == ep:
+                return forward, backward
+        return None
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -145,13 +158,35 @@ class ProfileSpec:
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "source": self.source,
                 "model": self.model, "seq_length": self.seq_length, "dtype": self.dtype,
                 "software": dict(self.software),
-                "entries": [{f.name: getattr(e, f.name) for f in dataclasses.fields(e)}
-                            for e in self.entries]}
+                "entries": [entry_doc(e) for e in self.entries]}
+
+
+def entry_doc(entry: ProfileEntry) -> dict[str, Any]:
+    """One entry as its JSON object (``expert_parallel`` as a list of ``{ep, forward_ms, backward_ms}``)."""
+    doc = {f.name: getattr(entry, f.name) for f in dataclasses.fields(entry)}
+    doc["expert_parallel"] = [{"ep": ep, "forward_ms": f, "backward_ms": b} for ep, f, b in entry.expert_parallel]
+    return doc
+
+
+def _parse_expert_parallel(doc: Any, where: str) -> tuple[tuple[int, float, float], ...]:
+    out = []
+    for i, item in enumerate(get_list(doc, "expert_parallel", where, nonempty=False)):
+        at = f"{where}.expert_parallel[{i}]"
+        get_mapping(item, at)
+        check_keys(item, at, ("ep", "forward_ms", "backward_ms"), ("ep", "forward_ms", "backward_ms"))
+        ep = get_int(item, "ep", at, minimum=2, maximum=MODEL_LIMITS["num_experts"])
+        forward = get_float(item, "forward_ms", at, strict=True)
+        backward = get_float(item, "backward_ms", at, strict=True)
+        out.append((ep, forward, backward))
+    eps = [ep for ep, _f, _b in out]
+    if len(set(eps)) != len(eps):
+        raise InputError(f"{where}: expert_parallel lists an EP degree twice ({eps}); keep one of each")
+    return tuple(sorted(out))
 
 
 def _parse_entry(doc: Any, where: str) -> ProfileEntry:
     get_mapping(doc, where)
-    allowed = ("device_type", "tp", "mbs", *_ENTRY_FLOATS, *_ENTRY_INTS)
+    allowed = ("device_type", "tp", "mbs", "expert_parallel", *_ENTRY_FLOATS, *_ENTRY_INTS)
     check_keys(doc, where, allowed, _ENTRY_REQUIRED)
     values: dict[str, Any] = {"device_type": get_str(doc, "device_type", where),
                               "tp": get_int(doc, "tp", where, maximum=MAX_DEVICES_PER_NODE),
@@ -162,6 +197,8 @@ def _parse_entry(doc: Any, where: str) -> ProfileEntry:
     for k in _ENTRY_INTS:
         if k in doc:
             values[k] = get_int(doc, k, where, minimum=0)
+    if "expert_parallel" in doc:
+        values["expert_parallel"] = _parse_expert_parallel(doc, where)
     if values["forward_ms"] <= 0 or values["backward_ms"] <= 0:
         raise InputError(f"{where}: forward_ms and backward_ms must be > 0, got "
                          f"{values['forward_ms']} and {values['backward_ms']}")

@@ -107,3 +107,43 @@ def test_cache_entry_without_framework_fields_is_measured_again(gloo_pool, tmp_p
     again = pool.run(_profile, cache, timeout_s=240)[0]
     assert (again["reused"], again["measured"]) == (0, 4)
     assert all(e["step_forward_ms"] > 0 for e in again["entries"])
+
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
+
+
+def _profile_moe(rank: int, world_size: int, cache_dir: str) -> dict:
+    from poseidon_plugin.runtime import cpu_shim, devices
+    from poseidon_plugin.runtime.inventory import RankInfo, World
+    from poseidon_plugin.runtime.job_flags import read_job
+    from poseidon_plugin.runtime.planning import model_spec
+    from poseidon_plugin.runtime.profiler import ProfileRequest, profile_world
+
+    cpu_shim.install()
+    job = read_job("t.py", JOB + MOE)
+    model = model_spec(job, global_batch_size=8, name="t")
+    host = socket.gethostname()
+    world = World(ranks=tuple(RankInfo(rank=r, host=host, local_rank=r, device_type="cpu", device_kind="cpu",
+                                       memory_bytes=1 << 34, node_tag="cpu") for r in range(world_size)),
+                  nodes=(tuple(range(world_size)),))
+    outcome = profile_world(world=world, rank=rank, device=devices.Device(rank), job=job, model=model,
+                            requests=[ProfileRequest(device_type="cpu", tp=1, mbs=1)], cache_dir=cache_dir,
+                            warmup=1, iters=2)
+    (entry,) = outcome.profile.entries
+    return {"measured": outcome.measured, "expert_parallel": entry.expert_parallel}
+
+
+def test_moe_profile_has_the_measured_ep_2_entry(gloo_pool, tmp_path):
+    # a tiny MoE job (4 experts, top-2) on 2 CPU ranks: its layer is measured at EP 2 too (the two ranks
+    # one EP group, the all-to-all on gloo), merged into the one entry and kept in the cache with it
+    from poseidon_plugin.specs import load_profile
+
+    cache = str(tmp_path / "cache")
+    first, second = gloo_pool(2).run(_profile_moe, cache, timeout_s=240)
+    assert first == second, "ranks disagree on the merged profile"
+    assert first["measured"] == 1
+    ((ep, forward, backward),) = first["expert_parallel"]
+    assert ep == 2 and forward > 0 and backward > 0
+    (name,) = os.listdir(cache)
+    (stored,) = load_profile(os.path.join(cache, name)).entries
+    assert stored.expert_parallel == first["expert_parallel"]

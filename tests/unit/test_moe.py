@@ -19,6 +19,7 @@ from poseidon_plugin.specs import LINK_INTER_NODE, LINK_INTRA_NODE, load_cluster
 from poseidon_plugin.specs.analytic import all_to_all_ms, expert_params
 from poseidon_plugin.specs.cluster import parse_cluster
 from poseidon_plugin.specs.model import parse_model
+from poseidon_plugin.specs.profile import parse_profile
 from poseidon_plugin.target import TargetRuntime, search_plan
 
 
@@ -118,6 +119,29 @@ def test_the_all_to_all_takes_the_ep_group_s_link():
         a2a = all_to_all_ms(sent, ep, link.bytes_per_ms * cm.constants.link_efficiency, link.latency_ms)
         assert gc.forward_ms - one.forward_ms == pytest.approx(2 * a2a, rel=1e-12)
         assert gc.backward_ms - one.backward_ms == pytest.approx(2 * a2a, rel=1e-12)
+
+
+def test_a_measured_ep_entry_replaces_the_analytic_term():
+    # the profiler's measured layer at EP 4 (expert TP = TP, inside a node) is the layer's time there;
+    # an unmeasured EP, expert TP 1 and EP 8 (its group across the nodes) keep the analytic term
+    m = moe_model()
+    cluster = two_node_cluster(per_node=4)
+    analytic = CostModel(cluster, m)
+    base = analytic.profile
+    entries = tuple(dataclasses.replace(e, expert_parallel=((4, 7.5, 11.25), (8, 9.0, 13.5))) for e in base.entries)
+    measured = CostModel(cluster, m, dataclasses.replace(base, entries=entries, source="measured"))
+    ep4 = measured.group("A2-2", 1, 1, 8, 4)
+    assert (ep4.forward_ms, ep4.backward_ms) == (7.5, 11.25)
+    assert analytic.group("A2-2", 1, 1, 8, 4).forward_ms != 7.5
+    for args in ((1, 1, 8, 2), (1, 1, 8, 8), (2, 1, 4, 4, 1)):
+        got, want = measured.group("A2-2", *args), analytic.group("A2-2", *args)
+        assert (got.forward_ms, got.backward_ms) == (want.forward_ms, want.backward_ms), args
+    # the field is data: it round-trips through the profile file and bad values are named
+    doc = measured.profile.to_dict()
+    assert parse_profile(doc).entries[0].expert_parallel == ((4, 7.5, 11.25), (8, 9.0, 13.5))
+    doc["entries"][0]["expert_parallel"] = [{"ep": 4, "forward_ms": 0, "backward_ms": 1.0}]
+    with pytest.raises(InputError, match=r"expert_parallel\[0\]"):
+        parse_profile(doc)
 
 
 def test_expert_tp_one_drops_the_mlp_collective():
