@@ -10,6 +10,13 @@ Tolerance: Megatron-LM prints 7 significant digits (``6.460507E+00``: a rounding
 taken out of a mean carries three roundings (1.5e-6). The same plan sums in the same order, so nothing else
 may differ: ``LOSS_TOLERANCE`` = 1e-5. A broken resume is much further off (measured on this job): the
 dropout stream shifted by the data loader's seed draw 1.8e-3 at the first resumed iteration.
+
+Under another plan Megatron-LM itself changes two things, on any device: it ignores the checkpoint's RNG state
+when TP or PP differ ("RNG state will be ignored": dropout draws other masks), and it pads the vocabulary to a
+multiple of ``--make-vocab-size-divisible-by`` x TP, so a padded size that differs between the plans adds
+untrained rows to the softmax (NullTokenizer's 512 + 1 tokens: 640 rows at TP 1, 768 at TP 2; measured
+6.6185 against 6.4385, about log(768 / 640)). The plan-change test therefore trains without dropout, with a
+vocabulary both plans pad alike (511 + 1 = 512).
 """
 
 from __future__ import annotations
@@ -51,5 +58,28 @@ def test_megatron_lms_script_resumes_with_the_uninterrupted_runs_loss(tmp_path):
     assert "CPU rank: data iterators built with the CPU generator's state kept" in out
     resumed = own_losses(out)
     assert sorted(resumed) == [3, 4], out[-4000:]  # continues from the saved iteration
+    for iteration, loss in resumed.items():
+        assert abs(loss - uninterrupted[iteration]) <= LOSS_TOLERANCE, (iteration, loss, uninterrupted)
+
+
+def test_megatron_lms_script_resumes_interleaved_pp2_as_tp2_with_larger_micro_batches(tmp_path):
+    ck = str(tmp_path / "ck")
+    values = {"--num-layers": "8", "--vocab-size": "511", "--poseidon-emulate": "A2-2:2"}
+    job = [values.get(JOB[i - 1], a) if i else a for i, a in enumerate(JOB)]
+    job += ["--hidden-dropout", "0", "--attention-dropout", "0", "--poseidon-keep", "--poseidon-profile-cache",
+            str(tmp_path / "cache")]
+    code, out = poseidon_run(["--nproc-per-node", "2", SCRIPT, *job, "--tensor-model-parallel-size", "1",
+                              "--pipeline-model-parallel-size", "2", "--poseidon-schedules", "interleaved-1f1b",
+                              "--save", ck, "--save-interval", "2"], tmp_path)
+    assert code == 0, out[-4000:]
+    assert re.search(r"^poseidon: TP 1  PP 2  DP 1  V 2 ", out, re.M), out[-4000:]
+    uninterrupted = own_losses(out)
+    code, out = poseidon_run(["--nproc-per-node", "2", SCRIPT, *job, "--tensor-model-parallel-size", "2",
+                              "--pipeline-model-parallel-size", "1", "--micro-batch-size", "4", "--load", ck,
+                              "--ckpt-step", "2"], tmp_path)
+    assert code == 0, out[-4000:]
+    assert re.search(r"^poseidon: TP 2  PP 1  DP 1  V 1 .* mbs 4 ", out, re.M), out[-4000:]
+    resumed = own_losses(out)
+    assert sorted(resumed) == [3, 4], out[-4000:]
     for iteration, loss in resumed.items():
         assert abs(loss - uninterrupted[iteration]) <= LOSS_TOLERANCE, (iteration, loss, uninterrupted)
