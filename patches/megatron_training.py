@@ -15,6 +15,11 @@ replaces one call that is about the CUDA runtime, never about compute; the facts
   the ``torch.compile``-fused functions run eagerly on CPU;
 * ``get_device_arch_version`` asks the GPU's compute capability: 0 (no CUDA architecture; the pre-Blackwell
   rules, which ``poseidon-run``'s ``CUDA_DEVICE_MAX_CONNECTIONS=1`` satisfies);
+* ``build_train_valid_test_data_iterators`` draws a worker seed from torch's default generator (the
+  ``DataLoader`` iterator's base seed): on a GPU that is the CPU generator, and dropout draws from the CUDA
+  one; on a CPU rank the default generator is the one dropout draws from, so the draw would shift a run
+  resumed from a checkpoint (whose RNG state is loaded before the iterators are built) off the stream of the
+  uninterrupted run: the call runs with that generator's state kept;
 * ``clip_grad_by_total_norm_fp32`` asserts that every gradient is a ``torch.cuda.FloatTensor``: the check
   reads the gradients' CUDA type name during that call; the clipping itself is Megatron's.
 """
@@ -45,6 +50,10 @@ ROW_NOTES: dict[str, str] = {
                                                          "disabled (torch.compile-fused functions run eagerly)",
     "torch._dynamo.config.disable": "",
     "megatron.training.utils.get_device_arch_version": "CUDA architecture 0 (no GPU)",
+    "megatron.training.training.build_train_valid_test_data_iterators": "data iterators built with the CPU "
+                                                                         "generator's state kept (it stands "
+                                                                         "in for the CUDA generator dropout "
+                                                                         "draws from)",
     "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32": "gradient clipping on CPU gradients "
                                                                         "(its torch.cuda.FloatTensor check "
                                                                         "reads their CUDA type name)",
@@ -63,6 +72,17 @@ def _one_device() -> Iterator[None]:
         yield
     finally:
         torch.cuda.device_count = original
+
+
+@contextlib.contextmanager
+def _kept_generator_state() -> Iterator[None]:
+    """Draws from torch's default (CPU) generator inside leave it as it was: on a GPU they would not touch the
+    CUDA generator that dropout uses, and on a CPU rank the CPU generator plays that part."""
+    state = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(state)
 
 
 def _allow_no_cuda(original: Any):
@@ -119,6 +139,8 @@ def _rows() -> tuple[Patch, ...]:
         Patch(target="megatron.training.training.set_jit_fusion_options", make=_skipped, sweep=True),
         Patch(target="torch._dynamo.config.disable", make=lambda original: True, value=True),
         Patch(target="megatron.training.utils.get_device_arch_version", make=_no_cuda_arch, sweep=True),
+        Patch(target="megatron.training.training.build_train_valid_test_data_iterators",
+              make=_inside(_kept_generator_state), sweep=True),
         Patch(target="megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
               make=_inside(_CudaTypeNames), sweep=True),
     )
