@@ -51,6 +51,8 @@ BOUND_RESERVE = 0.25         # ... except in this last share of --time-limit, ke
 # a weak incumbent costs ~10^5 (TP4 PP18 of paper-setting-6-288, llama3-70b seq 4096), and a threshold
 # that finds nothing proves the structure's plans take at least it (:meth:`SearchRun.split`)
 PROBE_SHARES = (1 / 2, 3 / 4, 7 / 8, 15 / 16, 31 / 32)
+PROBE_NODES = 20_000         # ... all of them together at most this many nodes: where no plan lies below
+                             # tau (a proof) they only add work, and then tau's search follows at once
 RESUME_MIN_S = 0.5           # once they are computed, the search goes on where it was cut if at least
                              # this much of the reserve is left (with the same share kept back again)
 
@@ -452,10 +454,21 @@ class SearchRun:
         budget = self.node_budget or 0
         total = [0] * N_COUNTERS
         thresholds = [bound + (tau - bound) * f for f in PROBE_SHARES] if 0 < bound < tau else []
+        probe_left = PROBE_NODES
         for t in thresholds + [tau]:
-            res = splitter.run(vec, t, deadline=self.split_deadline, max_nodes=budget)
+            probe = t < tau and (not budget or probe_left < budget)
+            if t < tau and probe_left <= 0:
+                continue
+            res = splitter.run(vec, t, deadline=self.split_deadline, max_nodes=probe_left if probe else budget)
             for j in range(N_COUNTERS):
                 total[j] += res.counters[j]
+            if t < tau:
+                probe_left -= res.counters[NODES]
+                if res.aborted and probe and probe_left <= 0:
+                    probe_left = 0           # the probes' nodes are spent: tau's search, from scratch
+                    if budget:
+                        budget -= res.counters[NODES]
+                    continue
             if res.time_ms < INF or res.aborted or t == tau:
                 break
             bound = t
