@@ -34,6 +34,7 @@ from .options import SearchOptions, SearchResult, SearchStats, TimeLimitError
 from .seeds import assignment_seeds
 from .shapes import ShapeCache, ShapeData
 from .space import SearchSpace, ShapeGroup
+from .split_result import SplitResult
 from .splits import SplitSearch as PySplitSearch
 
 INF = math.inf
@@ -45,6 +46,13 @@ LAZY_BOUNDS = 32             # memory-aware group bounds computed per lower_boun
 LAZY_S = 0.05                # ... and at most this many seconds of them
 BOUND_RESERVE = 0.25         # ... except in this last share of --time-limit, kept back from the search
                              # for the bounds of the open groups when the clock cuts an exact search off;
+# a structure's tree is first searched with thresholds between its lower bound and tau (these shares of
+# the way up), lowest first: a threshold just above the optimum costs a few hundred nodes where tau from
+# a weak incumbent costs ~10^5 (TP4 PP18 of paper-setting-6-288, llama3-70b seq 4096), and a threshold
+# that finds nothing proves the structure's plans take at least it (:meth:`SearchRun.split`)
+PROBE_SHARES = (1 / 2, 3 / 4, 7 / 8, 15 / 16, 31 / 32)
+PROBE_NODES = 20_000         # ... all of them together at most this many nodes: where no plan lies below
+                             # tau (a proof) they only add work, and then tau's search follows at once
 RESUME_MIN_S = 0.5           # once they are computed, the search goes on where it was cut if at least
                              # this much of the reserve is left (with the same share kept back again)
 
@@ -419,8 +427,7 @@ class SearchRun:
                 self.pruned_structures += 1
                 self.close(tau)
                 continue
-            res = splitter.run(vec, tau, deadline=self.split_deadline, max_nodes=self.node_budget or 0)
-            self.add(res.counters)
+            res, bounds[i] = self.split(splitter, vec, tau, bounds[i])
             if res.counters[NODES] <= 1 and res.counters[IMPROVED] == 0:
                 self.pruned_structures += 1
             if res.time_ms < INF:
@@ -436,6 +443,43 @@ class SearchRun:
             # closed: every plan below tau was searched, and the loop lowered tau to best x shrink
             self.close(min(tau, res.time_ms * self.shrink))
         self.partial = INF
+
+    def split(self, splitter, vec, tau: float, bound: float):
+        """Search one structure's tree for its best plan below ``tau``: first below the thresholds
+        :data:`PROBE_SHARES` of the way from its lower ``bound`` up to ``tau``, lowest first, then below
+        ``tau`` itself. A threshold's search that finds a plan is the search below ``tau``: a plan better
+        than the one found takes less than that threshold too, so it would have been found (and with no
+        gap the first best plan in the tree's order is found, as below ``tau``). One that finds nothing
+        raises the structure's bound to its threshold. The result, and the bound."""
+        budget = self.node_budget or 0
+        total = [0] * N_COUNTERS
+        thresholds = [bound + (tau - bound) * f for f in PROBE_SHARES] if 0 < bound < tau else []
+        probe_left = PROBE_NODES
+        for t in thresholds + [tau]:
+            probe = t < tau and (not budget or probe_left < budget)
+            if t < tau and probe_left <= 0:
+                continue
+            res = splitter.run(vec, t, deadline=self.split_deadline, max_nodes=probe_left if probe else budget)
+            for j in range(N_COUNTERS):
+                total[j] += res.counters[j]
+            if t < tau:
+                probe_left -= res.counters[NODES]
+                if res.aborted and probe and probe_left <= 0:
+                    probe_left = 0           # the probes' nodes are spent: tau's search, from scratch
+                    if budget:
+                        budget -= res.counters[NODES]
+                    continue
+            if res.time_ms < INF or res.aborted or t == tau:
+                break
+            bound = t
+            if budget:
+                budget -= res.counters[NODES]
+                if budget <= 0:          # the budget is spent (a run of 0 would mean none)
+                    res = SplitResult(time_ms=INF, types=(), layers=(), counters=res.counters, aborted=True)
+                    break
+        self.add(total)
+        return SplitResult(time_ms=res.time_ms, types=res.types, layers=res.layers, counters=tuple(total),
+                           aborted=res.aborted), bound
 
     def open_structures_bound(self, sg: ShapeGroup, vectors, bounds: list[float], strong: list[bool],
                               start: int) -> float:
