@@ -110,6 +110,10 @@ class JobFlags:
     attention_dropout: float
     overlap_p2p_comm: bool
     """Megatron-LM's ``overlap_p2p_comm`` (on unless ``--no-overlap-p2p-communication``); off pins the plan's."""
+    clip_grad: float = 1.0
+    """``--clip-grad``: the gradient-norm clipping threshold (Megatron-LM's default 1.0; 0 turns it off)."""
+    moe_grouped_gemm: bool = False
+    """``--moe-grouped-gemm``: the local experts' GEMMs as one grouped GEMM (MoE jobs only)."""
 
 
 def flag_values(args: Sequence[str]) -> dict[str, str]:
@@ -166,6 +170,16 @@ def read_job(script: str, args: Sequence[str]) -> JobFlags:
             raise PoseidonError(f"{flag} {value} must be in [0, 1)")
         return value
 
+    def non_negative(flag: str, default: float) -> float:
+        raw = values.get(flag)
+        try:
+            value = default if raw is None else float(raw)
+        except ValueError:
+            raise PoseidonError(f"{flag} {raw!r} is not a number (in the arguments of {script})") from None
+        if not value >= 0.0 or value == float("inf"):
+            raise PoseidonError(f"{flag} {raw} must be a finite number >= 0 (in the arguments of {script})")
+        return value
+
     num_experts = integer("--num-experts", 0, minimum=0)
     capacity = 0.0
     if num_experts:
@@ -216,6 +230,8 @@ def read_job(script: str, args: Sequence[str]) -> JobFlags:
         hidden_dropout=fraction("--hidden-dropout", 0.1),
         attention_dropout=fraction("--attention-dropout", 0.1),
         overlap_p2p_comm="--no-overlap-p2p-communication" not in values,
+        clip_grad=non_negative("--clip-grad", 1.0),
+        moe_grouped_gemm=num_experts > 0 and "--moe-grouped-gemm" in values,
     )
 
 

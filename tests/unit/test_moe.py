@@ -40,7 +40,7 @@ def two_node_cluster(per_node=4):
 
 def test_moe_fields_read_and_round_trip():
     m = moe_model(moe_ffn_hidden_size=512, moe_shared_expert_size=1024, moe_capacity_factor=1.25,
-                  moe_pad_to_capacity=True)
+                  moe_pad_to_capacity=True, moe_grouped_gemm=True)
     assert m.expert_ffn_hidden_size == 512
     assert parse_model(m.to_dict(), "again") == m
     assert moe_model().expert_ffn_hidden_size == 2048     # Megatron's default: the FFN size
@@ -49,6 +49,7 @@ def test_moe_fields_read_and_round_trip():
 @pytest.mark.parametrize("changes, match", [
     ({"num_experts": 0, "moe_top_k": 0, "moe_ffn_hidden_size": 512}, "invalid for a dense model"),
     ({"moe_pad_to_capacity": True}, "needs a moe_capacity_factor"),
+    ({"num_experts": 0, "moe_top_k": 0, "moe_grouped_gemm": True}, r"moe_grouped_gemm = \S+ is invalid for a dense"),
     ({"moe_capacity_factor": -1.0}, "moe_capacity_factor"),
 ])
 def test_bad_moe_fields_are_named(changes, match):
@@ -273,8 +274,10 @@ def test_job_flags_read_the_moe_flags():
 
     job = read_job("pretrain_gpt.py", JOB + ["--moe-ffn-hidden-size", "96", "--moe-shared-expert-intermediate-size",
                                              "128", "--moe-expert-capacity-factor", "1.5",
-                                             "--moe-pad-expert-input-to-capacity", "--expert-model-parallel-size", "2"])
+                                             "--moe-pad-expert-input-to-capacity", "--expert-model-parallel-size", "2",
+                                             "--moe-grouped-gemm"])
     spec = model_spec(job, global_batch_size=8, name="job")
+    assert spec.moe_grouped_gemm   # carried: the measured profile is keyed on it (profiler.cache_key)
     assert (spec.num_experts, spec.moe_top_k, spec.moe_ffn_hidden_size, spec.moe_shared_expert_size,
             spec.moe_capacity_factor, spec.moe_pad_to_capacity) == (4, 2, 96, 128, 1.5, True)
     assert job.expert_parallel == 2
