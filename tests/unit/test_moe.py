@@ -74,6 +74,9 @@ def test_expert_layouts_follow_megatron_core():
     # TP 2 x DP 2 = 4 ranks: EP x expert TP must divide them, EP the 8 experts, expert TP the TP
     assert expert_layouts(m, 2, 2) == ((1, None), (1, 1), (2, None), (2, 1), (4, 1))
     assert expert_layouts(m, 1, 8) == ((1, None), (2, None), (4, None), (8, None))
+    # TP 4 x DP 2: every expert TP dividing TP is searched (4 = Megatron's default None, 2, 1), not only TP or 1
+    assert expert_layouts(m, 4, 2) == ((1, None), (1, 2), (1, 1), (2, None), (2, 2), (2, 1), (4, 2), (4, 1),
+                                       (8, 1))
     assert expert_layouts(parse_model({**m.to_dict(), "num_experts": 0, "moe_top_k": 0}), 2, 2) == ((1, None),)
     # EP > 1 with TP > 1 needs sequence parallelism
     assert expert_layouts(moe_model(sequence_parallel=False), 2, 2) == ((1, None), (1, 1))
