@@ -288,6 +288,9 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
         own = ("no training script given" if client is None else
                client_step.measure(client, job, device, getattr(groups, "tp", None), request.tp, request.mbs,
                                    loss, iters=iters))
+        # the TP duplicates the gradient norm skips: megatron-core 0.12 asks parallel_state for the TP rank
+        optimizer = _optimizer_ms(model, layer, device, iters=iters, group=getattr(groups, "tp", None),
+                                  clip_grad=client_step.clip_grad(client, job, on_cpu))
     # every stage's step pays the job's own step at a middle position (or, not measured, the stand-in's)
     synthetic = framework.pop("synthetic_step_ms")
     framework["client_note"] = client_step.describe(own)
@@ -297,8 +300,7 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
     else:
         framework["step_forward_ms"] += own["middle_step_ms"]
         framework.update(first_step_ms=own["first_step_ms"], last_step_ms=own["last_step_ms"])
-    framework.update(_optimizer_ms(model, layer, device, iters=iters, group=getattr(groups, "tp", None),
-                                   clip_grad=client_step.clip_grad(client, job, on_cpu)))
+    framework.update(optimizer)
     # deterministic emulation: the sizes are the emulated model's, the times stay measured
     framework["framework"] = shared
     return emulation.override_profile_entry({
