@@ -58,7 +58,7 @@ class ModelSpec:
     moe_capacity_factor: float = 0.0    # expert capacity / average load; 0 = dropless (Megatron's default)
     moe_pad_to_capacity: bool = False   # experts compute a full capacity of tokens (needs a capacity factor)
     moe_grouped_gemm: bool = False      # Megatron's --moe-grouped-gemm: the local experts as one grouped GEMM
-                                        # (not priced apart analytically; a measured profile is keyed on it)
+                                        # (not priced apart; cached measured entries are keyed on it)
     swiglu: bool = True        # gated MLP with 3 weight matrices (LLaMA); false = 2-matrix GELU MLP
     tie_embeddings: bool = False   # output layer shares the embedding weights
     distributed_optimizer: bool = True  # optimizer states (and fp32 master) sharded over DP (ZeRO-1)
