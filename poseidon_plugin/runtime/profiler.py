@@ -265,7 +265,8 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
     bookkeeping outside the model) are Python and do not grow with the micro-batch, while measuring them runs
     :data:`FRAMEWORK_MICRO_BATCHES` whole micro-batches per call (under a deterministic emulation, at the
     emulated layer times): measured on the 2-core host at micro-batch 1, 2 and 4 they showed no trend
-    (0.55-1.0 ms forward, 0.1-0.6 ms backward, noise larger than any difference)."""
+    (README's Megatron-LM job, deterministic emulation: forward 0.55-1.46 ms, one outlier of 5.8 ms at
+    micro-batch 2; backward 0.12-0.64 ms; the noise larger than any difference)."""
     on_cpu = device.torch_device.type == "cpu"
     config = transformer_config(job, tensor_parallel=request.tp, num_layers=1, on_cpu=on_cpu)
     model, steps, peak, loss = _run_steps(job, config, device, groups, request, warmup=warmup, iters=iters)
@@ -562,7 +563,7 @@ def _gradient_clipping(params: list, clip_grad: float, group: Any, device: Devic
 
     for_norm = [p.grad for p in params if param_is_not_shared(p) and not_duplicate(p)]
     if device.torch_device.type == "cpu":   # its CUDA tensor-type check, as on the training's CPU ranks
-        from poseidon_plugin.patches.megatron_training import cuda_type_names as type_names  # noqa: E501
+        from poseidon_plugin.patches.megatron_training import cuda_type_names as type_names
     else:
         type_names = contextlib.nullcontext
 
