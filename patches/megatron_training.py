@@ -128,6 +128,10 @@ class _CudaTypeNames(TorchFunctionMode):
         return result
 
 
+cuda_type_names = _CudaTypeNames
+"""For the profiler, which times megatron-core's gradient clipping on CPU ranks as the training runs it."""
+
+
 def _rows() -> tuple[Patch, ...]:
     """The rows, built when the table is applied: importing ``megatron.training`` is the training script's
     business."""

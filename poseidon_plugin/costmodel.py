@@ -204,8 +204,10 @@ def expert_layouts(model: ModelSpec, tp: int, dp: int,
                    eps: Sequence[int] | None = None) -> tuple[tuple[int, int | None], ...]:
     """The ``(ep, etp)`` layouts the search tries on stages of ``tp x dp`` ranks, ``(1, None)`` first: for an
     MoE model every EP in ``eps`` (default: every divisor of the experts) with the expert TP ``tp``
-    (Megatron's default, ``None``) or 1 (experts whole, the usual choice with EP), those
-    :func:`check_expert_layout` accepts; a dense model has only ``(1, None)``."""
+    (Megatron's default, ``None``) or any smaller power of two dividing it, down to 1 (experts whole, the
+    usual choice with EP), those :func:`check_expert_layout` accepts; a dense model has only ``(1, None)``.
+    megatron-core itself only asks that ``etp x ep x pp`` divide the world; an expert TP that does not divide
+    TP (or exceeds it) is not searched."""
     for ep in eps or ():
         if not model.num_experts and ep != 1:
             raise InputError(f"--ep {ep} is not possible for {model.name}: it is dense (no experts); drop --ep")
@@ -217,7 +219,7 @@ def expert_layouts(model: ModelSpec, tp: int, dp: int,
         return ((1, None),)
     out: list[tuple[int, int | None]] = []
     for ep in (eps if eps is not None else range(1, model.num_experts + 1)):
-        for etp in (None, 1) if tp > 1 else (None,):
+        for etp in (None, *[tp >> k for k in range(1, tp.bit_length()) if tp % (tp >> k) == 0]):
             try:
                 check_expert_layout(model, tp, dp, ep, etp)
             except InputError:

@@ -11,7 +11,7 @@ Flag names are Megatron-LM's (``megatron/training/arguments.py``); the command l
 from __future__ import annotations
 
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from poseidon_plugin import argv
@@ -110,6 +110,10 @@ class JobFlags:
     attention_dropout: float
     overlap_p2p_comm: bool
     """Megatron-LM's ``overlap_p2p_comm`` (on unless ``--no-overlap-p2p-communication``); off pins the plan's."""
+    clip_grad: float = 1.0
+    """``--clip-grad``: the gradient-norm clipping threshold (Megatron-LM's default 1.0; 0 turns it off)."""
+    moe_grouped_gemm: bool = False
+    """``--moe-grouped-gemm``: the local experts' GEMMs as one grouped GEMM (MoE jobs only)."""
 
 
 def flag_values(args: Sequence[str]) -> dict[str, str]:
@@ -156,15 +160,18 @@ def read_job(script: str, args: Sequence[str]) -> JobFlags:
             raise PoseidonError(f"{flag} {value!r} is not supported; use one of {', '.join(allowed)}")
         return value
 
-    def fraction(flag: str, default: float) -> float:
+    def number(flag: str, default: float, valid: Callable[[float], bool], rule: str) -> float:
         raw = values.get(flag)
         try:
             value = default if raw is None else float(raw)
         except ValueError:
             raise PoseidonError(f"{flag} {raw!r} is not a number (in the arguments of {script})") from None
-        if not 0.0 <= value < 1.0:
-            raise PoseidonError(f"{flag} {value} must be in [0, 1)")
+        if not valid(value):
+            raise PoseidonError(f"{flag} {value:g} must be {rule} (in the arguments of {script})")
         return value
+
+    def fraction(flag: str, default: float) -> float:
+        return number(flag, default, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
 
     num_experts = integer("--num-experts", 0, minimum=0)
     capacity = 0.0
@@ -216,6 +223,8 @@ def read_job(script: str, args: Sequence[str]) -> JobFlags:
         hidden_dropout=fraction("--hidden-dropout", 0.1),
         attention_dropout=fraction("--attention-dropout", 0.1),
         overlap_p2p_comm="--no-overlap-p2p-communication" not in values,
+        clip_grad=number("--clip-grad", 1.0, lambda v: 0.0 <= v < float("inf"), "a finite number >= 0"),
+        moe_grouped_gemm=num_experts > 0 and "--moe-grouped-gemm" in values,
     )
 
 

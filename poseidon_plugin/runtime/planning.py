@@ -42,6 +42,7 @@ def model_spec(job: JobFlags, *, global_batch_size: int, name: str) -> ModelSpec
         moe_shared_expert_size=job.moe_shared_expert_size,
         moe_capacity_factor=job.moe_capacity_factor,
         moe_pad_to_capacity=job.moe_pad_to_capacity,
+        moe_grouped_gemm=job.moe_grouped_gemm,
         swiglu=job.swiglu,
         tie_embeddings=not job.untie_embeddings,
         distributed_optimizer=job.distributed_optimizer,

@@ -108,8 +108,9 @@ def profile_software() -> dict[str, str]:
     return {**software_versions(), **({"emulation": tag} if tag else {})}
 
 
-ENTRY_GENERATION = "framework-3"
-"""What a cached entry measures; entries of an older generation (framework-2: no ``expert_parallel``;
+ENTRY_GENERATION = "framework-4"
+"""What a cached entry measures; entries of an older generation (framework-3: an optimizer step without the
+gradient clipping; framework-2: no ``expert_parallel``;
 framework-1: no job's own step, i.e. no
 ``first_step_ms`` / ``last_step_ms``; before: no framework fields) are measured again."""
 
@@ -123,6 +124,7 @@ def cache_key(job: JobFlags, request: ProfileRequest, device: Device,
         "groups": job.num_query_groups, "swiglu": job.swiglu, "norm": job.normalization,
         "bias": job.add_bias_linear, "pos": job.position_embedding_type,
         "vocab": padded_vocab_size(job, request.tp), "experts": job.num_experts, "topk": job.moe_router_topk,
+        "grouped_gemm": job.moe_grouped_gemm,
         "sp": job.sequence_parallel, "untie": job.untie_embeddings, "max_pos": job.max_position_embeddings,
     }
     return {
@@ -252,9 +254,19 @@ def _seed_tracker(groups: Any) -> None:
 
 
 def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest, *, warmup: int,
-            iters: int, client: client_step.Client | None = None) -> dict[str, Any]:
+            iters: int, client: client_step.Client | None = None,
+            framework: dict[str, float] | None = None) -> dict[str, Any]:
     """Profile one (TP, mbs) on this rank's TP group; the ProfileEntry fields as a dict (and, under
-    ``client_note``, what became of the job's own step: ``runtime/client_step.py``)."""
+    ``client_note``, what became of the job's own step: ``runtime/client_step.py``; under ``framework``, the
+    framework's step costs it used, for the next micro-batch size of the same TP).
+
+    ``framework``: :func:`_framework_ms`'s result for this TP at another micro-batch size, used instead of
+    measuring it again. Its per-step costs (megatron-core's ``forward_step`` / ``backward_step`` and schedule
+    bookkeeping outside the model) are Python and do not grow with the micro-batch, while measuring them runs
+    :data:`FRAMEWORK_MICRO_BATCHES` whole micro-batches per call (under a deterministic emulation, at the
+    emulated layer times): measured on the 2-core host at micro-batch 1, 2 and 4 they showed no trend
+    (README's Megatron-LM job, deterministic emulation: forward 0.55-1.46 ms, one outlier of 5.8 ms at
+    micro-batch 2; backward 0.12-0.64 ms; the noise larger than any difference)."""
     on_cpu = device.torch_device.type == "cpu"
     config = transformer_config(job, tensor_parallel=request.tp, num_layers=1, on_cpu=on_cpu)
     model, steps, peak, loss = _run_steps(job, config, device, groups, request, warmup=warmup, iters=iters)
@@ -269,11 +281,17 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
     model_forward = span("start", "forward_end")
     model_backward = span("backward_start", "backward_end")
     with parallel_state_for(groups):
-        framework = _framework_ms(model, groups, job, device, request, model_forward, model_backward,
-                                  iters=iters)
+        if framework is None:
+            framework = _framework_ms(model, groups, job, device, request, model_forward, model_backward,
+                                      iters=iters)
+        shared = dict(framework)
+        framework = dict(framework)
         own = ("no training script given" if client is None else
                client_step.measure(client, job, device, getattr(groups, "tp", None), request.tp, request.mbs,
                                    loss, iters=iters))
+        # the TP duplicates the gradient norm skips: megatron-core 0.12 asks parallel_state for the TP rank
+        optimizer = _optimizer_ms(model, layer, device, iters=iters, group=getattr(groups, "tp", None),
+                                  clip_grad=client_step.clip_grad(client, job, on_cpu))
     # every stage's step pays the job's own step at a middle position (or, not measured, the stand-in's)
     synthetic = framework.pop("synthetic_step_ms")
     framework["client_note"] = client_step.describe(own)
@@ -283,8 +301,9 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
     else:
         framework["step_forward_ms"] += own["middle_step_ms"]
         framework.update(first_step_ms=own["first_step_ms"], last_step_ms=own["last_step_ms"])
-    framework.update(_optimizer_ms(model, layer, device, iters=iters))
+    framework.update(optimizer)
     # deterministic emulation: the sizes are the emulated model's, the times stay measured
+    framework["framework"] = shared
     return emulation.override_profile_entry({
         **framework,
         "device_type": request.device_type, "tp": request.tp, "mbs": request.mbs,
@@ -484,10 +503,15 @@ def _framework_ms(model: torch.nn.Module, groups: Any, job: JobFlags, device: De
             "synthetic_step_ms": synthetic_ms}
 
 
-def _optimizer_ms(model: torch.nn.Module, layer: torch.nn.Module, device: Device, *, iters: int) -> dict[str, float]:
-    """The optimizer step per iteration: megatron-core's Adam class (the one its optimizer wraps here) stepped
-    over the profiled model's parameters, and over all but the layer's; the difference is one layer's share,
-    the rest is the fixed part of a stage (per-call cost, embedding, output layer)."""
+def _optimizer_ms(model: torch.nn.Module, layer: torch.nn.Module, device: Device, *, iters: int,
+                  clip_grad: float = 0.0, group: Any = None) -> dict[str, float]:
+    """The optimizer step per iteration as megatron-core's optimizer runs it: with ``clip_grad > 0`` (the job
+    clips, :func:`client_step.clip_grad`) first the gradient norm (``get_grad_norm_fp32``, its all-reduce
+    over ``group``, the TP group) and the clipping (``clip_grad_by_total_norm_fp32``), then megatron-core's
+    Adam class (the one its optimizer wraps here); stepped over the profiled model's parameters, and over
+    all but the layer's; the difference is one layer's share, the rest is the fixed part of a stage
+    (per-call cost, the norm's all-reduce, embedding, output layer). Collective over ``group`` when
+    clipping: every rank of it makes the same calls."""
     from megatron.core import optimizer as megatron_optimizer
 
     adam = getattr(megatron_optimizer, "Adam", torch.optim.AdamW)
@@ -501,9 +525,11 @@ def _optimizer_ms(model: torch.nn.Module, layer: torch.nn.Module, device: Device
         for p in params:
             p.grad = torch.randn_like(p) * 1e-3
         opt = adam(params, lr=1e-6, weight_decay=0.01)
+        clip = _gradient_clipping(params, clip_grad, group, device)
         times = []
         for index in range(1 + iters):
             start = device.mark()
+            clip()
             opt.step()
             opt.zero_grad(set_to_none=False)
             stop = device.mark()
@@ -517,6 +543,36 @@ def _optimizer_ms(model: torch.nn.Module, layer: torch.nn.Module, device: Device
         fixed = step_ms(rest)
     model.zero_grad(set_to_none=True)
     return {"optimizer_ms": max(total - fixed, 0.0), "optimizer_fixed_ms": fixed}
+
+
+def _gradient_clipping(params: list, clip_grad: float, group: Any, device: Device) -> Callable[[], None]:
+    """megatron-core's ``clip_grad_norm`` on ``params`` (``MegatronOptimizer.clip_grad_norm``: the norm over
+    the gradients that are neither shared nor TP duplicates, reduced over ``group``, then every gradient
+    clipped by it); a no-op without clipping."""
+    if clip_grad <= 0.0:
+        return lambda: None
+    from megatron.core import tensor_parallel
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
+    from megatron.core.transformer.module import param_is_not_shared
+
+    def not_duplicate(param: torch.Tensor) -> bool:
+        try:
+            return tensor_parallel.param_is_not_tensor_parallel_duplicate(param, group)
+        except TypeError:   # megatron-core 0.12: the TP rank comes from parallel_state
+            return tensor_parallel.param_is_not_tensor_parallel_duplicate(param)
+
+    for_norm = [p.grad for p in params if param_is_not_shared(p) and not_duplicate(p)]
+    if device.torch_device.type == "cpu":   # its CUDA tensor-type check, as on the training's CPU ranks
+        from poseidon_plugin.patches.megatron_training import cuda_type_names as type_names
+    else:
+        type_names = contextlib.nullcontext
+
+    def clip() -> None:
+        norm = get_grad_norm_fp32(for_norm, grad_stats_parallel_group=group)
+        with type_names():
+            clip_grad_by_total_norm_fp32(params, clip_grad, norm)
+
+    return clip
 
 
 P2P_CALLS = 20
@@ -638,11 +694,14 @@ def profile_world(*, world: World, rank: int, device: Device, job: JobFlags, mod
         groups = _profiling_groups(world, missing, rank, job, keep)
         mine = [req for req in missing if req.device_type == me.device_type and (req.tp, 1) in groups]
         started = time.perf_counter()
+        steps_by_tp: dict[int, dict[str, float]] = {}   # the framework's step costs, once per TP (measure())
         for index, req in enumerate(mine):
             if progress is not None and _writes_cache(world, rank):
                 progress(f"profiling {req.device_type} TP {req.tp} micro-batch {req.mbs} ({index + 1}/{len(mine)}, "
                          f"{time.perf_counter() - started:.0f} s so far)")
-            doc = measure(job, device, groups[(req.tp, 1)], req, warmup=warmup, iters=iters, client=client)
+            doc = measure(job, device, groups[(req.tp, 1)], req, warmup=warmup, iters=iters, client=client,
+                          framework=steps_by_tp.get(req.tp))
+            steps_by_tp[req.tp] = doc.pop("framework")
             doc["expert_parallel"] = [
                 measure_expert_parallel(job, device, groups[(req.tp, ep)], req, ep, warmup=warmup, iters=iters)
                 for ep in sorted(ep for tp, ep in groups if tp == req.tp and ep > 1)]

@@ -57,6 +57,8 @@ class ModelSpec:
     moe_shared_expert_size: int = 0     # intermediate size of the shared experts all tokens pass (0: none)
     moe_capacity_factor: float = 0.0    # expert capacity / average load; 0 = dropless (Megatron's default)
     moe_pad_to_capacity: bool = False   # experts compute a full capacity of tokens (needs a capacity factor)
+    moe_grouped_gemm: bool = False      # Megatron's --moe-grouped-gemm: the local experts as one grouped GEMM
+                                        # (not priced apart; cached measured entries are keyed on it)
     swiglu: bool = True        # gated MLP with 3 weight matrices (LLaMA); false = 2-matrix GELU MLP
     tie_embeddings: bool = False   # output layer shares the embedding weights
     distributed_optimizer: bool = True  # optimizer states (and fp32 master) sharded over DP (ZeRO-1)
@@ -83,7 +85,7 @@ class ModelSpec:
             raise InputError(f"{where}moe_top_k = {self.moe_top_k} is invalid: must be <= num_experts = "
                              f"{self.num_experts}")
         moe_fields = {"moe_ffn_hidden_size": 0, "moe_shared_expert_size": 0, "moe_capacity_factor": 0.0,
-                      "moe_pad_to_capacity": False}
+                      "moe_pad_to_capacity": False, "moe_grouped_gemm": False}
         if not self.num_experts:
             for name, default in moe_fields.items():
                 if getattr(self, name) != default:
@@ -146,7 +148,7 @@ _INT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
 _BOOL_FIELDS = ("swiglu", "tie_embeddings", "distributed_optimizer", "sequence_parallel")
 _MOE_INT_FIELDS = ("num_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_shared_expert_size")
 _ALL_FIELDS = ("name", *_INT_FIELDS, "num_query_groups", "dtype", *_MOE_INT_FIELDS, "moe_capacity_factor",
-               "moe_pad_to_capacity", *_BOOL_FIELDS, "constants", "description")
+               "moe_pad_to_capacity", "moe_grouped_gemm", *_BOOL_FIELDS, "constants", "description")
 
 
 def parse_model(doc: Any, source: str = "<model>") -> ModelSpec:
@@ -163,6 +165,7 @@ def parse_model(doc: Any, source: str = "<model>") -> ModelSpec:
     values["moe_capacity_factor"] = get_float(doc, "moe_capacity_factor", root, minimum=0.0, maximum=1024.0,
                                               default=0.0)
     values["moe_pad_to_capacity"] = get_bool(doc, "moe_pad_to_capacity", root, default=False)
+    values["moe_grouped_gemm"] = get_bool(doc, "moe_grouped_gemm", root, default=False)
     values["dtype"] = get_str(doc, "dtype", root, choices=DTYPE_BYTES, default="bf16")
     defaults = {f.name: f.default for f in dataclasses.fields(ModelSpec)}
     for k in _BOOL_FIELDS:

@@ -74,6 +74,9 @@ def test_profile_entries_and_cache(gloo_pool, tmp_path):
             assert entry[name] > 0, name
     for tp in (1, 2):  # what a layer keeps for backward grows with the micro-batch
         assert by_key[(tp, 2)]["activation_bytes"] > by_key[(tp, 1)]["activation_bytes"]
+        # the framework's step costs are measured once per TP (at micro-batch 1) and shared by micro-batch 2
+        for name in ("step_forward_ms", "step_backward_ms"):
+            assert by_key[(tp, 2)][name] == by_key[(tp, 1)][name], name
     files = sorted(os.listdir(cache))
     assert len(files) == 4 and not [f for f in files if f.endswith(".tmp")]
 
@@ -147,3 +150,40 @@ def test_moe_profile_has_the_measured_ep_2_entry(gloo_pool, tmp_path):
     (name,) = os.listdir(cache)
     (stored,) = load_profile(os.path.join(cache, name)).entries
     assert stored.expert_parallel == first["expert_parallel"]
+
+
+def _clipping_calls(rank: int, world_size: int, clip_grad: float) -> dict:
+    import torch
+    from megatron.core.optimizer import clip_grads
+
+    from poseidon_plugin.runtime import cpu_shim, devices, profiler
+
+    cpu_shim.install()
+    calls = {"norm": 0, "clip": 0}
+    originals = (clip_grads.get_grad_norm_fp32, clip_grads.clip_grad_by_total_norm_fp32)
+
+    def norm(*args, **kwargs):
+        calls["norm"] += 1
+        return originals[0](*args, **kwargs)
+
+    def clip(*args, **kwargs):
+        calls["clip"] += 1
+        return originals[1](*args, **kwargs)
+
+    clip_grads.get_grad_norm_fp32, clip_grads.clip_grad_by_total_norm_fp32 = norm, clip
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        times = profiler._optimizer_ms(model, model[1], devices.Device(rank), iters=2, clip_grad=clip_grad,
+                                       group=torch.distributed.group.WORLD)
+    finally:
+        clip_grads.get_grad_norm_fp32, clip_grads.clip_grad_by_total_norm_fp32 = originals
+    return {**calls, "fixed_ms": times["optimizer_fixed_ms"]}
+
+
+@pytest.mark.parametrize("clip_grad, calls", [(1.0, 6), (0.0, 0)])
+def test_the_optimizer_step_includes_the_jobs_gradient_clipping(gloo_pool, clip_grad, calls):
+    # with --clip-grad > 0 each timed optimizer step (1 + 2 iterations, over all and over all but the layer's
+    # parameters) computes megatron-core's gradient norm (its all-reduce on the group) and clips by it
+    for result in gloo_pool(2).run(_clipping_calls, clip_grad, timeout_s=120):
+        assert (result["norm"], result["clip"]) == (calls, calls)
+        assert result["fixed_ms"] > 0

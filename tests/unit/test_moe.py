@@ -40,7 +40,7 @@ def two_node_cluster(per_node=4):
 
 def test_moe_fields_read_and_round_trip():
     m = moe_model(moe_ffn_hidden_size=512, moe_shared_expert_size=1024, moe_capacity_factor=1.25,
-                  moe_pad_to_capacity=True)
+                  moe_pad_to_capacity=True, moe_grouped_gemm=True)
     assert m.expert_ffn_hidden_size == 512
     assert parse_model(m.to_dict(), "again") == m
     assert moe_model().expert_ffn_hidden_size == 2048     # Megatron's default: the FFN size
@@ -49,6 +49,7 @@ def test_moe_fields_read_and_round_trip():
 @pytest.mark.parametrize("changes, match", [
     ({"num_experts": 0, "moe_top_k": 0, "moe_ffn_hidden_size": 512}, "invalid for a dense model"),
     ({"moe_pad_to_capacity": True}, "needs a moe_capacity_factor"),
+    ({"num_experts": 0, "moe_top_k": 0, "moe_grouped_gemm": True}, r"moe_grouped_gemm = \S+ is invalid for a dense"),
     ({"moe_capacity_factor": -1.0}, "moe_capacity_factor"),
 ])
 def test_bad_moe_fields_are_named(changes, match):
@@ -73,6 +74,9 @@ def test_expert_layouts_follow_megatron_core():
     # TP 2 x DP 2 = 4 ranks: EP x expert TP must divide them, EP the 8 experts, expert TP the TP
     assert expert_layouts(m, 2, 2) == ((1, None), (1, 1), (2, None), (2, 1), (4, 1))
     assert expert_layouts(m, 1, 8) == ((1, None), (2, None), (4, None), (8, None))
+    # TP 4 x DP 2: every expert TP dividing TP is searched (4 = Megatron's default None, 2, 1), not only TP or 1
+    assert expert_layouts(m, 4, 2) == ((1, None), (1, 2), (1, 1), (2, None), (2, 2), (2, 1), (4, 2), (4, 1),
+                                       (8, 1))
     assert expert_layouts(parse_model({**m.to_dict(), "num_experts": 0, "moe_top_k": 0}), 2, 2) == ((1, None),)
     # EP > 1 with TP > 1 needs sequence parallelism
     assert expert_layouts(moe_model(sequence_parallel=False), 2, 2) == ((1, None), (1, 1))
@@ -273,8 +277,10 @@ def test_job_flags_read_the_moe_flags():
 
     job = read_job("pretrain_gpt.py", JOB + ["--moe-ffn-hidden-size", "96", "--moe-shared-expert-intermediate-size",
                                              "128", "--moe-expert-capacity-factor", "1.5",
-                                             "--moe-pad-expert-input-to-capacity", "--expert-model-parallel-size", "2"])
+                                             "--moe-pad-expert-input-to-capacity", "--expert-model-parallel-size", "2",
+                                             "--moe-grouped-gemm"])
     spec = model_spec(job, global_batch_size=8, name="job")
+    assert spec.moe_grouped_gemm   # carried: the measured profile is keyed on it (profiler.cache_key)
     assert (spec.num_experts, spec.moe_top_k, spec.moe_ffn_hidden_size, spec.moe_shared_expert_size,
             spec.moe_capacity_factor, spec.moe_pad_to_capacity) == (4, 2, 96, 128, 1.5, True)
     assert job.expert_parallel == 2

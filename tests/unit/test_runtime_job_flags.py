@@ -24,6 +24,16 @@ def test_reads_model_and_defaults():
     assert not job.vocab_size_given
 
 
+def test_clip_grad_and_grouped_gemm():
+    # Megatron-LM's default --clip-grad 1.0 (what the profiled optimizer step clips with); 0 turns it off
+    assert read_job("t.py", BASE).clip_grad == 1.0
+    assert read_job("t.py", BASE + ["--clip-grad", "0"]).clip_grad == 0.0
+    moe = BASE + ["--num-experts", "4", "--moe-router-topk", "2"]
+    assert not read_job("t.py", moe).moe_grouped_gemm
+    assert read_job("t.py", moe + ["--moe-grouped-gemm"]).moe_grouped_gemm
+    assert not read_job("t.py", BASE + ["--moe-grouped-gemm"]).moe_grouped_gemm   # no experts: nothing to group
+
+
 # Megatron: int(8h/3 / 64) * 64 (LLaMA-7B's 4096 -> 10880); a width that rounds to 0 falls back to 4h.
 @pytest.mark.parametrize("hidden, ffn", [(256, 640), (4096, 10880), (96, 256), (16, 64)])
 def test_swiglu_default_ffn_is_megatrons(hidden, ffn):
@@ -58,6 +68,9 @@ def test_not_megatron_shaped_names_missing_flags():
         (["--group-query-attention", "--num-query-groups", "3"], r"--num-attention-heads 8 is not divisible by --num-query-groups 3"),
         (["--normalization", "BatchNorm"], r"--normalization 'BatchNorm' is not supported"),
         (["--hidden-dropout", "1.5"], r"--hidden-dropout 1.5 must be in \[0, 1\)"),
+        (["--clip-grad", "-1"], r"--clip-grad -1 must be a finite number >= 0"),
+        (["--clip-grad", "nan"], r"--clip-grad nan must be a finite number >= 0"),
+        (["--clip-grad", "x"], r"--clip-grad 'x' is not a number"),
     ],
 )
 def test_bad_job_flags(extra, match):
