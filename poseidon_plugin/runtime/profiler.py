@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 import poseidon_plugin
-from poseidon_plugin.runtime import client_step, emulation
+from poseidon_plugin.emulation import harness as emulation
+from poseidon_plugin.runtime import client_step
 from poseidon_plugin.runtime.collectives import all_gather_json
 from poseidon_plugin.runtime.devices import Device
 from poseidon_plugin.runtime.inventory import World
