@@ -535,8 +535,7 @@ def _share_stamps(plan: Plan, world: World, new_rank: int, device: Device) -> st
 
     hosts = {world.ranks[rank].host for rank in placement.planned_ranks(plan, world)}
     return share_stamps(dist.distributed_c10d._get_default_store(), new_rank, plan.world_size,
-                                  one_host=len(hosts) == 1,
-                                  agree=lambda ok: all(all_gather_json(ok, device.torch_device)))
+                        one_host=len(hosts) == 1, agree=lambda ok: all(all_gather_json(ok, device.torch_device)))
 
 
 def _wait_unused(job: _Job, phases: Phases, plan: Plan, device_type: str, log: Log) -> None:
