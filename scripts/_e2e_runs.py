@@ -18,9 +18,9 @@ from typing import Any
 from poseidon_plugin.costmodel import Candidate, CostModel
 from poseidon_plugin.errors import InputError
 from poseidon_plugin.plan import Plan
-from poseidon_plugin.runtime import emulation
+from poseidon_plugin.emulation import harness as emulation
 from poseidon_plugin.runtime.job_flags import read_job
-from poseidon_plugin.runtime.planning import job_name, model_spec
+from poseidon_plugin.runtime.job_spec import job_name, model_spec
 from poseidon_plugin.search import SearchOptions
 from poseidon_plugin.search.baselines import best_uniform
 from poseidon_plugin.specs import device_presets, load_profile

@@ -55,7 +55,7 @@ from megatron.core.pipeline_parallel import schedules as mc_schedules  # noqa: E
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator  # noqa: E402
 from megatron.core.transformer import MegatronModule, TransformerConfig  # noqa: E402
 
-from poseidon_plugin.runtime import cpu_shim  # noqa: E402
+from poseidon_plugin.emulation import cpu_shim  # noqa: E402
 
 PREFIX = "@@"
 

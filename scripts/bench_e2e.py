@@ -7,7 +7,7 @@
 
 For each emulated cluster (``--poseidon-emulate`` + ``--poseidon-emulate-model``: layers, embedding, head,
 links and DP sync take the analytic times of a real model on the emulated devices, scaled; see
-``poseidon_plugin/runtime/emulation.py``), ``poseidon-run`` trains ``scripts/pretrain_gpt.py``:
+``emulation/harness.py``), ``poseidon-run`` trains ``scripts/pretrain_gpt.py``:
 
 (a) with the plan Poseidon searches (profiling, search, apply: the whole flow; the plan is saved);
 (b) with the best *uniform* split: even layers, devices in launch order, TP/PP/DP/mbs/schedule chosen by the

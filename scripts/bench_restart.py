@@ -121,7 +121,7 @@ def offline_hash(out: str, work: str) -> tuple[str, str]:
     """``poseidon plan`` for the surviving device, with the profile the new attempt wrote: its plan's hash."""
     from poseidon_plugin.runtime.job_flags import read_job
     from poseidon_plugin.runtime.options import RuntimeOptions
-    from poseidon_plugin.runtime.planning import job_name, model_spec
+    from poseidon_plugin.runtime.job_spec import job_name, model_spec
     from poseidon_plugin.runtime.precheck import declared_cluster
 
     profiles = re.findall(r"written to (\S+-profile\.json)", out)

@@ -58,7 +58,7 @@ def compare(profile_path: str, model_args: list[str]) -> None:
     """The measured profile beside the analytic one for the same GPU and model."""
     from poseidon_plugin.runtime.inventory import _KNOWN_PEAK_TFLOPS, _PLACEHOLDER_PEAK_TFLOPS
     from poseidon_plugin.runtime.job_flags import read_job
-    from poseidon_plugin.runtime.planning import model_spec
+    from poseidon_plugin.runtime.job_spec import model_spec
     from poseidon_plugin.specs import load_profile, parse_cluster
     from poseidon_plugin.specs.analytic import analytic_profile
 

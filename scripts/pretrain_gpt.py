@@ -41,7 +41,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from poseidon_plugin.runtime import cpu_shim
+from poseidon_plugin.emulation import cpu_shim
 from poseidon_plugin.runtime.job_flags import read_job
 from poseidon_plugin.runtime.megatron_model import gpt_model, stage_position, transformer_config
 

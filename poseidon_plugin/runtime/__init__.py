@@ -1,5 +1,6 @@
-"""Framework layer: launcher, per-rank bootstrap, CPU shim, profiling hooks, plan broadcast and apply.
+"""Framework layer: launcher, per-rank bootstrap, device interface, profiling hooks, plan broadcast and apply.
 
-The only part of Poseidon that imports torch / Megatron; submodules are imported explicitly
-(e.g. ``from poseidon_plugin.runtime import cpu_shim``), nothing is imported eagerly here.
+With ``patches/`` and ``emulation/`` the only part of Poseidon that imports torch / Megatron (its
+before-launch modules do not: docs/ARCHITECTURE.md); submodules are imported explicitly
+(e.g. ``from poseidon_plugin.runtime import devices``), nothing is imported eagerly here.
 """

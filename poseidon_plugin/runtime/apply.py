@@ -5,7 +5,7 @@ Four ways to hand the layer split to Megatron (``--poseidon-flag-style``, ``auto
 - ``megatron``: megatron-core with ``PipelineParallelLayerLayout`` (>= 0.13): ``--pipeline-model-parallel-layout``
   carries any uneven and virtual split.
 - ``mindspeed-layout``: MindSpeed-LLM on a MindSpeed with the layout backport (26.1.0_core_r0.12.1): the same
-  flag, plus the table of MindSpeed's even-split offset helper (``patches/mindspeed.py``).
+  flag, plus the table of MindSpeed's even-split offset helper (``patches/mindspeed_offsets.py``).
 - ``mindspeed``: MindSpeed-LLM's ``--num-layer-list`` (one chunk per rank; none at PP = 1), plus the
   layer-assignment table so that the split holds on its megatron-core 0.12.x whatever MindSpeed's own
   handling does, and the offset-helper table.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.patches import layer_assignment
-from poseidon_plugin.patches import mindspeed as mindspeed_patch
+from poseidon_plugin.patches import mindspeed_offsets as mindspeed_patch
 from poseidon_plugin.patches.table import PatchTable
 from poseidon_plugin.plan import Plan, expert_args, megatron_args
 from poseidon_plugin.runtime import job_flags, mindspeed

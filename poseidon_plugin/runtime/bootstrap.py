@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover  (torch-importing modules, imported when t
     from poseidon_plugin.runtime.inventory import World
     from poseidon_plugin.specs import ClusterSpec, ModelSpec, ProfileSpec
     from poseidon_plugin.specs.cluster import Device as ClusterDevice
-    from poseidon_plugin.runtime.emulation import EmulationState
+    from poseidon_plugin.runtime.devices import EmulationState
 
 
 class Log:
@@ -160,7 +160,7 @@ class _Devices:
     entry: ClusterDevice | None
     """This rank's device in ``declared`` (device *i* is launcher rank *i*); None when detected."""
     emulated: EmulationState | None = None
-    """``--poseidon-emulate-model``: the deterministic emulation installed on this rank (runtime/emulation.py)."""
+    """``--poseidon-emulate-model``: the deterministic emulation installed on this rank (emulation/harness.py)."""
 
 
 def _run(argv: list[str], rank: int, log: Log) -> int | None:
@@ -247,11 +247,9 @@ def _own_devices(opts: runtime_options.RuntimeOptions, world_size: int) -> str |
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if not opts.emulate or opts.emulate_model or opts.cluster or not local:
         return None
-    from poseidon_plugin.runtime import emulation
-    from poseidon_plugin.specs import device_presets
+    from poseidon_plugin.runtime.devices import declared_devices
 
-    declared = sum(node.devices for node in emulation.parse_emulate(opts.emulate, device_presets()))
-    return opts.emulate if elastic.agent_declares(declared, world_size, int(local)) else None
+    return opts.emulate if elastic.agent_declares(declared_devices(opts.emulate), world_size, int(local)) else None
 
 
 def profile_digest(cluster: ClusterSpec, model: ModelSpec, profile: ProfileSpec) -> str:
@@ -267,12 +265,12 @@ def profile_digest(cluster: ClusterSpec, model: ModelSpec, profile: ProfileSpec)
 
 
 def _deterministic_emulation(job: _Job) -> EmulationState | None:
-    """``--poseidon-emulate-model``: this rank's EmulationState (runtime/emulation.py), or None."""
+    """``--poseidon-emulate-model``: this rank's EmulationState (emulation/harness.py), or None."""
     if not job.opts.emulate_model:
         return None
-    from poseidon_plugin.runtime import emulation
+    from poseidon_plugin.runtime.devices import deterministic_state
 
-    return emulation.deterministic_state(
+    return deterministic_state(
         emulate=job.opts.emulate, emulate_model=job.opts.emulate_model, rank=job.rank, world_size=job.world_size,
         num_layers=job.flags.num_layers, global_batch=job.global_batch, micro_batch_size=job.flags.micro_batch_size,
         job_model=_job_model(job))
@@ -280,16 +278,16 @@ def _deterministic_emulation(job: _Job) -> EmulationState | None:
 
 def _job_model(job: _Job) -> ModelSpec:
     """The ModelSpec of the job that really runs (its flags, its global batch, its name)."""
-    from poseidon_plugin.runtime import planning
+    from poseidon_plugin.runtime import job_spec
 
-    return planning.model_spec(job.flags, global_batch_size=job.global_batch,
-                               name=planning.job_name(job.script, job.flags))
+    return job_spec.model_spec(job.flags, global_batch_size=job.global_batch,
+                               name=job_spec.job_name(job.script, job.flags))
 
 
 def _device(job: _Job, declared: ClusterSpec | None, emulated: EmulationState | None = None) -> _Devices:
     """This rank's device (emulated on CPU when a cluster is declared), with the CPU shim and emulation
     patches in place, and this rank's declared cluster device (None when detected)."""
-    from poseidon_plugin.runtime import devices, emulation
+    from poseidon_plugin.runtime import devices
 
     device = devices.detect(job.local_rank)
     entry = None
@@ -299,28 +297,9 @@ def _device(job: _Job, declared: ClusterSpec | None, emulated: EmulationState | 
             raise PoseidonError(f"{declared.source} declares {declared.num_devices} devices but the job has "
                                 f"{job.world_size} ranks; declare one device per rank")
         entry = declared.devices()[index]
-        if device.kind == "cpu":
-            factors = emulation.slowdown_factors({t.name: t.peak_tflops for t in declared.device_types})
-            memory = int(declared.device_type(entry.device_type).memory_gb * devices.GIB)
-            # the deterministic emulation holds compute to deadlines instead of stretching it
-            device = devices.EmulatedDevice(job.local_rank, type_name=entry.device_type, memory_bytes=memory,
-                                            factor=1.0 if emulated is not None else factors[entry.device_type])
-        elif job.opts.emulate:
-            raise PoseidonError(f"{emulation.FLAG} emulates devices on CPU ranks, but this rank has a {device.kind} "
-                                f"device; declare the cluster with --poseidon-cluster FILE instead")
-    if device.torch_device.type == "cpu":
-        from poseidon_plugin.runtime import cpu_shim
-
-        cpu_shim.install()
-    if emulated is not None and device.kind != "emulated":
-        emulated = None  # only a CPU rank emulates a device
-    if emulated is not None:
-        emulation.install_deterministic(emulated)
-    if device.slowdown() > 1.0:
-        from poseidon_plugin.patches import emulation as emulation_patch
-
-        emulation_patch.set_factor(device.slowdown())
-        emulation_patch.TABLE.apply()
+        device = devices.emulated(device, declared, entry.device_type, flag=job.opts.emulate,
+                                  deterministic=emulated is not None)
+    emulated = devices.install_emulation(device, emulated)
     return _Devices(device=device, declared=declared, entry=entry, emulated=emulated)
 
 
@@ -352,8 +331,7 @@ def _inventory(job: _Job, devices: _Devices) -> tuple[World, _Devices]:
 def _union_of_agents(job: _Job, devices: _Devices, union: str) -> _Devices:
     """The job's emulated cluster from every agent's own devices; this rank's compute stretched against the
     fastest type of the whole job (an agent alone knows only its own types)."""
-    from poseidon_plugin.patches import emulation as emulation_patch
-    from poseidon_plugin.runtime import emulation
+    from poseidon_plugin.runtime.devices import restretch
     from poseidon_plugin.runtime.precheck import declared_cluster
 
     declared = declared_cluster(dataclasses.replace(job.opts, emulate=union), job.world_size)
@@ -361,14 +339,7 @@ def _union_of_agents(job: _Job, devices: _Devices, union: str) -> _Devices:
     if devices.entry is not None and entry.device_type != devices.entry.device_type:
         raise PoseidonError(f"rank {job.rank} is a {devices.entry.device_type} of its agent's --poseidon-emulate but "
                             f"device {job.rank} of the agents' union {union!r} is a {entry.device_type}")
-    device = devices.device
-    if device.kind == "emulated":
-        factor = emulation.slowdown_factors({t.name: t.peak_tflops for t in declared.device_types})[entry.device_type]
-        if factor != device.slowdown():
-            device.factor = factor
-            emulation_patch.set_factor(factor)
-            if factor > 1.0:
-                emulation_patch.TABLE.apply()
+    restretch(devices.device, declared, entry.device_type)
     return dataclasses.replace(devices, declared=declared, entry=entry)
 
 
@@ -376,14 +347,14 @@ def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) 
     """A saved plan checked against the world, or: probe links, profile, search on rank 0, share."""
     from poseidon_plugin.costmodel import CostModel
     from poseidon_plugin.plan import Plan
-    from poseidon_plugin.runtime import client_step, inventory, planning, profiler
+    from poseidon_plugin.runtime import client_step, inventory, planning, precheck, profiler
     from poseidon_plugin.specs import write_profile
 
     opts, device, declared = job.opts, devices.device, devices.declared
     if opts.plan:
         def check() -> Plan:
             plan = Plan.load(opts.plan)
-            planning.check_plan_fits(plan, world, job.flags, job.global_batch, f"--poseidon-plan {opts.plan}",
+            precheck.check_plan_fits(plan, world, job.flags, job.global_batch, f"--poseidon-plan {opts.plan}",
                                      script_args=job.script_args,
                                      emulation=devices.emulated.cache_tag() if devices.emulated else "")
             return plan
@@ -435,7 +406,7 @@ def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) 
     def search() -> Plan:
         found = planning.plan_on_rank0(CostModel(cluster, model, outcome.profile), job.target,
                                        keep=job.flags if opts.keep else None, time_limit_s=opts.search_budget_s)
-        planning.check_plan_fits(found, world, job.flags, job.global_batch, "the searched plan",
+        precheck.check_plan_fits(found, world, job.flags, job.global_batch, "the searched plan",
                                  script_args=job.script_args)
         return found
 
@@ -542,10 +513,7 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, p
 
     phases.liveness.guard(lost_in_training, silent_s=opts.timeout, ranks=placement.planned_ranks(plan, world))
     try:
-        if device.torch_device.type == "cpu":  # Megatron-LM's own loop on CPU ranks (runtime/cpu_training.py)
-            from poseidon_plugin.runtime import cpu_training
-
-            new_args = cpu_training.prepare(job.script, new_args, is_module=job.is_module, log=log.job_line)
+        new_args = device.prepare_training(job.script, new_args, is_module=job.is_module, log=log.job_line)
         code = _run_script(job, new_args)
         phases.liveness.mark_finished()
     finally:
@@ -561,13 +529,13 @@ def _share_stamps(plan: Plan, world: World, new_rank: int, device: Device) -> st
     """One stamp file for the emulated links of every planned rank on this host, across agents."""
     import torch.distributed as dist
 
-    from poseidon_plugin.runtime import emulation, placement
+    from poseidon_plugin.runtime import placement
     from poseidon_plugin.runtime.collectives import all_gather_json
+    from poseidon_plugin.runtime.devices import share_stamps
 
     hosts = {world.ranks[rank].host for rank in placement.planned_ranks(plan, world)}
-    return emulation.share_stamps(dist.distributed_c10d._get_default_store(), new_rank, plan.world_size,
-                                  one_host=len(hosts) == 1,
-                                  agree=lambda ok: all(all_gather_json(ok, device.torch_device)))
+    return share_stamps(dist.distributed_c10d._get_default_store(), new_rank, plan.world_size,
+                        one_host=len(hosts) == 1, agree=lambda ok: all(all_gather_json(ok, device.torch_device)))
 
 
 def _wait_unused(job: _Job, phases: Phases, plan: Plan, device_type: str, log: Log) -> None:

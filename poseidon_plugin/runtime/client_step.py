@@ -19,7 +19,7 @@ Two kinds of script are understood, each through its own functions:
 * Megatron-LM's (it imports ``megatron.training`` and defines ``forward_step`` and
   ``core_gpt_dataset_config_from_args``): Megatron-LM's arguments parsed and validated from the job's
   command (its parallelism replaced by the profiled TP and 2 pipeline stages, the CPU-rank adjustments of
-  ``runtime/cpu_training.py`` on CPU), set as Megatron-LM's global arguments for the measurement and unset
+  ``emulation/cpu_training.py`` on CPU), set as Megatron-LM's global arguments for the measurement and unset
   after; the data iterator is Megatron-LM's pretraining data loader over the mock GPT data set the script's
   own data-set config describes (``--mock-data``; other data sources are not read while profiling);
 * ``scripts/pretrain_gpt.py`` (``forward_step``, ``parse_args``, ``synthetic_batches``): its own iterator.
@@ -140,7 +140,7 @@ def _probe_args(client: Client, job: JobFlags, tp: int, mbs: int, on_cpu: bool) 
         planned += ["--decoder-first-pipeline-num-layers", str(job.num_layers - job.num_layers // 2)]
     args = rewrite(client.args, planned)
     if on_cpu:
-        from poseidon_plugin.runtime import cpu_training
+        from poseidon_plugin.emulation import cpu_training
 
         args = cpu_training.apply_adjustments(args, cpu_training.flag_adjustments(args))
     return args
@@ -154,7 +154,7 @@ def _megatron_lm(client: Client, job: JobFlags, tp: int, mbs: int, tp_rank: int,
     on_cpu = device.type == "cpu"
     with contextlib.ExitStack() as stack:
         if on_cpu:   # Megatron-LM's CUDA runtime calls, as on the training's CPU ranks (reverted after)
-            from poseidon_plugin.patches import megatron_training
+            from poseidon_plugin.emulation import megatron_training_patch as megatron_training
 
             if not megatron_training.TABLE.applied:
                 megatron_training.TABLE.apply()

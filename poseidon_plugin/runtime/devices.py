@@ -8,17 +8,33 @@ written once. The Ascend code follows torch_npu's documented API (``torch.npu.Ev
 on this project's machines.
 
 An :class:`EmulatedDevice` wraps the CPU device: it reports an emulated device type (name, memory) and
-tells the emulation patches (``patches/emulation.py``) how much to slow compute down, see
-``runtime/emulation.py``.
+tells the emulation patches (``emulation/compute_patch.py``) how much to slow compute down, see
+``emulation/harness.py``.
+
+This module is the bootstrap's one way into the CPU emulation harness (``poseidon_plugin/emulation/``):
+:func:`emulated`, :func:`install_emulation`, :func:`restretch`, :meth:`Device.prepare_training` and the
+harness names imported below; the bootstrap imports nothing of the harness itself (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from poseidon_plugin.emulation import harness
+# the harness's names the bootstrap uses, through this interface (the harness module imports no torch)
+from poseidon_plugin.emulation.harness import EmulationState, declared_devices, deterministic_state, share_stamps
+from poseidon_plugin.errors import PoseidonError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from poseidon_plugin.specs import ClusterSpec
+
+__all__ = ["GIB", "Device", "CudaDevice", "NpuDevice", "EmulatedDevice", "EmulationState", "declared_devices",
+           "deterministic_state", "detect", "emulated", "install_emulation", "restretch", "share_stamps"]
 
 GIB = 1 << 30
 
@@ -70,6 +86,14 @@ class Device:
         """Factor by which compute on this rank is stretched (1.0 except on emulated devices)."""
         return 1.0
 
+    def prepare_training(self, script: str, args: Sequence[str], *, is_module: bool,
+                         log: Callable[[str], None]) -> list[str]:
+        """The training script's arguments on this device: on CPU ranks Megatron-LM's own loop
+        (``megatron.training``) is made to run first (``emulation/cpu_training.py``)."""
+        from poseidon_plugin.emulation import cpu_training
+
+        return cpu_training.prepare(script, args, is_module=is_module, log=log)
+
 
 class _RuntimeDevice(Device):
     """An accelerator behind a torch.cuda-like runtime module (``torch.cuda``, or ``torch.npu`` from
@@ -105,6 +129,10 @@ class _RuntimeDevice(Device):
 
     def ms_between(self, start: Any, stop: Any) -> float:
         return float(start.elapsed_time(stop))
+
+    def prepare_training(self, script: str, args: Sequence[str], *, is_module: bool,
+                         log: Callable[[str], None]) -> list[str]:
+        return list(args)
 
 
 class CudaDevice(_RuntimeDevice):
@@ -152,6 +180,56 @@ class EmulatedDevice(Device):
 
     def slowdown(self) -> float:
         return self.factor
+
+
+def emulated(device: Device, declared: ClusterSpec, device_type: str, *, flag: str | None,
+             deterministic: bool) -> Device:
+    """A CPU rank as the declared cluster's ``device_type`` (its name and memory), compute stretched against
+    the fastest declared type; the deterministic emulation holds compute to deadlines instead (factor 1).
+    An accelerator is kept as it is; ``--poseidon-emulate`` (``flag``) on one is a PoseidonError."""
+    if device.kind != "cpu":
+        if flag:
+            raise PoseidonError(f"{harness.FLAG} emulates devices on CPU ranks, but this rank has a {device.kind} "
+                                f"device; declare the cluster with --poseidon-cluster FILE instead")
+        return device
+    factors = harness.slowdown_factors({t.name: t.peak_tflops for t in declared.device_types})
+    memory = int(declared.device_type(device_type).memory_gb * GIB)
+    return EmulatedDevice(device.local_rank, type_name=device_type, memory_bytes=memory,
+                          factor=1.0 if deterministic else factors[device_type])
+
+
+def install_emulation(device: Device, state: EmulationState | None) -> EmulationState | None:
+    """The CPU shim on a CPU rank, then on an emulated one the deterministic emulation (``state``) or the
+    stretched compute; the deterministic state this rank keeps (None unless the device is emulated)."""
+    if device.torch_device.type == "cpu":
+        from poseidon_plugin.emulation import cpu_shim
+
+        cpu_shim.install()
+    if state is not None and device.kind != "emulated":
+        state = None  # only a CPU rank emulates a device
+    if state is not None:
+        harness.install_deterministic(state)
+    if device.slowdown() > 1.0:
+        from poseidon_plugin.emulation import compute_patch
+
+        compute_patch.set_factor(device.slowdown())
+        compute_patch.TABLE.apply()
+    return state
+
+
+def restretch(device: Device, declared: ClusterSpec, device_type: str) -> None:
+    """An emulated device's compute stretched against the fastest type of ``declared`` (the union of the
+    agents' devices: an agent alone knows only its own types); other devices are left alone."""
+    if not isinstance(device, EmulatedDevice):
+        return
+    factor = harness.slowdown_factors({t.name: t.peak_tflops for t in declared.device_types})[device_type]
+    if factor != device.slowdown():
+        from poseidon_plugin.emulation import compute_patch
+
+        device.factor = factor
+        compute_patch.set_factor(factor)
+        if factor > 1.0:
+            compute_patch.TABLE.apply()
 
 
 def detect(local_rank: int) -> Device:

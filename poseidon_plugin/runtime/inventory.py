@@ -17,8 +17,6 @@ import dataclasses
 import socket
 import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,52 +24,13 @@ import torch.distributed as dist
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.runtime.collectives import all_gather_json
 from poseidon_plugin.runtime.devices import GIB, Device
+from poseidon_plugin.runtime.world import RankInfo, World, world_from_declared  # noqa: F401  (inventory's names)
 from poseidon_plugin.specs import LINK_NAMES, ClusterSpec, LinkSpec, parse_cluster
 
 # Peak TFLOP/s only feeds the analytic profile, which a launch with measured profiles does not use; it
 # is filled for readability of the plan (unknown device models get a neutral placeholder).
 _KNOWN_PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "H800": 989.0, "4090": 330.0, "3090": 71.0}
 _PLACEHOLDER_PEAK_TFLOPS = 100.0
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RankInfo:
-    """What one launcher rank reports about itself."""
-
-    rank: int
-    host: str
-    local_rank: int
-    device_type: str
-    """Device type name used in specs and plans (detected name, emulated or declared type)."""
-    device_kind: str
-    """``cuda`` / ``npu`` / ``cpu`` / ``emulated``."""
-    memory_bytes: int
-    node_tag: str
-    """Ranks of one host and agent with the same tag form one node (the type, or the emulated node's index)."""
-    agent: int = 0
-    """torchrun's ``GROUP_RANK``: two agents on one host are two nodes (TP and the intra-node probe stay
-    inside one agent's ranks)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class World:
-    """The launcher ranks arranged as the cluster spec's devices: ``nodes[node][local]`` = launcher rank."""
-
-    ranks: tuple[RankInfo, ...]
-    nodes: tuple[tuple[int, ...], ...]
-
-    def launcher_rank(self, node: int, local: int) -> int:
-        """The launcher rank hosting device ``(node, local)``; PoseidonError if there is none."""
-        if not 0 <= node < len(self.nodes) or not 0 <= local < len(self.nodes[node]):
-            raise PoseidonError(
-                f"device (node {node}, local {local}) does not exist here: this job has "
-                f"{len(self.nodes)} node(s) of sizes {[len(n) for n in self.nodes]}"
-            )
-        return self.nodes[node][local]
-
-    def node_type(self, node: int) -> str:
-        """Device type of a node."""
-        return self.ranks[self.nodes[node][0]].device_type
 
 
 def local_info(rank: int, local_rank: int, device: Device, *, declared_type: str | None,
@@ -98,30 +57,6 @@ def gather_world(info: RankInfo, device: torch.device) -> World:
         groups.setdefault((entry.host, entry.agent, entry.node_tag), []).append(entry)
     nodes = tuple(tuple(e.rank for e in sorted(members, key=lambda e: e.local_rank)) for members in groups.values())
     return World(ranks=infos, nodes=nodes)
-
-
-def world_from_declared(cluster: ClusterSpec, infos: Sequence[RankInfo]) -> World:
-    """Launcher rank ``i`` is the declared cluster's device ``i``; a declared node must sit on one host."""
-    devices = cluster.devices()
-    if len(devices) != len(infos):
-        raise PoseidonError(
-            f"--poseidon-cluster {cluster.source} declares {len(devices)} devices but the job has {len(infos)} "
-            f"ranks; declare exactly one device per rank"
-        )
-    nodes: list[list[int]] = []
-    for dev in devices:
-        if dev.node == len(nodes):
-            nodes.append([])
-        nodes[dev.node].append(dev.index)
-    for index, members in enumerate(nodes):
-        hosts = sorted({f"{infos[r].host} (agent {infos[r].agent})" if len({i.agent for i in infos}) > 1
-                        else infos[r].host for r in members})
-        if len(hosts) > 1:
-            raise PoseidonError(
-                f"--poseidon-cluster {cluster.source}: node {index} (ranks {members[0]}..{members[-1]}) spans "
-                f"hosts {', '.join(hosts)}; a node's devices must be on one host (check devices_per_node)"
-            )
-    return World(ranks=tuple(infos), nodes=tuple(tuple(n) for n in nodes))
 
 
 def cluster_from_world(world: World, links: dict[str, LinkSpec], declared: ClusterSpec | None) -> ClusterSpec:

@@ -56,12 +56,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def _emulation_stamps():
-    """A fresh folder for the deterministic emulation's shared p2p posting times (``patches/emulated_links``),
+    """A fresh folder for the deterministic emulation's shared p2p posting times (``emulation/links_patch``),
     named to the ranks by ``POSEIDON_EMULATION_STAMPS`` and removed when the job ends."""
     import shutil
     import tempfile
 
-    from poseidon_plugin.patches.emulated_links import STAMPS_ENV
+    from poseidon_plugin.emulation.links_patch import STAMPS_ENV
 
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     folder = tempfile.mkdtemp(prefix="poseidon-emulation-", dir=shm)
@@ -117,7 +117,7 @@ def validate(opts: runtime_options.RuntimeOptions, script: str, script_args: lis
     job = read_job(script, script_args)
     precheck.check_launch(opts, job, world_size, script_args)
     if opts.emulate_model:
-        from poseidon_plugin.runtime import emulation
+        from poseidon_plugin.emulation import harness as emulation
         from poseidon_plugin.specs import model_presets
 
         emulation.parse_emulate_model(opts.emulate_model, model_presets(), tuple(emulation.link_families()))
@@ -145,11 +145,10 @@ def _agent_declares(opts: runtime_options.RuntimeOptions, world_size: int, nproc
     """``--poseidon-emulate`` names this agent's devices, not the job's (``elastic.agent_declares``)."""
     if not opts.emulate or opts.emulate_model:
         return False
-    from poseidon_plugin.runtime import elastic, emulation
-    from poseidon_plugin.specs import device_presets
+    from poseidon_plugin.emulation.harness import declared_devices
+    from poseidon_plugin.runtime import elastic
 
-    declared = sum(node.devices for node in emulation.parse_emulate(opts.emulate, device_presets()))
-    return elastic.agent_declares(declared, world_size, int(nproc_per_node))
+    return elastic.agent_declares(declared_devices(opts.emulate), world_size, int(nproc_per_node))
 
 
 def _static_world_size(args) -> int | None:

@@ -68,11 +68,11 @@ class RuntimeOptions:
     ``timeout``). Past it the best plan so far is applied and the plan table says it is not proven optimal,
     with its gap to the proven lower bound; raise it to prove more."""
     emulate: str | None = None
-    """Emulated heterogeneous cluster on CPU, e.g. ``A2-2:2,A2-4:2`` (see ``runtime/emulation.py``)."""
+    """Emulated heterogeneous cluster on CPU, e.g. ``A2-2:2,A2-4:2`` (see ``emulation/harness.py``)."""
     emulate_model: str | None = None
     """With ``emulate``: deterministic emulation of a real model, ``PRESET[:SCALE[:LINKS]]`` (e.g. ``llama3-8b``,
     ``llama3-8b:0.5:npu-wan``): layers, embedding, head and links take the preset's analytic times on the
-    emulated devices x SCALE (default ``auto``: iterations of about 1-3 s); see ``runtime/emulation.py``."""
+    emulated devices x SCALE (default ``auto``: iterations of about 1-3 s); see ``emulation/harness.py``."""
     micro_batch_sizes: tuple[int, ...] = ()
     """Candidate micro-batch sizes to profile and search (comma list); empty means 1, 2, 4 up to the batch."""
     timeout: float = 600.0

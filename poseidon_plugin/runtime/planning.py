@@ -1,14 +1,14 @@
-"""From the job and the world to one plan that every rank holds: specs, cost model, search, agreement.
+"""From the job and the world to one plan that every rank holds: cost model, search, agreement.
 
 Rank 0 alone searches (the search is deterministic but a single source removes any doubt); the plan
 crosses to the other ranks as JSON and every rank compares its SHA-256 (``Plan.plan_hash``) with rank 0's.
-The search is called in exactly one place, :func:`plan_on_rank0`.
+The search is called in exactly one place, :func:`plan_on_rank0`. The job's specs come from the torch-free
+``runtime/job_spec.py``, the checks that a plan fits the job from ``runtime/precheck.py``.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -16,45 +16,8 @@ from poseidon_plugin.costmodel import CostModel
 from poseidon_plugin.errors import NoFeasiblePlanError, PoseidonError
 from poseidon_plugin.plan import Plan
 from poseidon_plugin.runtime.collectives import PhaseFailed, all_gather_json, broadcast_json
-from poseidon_plugin.runtime.inventory import World
-from poseidon_plugin.runtime.job_flags import JobFlags, flag_values
-from poseidon_plugin.runtime.mindspeed import MindSpeedError, data_parallel_size, user_cp_ep
-from poseidon_plugin.specs import ModelSpec
+from poseidon_plugin.runtime.job_flags import JobFlags
 from poseidon_plugin.target import TargetRuntime, search_plan
-
-
-def model_spec(job: JobFlags, *, global_batch_size: int, name: str) -> ModelSpec:
-    """The planner's ModelSpec of the job (``global_batch_size`` pinned: plans never change it)."""
-    return ModelSpec(
-        name=name,
-        num_layers=job.num_layers,
-        hidden_size=job.hidden_size,
-        ffn_hidden_size=job.ffn_hidden_size,
-        num_attention_heads=job.num_attention_heads,
-        num_query_groups=job.num_query_groups,
-        vocab_size=job.vocab_size,
-        seq_length=job.seq_length,
-        global_batch_size=global_batch_size,
-        dtype=job.dtype,
-        num_experts=job.num_experts,
-        moe_top_k=job.moe_router_topk if job.num_experts else 0,
-        moe_ffn_hidden_size=job.moe_ffn_hidden_size,
-        moe_shared_expert_size=job.moe_shared_expert_size,
-        moe_capacity_factor=job.moe_capacity_factor,
-        moe_pad_to_capacity=job.moe_pad_to_capacity,
-        moe_grouped_gemm=job.moe_grouped_gemm,
-        swiglu=job.swiglu,
-        tie_embeddings=not job.untie_embeddings,
-        distributed_optimizer=job.distributed_optimizer,
-        sequence_parallel=job.sequence_parallel,
-        source="job flags",
-    )
-
-
-def job_name(script: str, job: JobFlags) -> str:
-    """A readable model name for plans and logs: ``pretrain_gpt-8l-h64``."""
-    stem = os.path.splitext(os.path.basename(script))[0] or "job"
-    return f"{stem}-{job.num_layers}l-h{job.hidden_size}"
 
 
 def plan_on_rank0(cost_model: CostModel, target: TargetRuntime, *, keep: JobFlags | None,
@@ -105,41 +68,3 @@ def share_plan(search: Callable[[], Plan] | None, rank: int, device: torch.devic
     if len(set(hashes)) != 1:
         raise PoseidonError(f"ranks hold different plans (hashes {sorted(set(hashes))}); this is a bug, please report it")
     return received
-
-
-def check_plan_fits(plan: Plan, world: World, job: JobFlags, global_batch_size: int, source: str, *,
-                    script_args: Sequence[str] = (), emulation: str | None = None) -> None:
-    """A plan (saved or searched) must match this job and this world; PoseidonError naming the mismatch.
-
-    ``script_args`` (the user's flags) give the context parallelism the plan must fit, the plan its expert
-    layout: megatron-core needs its ranks to be a multiple of both ``tp x pp x cp`` and ``etp x ep x pp``
-    (``mindspeed.model_parallel_world``).
-    """
-    from poseidon_plugin.runtime.precheck import check_plan_job
-
-    check_plan_job(plan, source, job, global_batch_size, emulation)
-
-    def fail(reason: str) -> PoseidonError:
-        return PoseidonError(f"{source} does not match this job: {reason}; re-plan (drop --poseidon-plan) or "
-                             f"fix the plan file")
-
-    if plan.world_size > len(world.ranks):
-        raise fail(f"it needs {plan.world_size} devices (tp {plan.tp} x dp {plan.dp} x pp {plan.pp}) but the job "
-                   f"has {len(world.ranks)} ranks")
-    cp, _ep, _etp = user_cp_ep(flag_values(script_args))
-    try:
-        dp = data_parallel_size(plan.world_size, plan.tp, plan.pp, cp, plan.ep, plan.etp)
-    except MindSpeedError as exc:
-        raise fail(f"its tp {plan.tp} x dp {plan.dp} x pp {plan.pp} = {plan.world_size} ranks: {exc}") from None
-    if global_batch_size % (plan.micro_batch_size * dp):
-        raise fail(f"with --context-parallel-size {cp}, megatron's data-parallel size is {dp} and the global batch "
-                   f"{global_batch_size} is not a multiple of micro-batch {plan.micro_batch_size} x {dp}")
-    for stage in plan.stages:
-        for node, local in stage.devices:
-            try:
-                world.launcher_rank(node, local)
-            except PoseidonError as exc:
-                raise fail(f"stage {stage.index}: {exc}") from None
-            if world.node_type(node) != stage.device_type:
-                raise fail(f"stage {stage.index} runs on {stage.device_type} but device (node {node}, local {local}) "
-                           f"here is a {world.node_type(node)}")

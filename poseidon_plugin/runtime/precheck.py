@@ -5,24 +5,28 @@ devices (``--poseidon-emulate`` / ``--poseidon-cluster``) against the world size
 (``--poseidon-plan``) against the job's flags, what it was priced for and, when the devices are declared,
 the device types it puts each stage on; candidate micro-batch sizes against the global batch; and the
 paths Poseidon will write. The ranks repeat the plan checks against the live world
-(``planning.check_plan_fits``), which the launcher cannot see when the devices are detected.
+(:func:`check_plan_fits`), which the launcher cannot see when the devices are detected.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.fingerprint import describe_mismatch, emulation_mismatches, model_mismatches
 from poseidon_plugin.plan import Plan
-from poseidon_plugin.runtime.job_flags import JobFlags
+from poseidon_plugin.runtime.job_flags import JobFlags, flag_values
+from poseidon_plugin.runtime.job_spec import model_spec
+from poseidon_plugin.runtime.mindspeed import MindSpeedError, data_parallel_size, user_cp_ep
 from poseidon_plugin.runtime.options import RuntimeOptions
+from poseidon_plugin.runtime.world import RankInfo, World, world_from_declared
 from poseidon_plugin.specs import ClusterSpec
 
 
 def declared_cluster(opts: RuntimeOptions, world_size: int | None) -> ClusterSpec | None:
     """The cluster ``--poseidon-cluster`` or ``--poseidon-emulate`` declares (None: detect at run time)."""
-    from poseidon_plugin.runtime import emulation
+    from poseidon_plugin.emulation import harness as emulation
     from poseidon_plugin.specs import device_presets, load_cluster, parse_cluster
 
     if opts.emulate and opts.cluster:
@@ -51,8 +55,6 @@ def check_plan_job(plan: Plan, source: str, job: JobFlags, global_batch_size: in
                    emulation: str | None = None) -> None:
     """A saved plan must have been priced for this job: the model shape, sequence, batch and heads, and the
     emulation its profile was measured under (``emulation``: this job's tag, "" for none; None: unknown)."""
-    from poseidon_plugin.runtime.planning import model_spec
-
     if plan.priced_for:
         live = model_spec(job, global_batch_size=global_batch_size, name=plan.model)
         mismatches = model_mismatches(plan.priced_for, live) + emulation_mismatches(plan.priced_for, emulation)
@@ -137,15 +139,47 @@ def check_launch(opts: RuntimeOptions, job: JobFlags, world_size: int | None,
     if global_batch is not None:
         check_plan_job(plan, source, job, global_batch)
     if cluster is not None and world_size is not None:
-        from poseidon_plugin.runtime.planning import check_plan_fits
-
         check_plan_fits(plan, declared_world(cluster), job, global_batch, source, script_args=script_args)
+
+
+def check_plan_fits(plan: Plan, world: World, job: JobFlags, global_batch_size: int, source: str, *,
+                    script_args: Sequence[str] = (), emulation: str | None = None) -> None:
+    """A plan (saved or searched) must match this job and this world; PoseidonError naming the mismatch.
+
+    ``script_args`` (the user's flags) give the context parallelism the plan must fit, the plan its expert
+    layout: megatron-core needs its ranks to be a multiple of both ``tp x pp x cp`` and ``etp x ep x pp``
+    (``mindspeed.model_parallel_world``).
+    """
+    check_plan_job(plan, source, job, global_batch_size, emulation)
+
+    def fail(reason: str) -> PoseidonError:
+        return PoseidonError(f"{source} does not match this job: {reason}; re-plan (drop --poseidon-plan) or "
+                             f"fix the plan file")
+
+    if plan.world_size > len(world.ranks):
+        raise fail(f"it needs {plan.world_size} devices (tp {plan.tp} x dp {plan.dp} x pp {plan.pp}) but the job "
+                   f"has {len(world.ranks)} ranks")
+    cp, _ep, _etp = user_cp_ep(flag_values(script_args))
+    try:
+        dp = data_parallel_size(plan.world_size, plan.tp, plan.pp, cp, plan.ep, plan.etp)
+    except MindSpeedError as exc:
+        raise fail(f"its tp {plan.tp} x dp {plan.dp} x pp {plan.pp} = {plan.world_size} ranks: {exc}") from None
+    if global_batch_size % (plan.micro_batch_size * dp):
+        raise fail(f"with --context-parallel-size {cp}, megatron's data-parallel size is {dp} and the global batch "
+                   f"{global_batch_size} is not a multiple of micro-batch {plan.micro_batch_size} x {dp}")
+    for stage in plan.stages:
+        for node, local in stage.devices:
+            try:
+                world.launcher_rank(node, local)
+            except PoseidonError as exc:
+                raise fail(f"stage {stage.index}: {exc}") from None
+            if world.node_type(node) != stage.device_type:
+                raise fail(f"stage {stage.index} runs on {stage.device_type} but device (node {node}, local {local}) "
+                           f"here is a {world.node_type(node)}")
 
 
 def declared_world(cluster: ClusterSpec):
     """The World the ranks will form on a declared cluster: launcher rank i is the cluster's device i."""
-    from poseidon_plugin.runtime.inventory import RankInfo, world_from_declared
-
     infos = [RankInfo(rank=d.index, host="launch", local_rank=d.local, device_type=d.device_type,
                       device_kind="declared", memory_bytes=0, node_tag=f"declared-node-{d.node}")
              for d in cluster.devices()]

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 import poseidon_plugin
-from poseidon_plugin.runtime import client_step, emulation
+from poseidon_plugin.emulation import harness as emulation
+from poseidon_plugin.runtime import client_step
 from poseidon_plugin.runtime.collectives import all_gather_json
 from poseidon_plugin.runtime.devices import Device
 from poseidon_plugin.runtime.inventory import World
@@ -563,7 +564,7 @@ def _gradient_clipping(params: list, clip_grad: float, group: Any, device: Devic
 
     for_norm = [p.grad for p in params if param_is_not_shared(p) and not_duplicate(p)]
     if device.torch_device.type == "cpu":   # its CUDA tensor-type check, as on the training's CPU ranks
-        from poseidon_plugin.patches.megatron_training import cuda_type_names as type_names
+        from poseidon_plugin.emulation.megatron_training_patch import cuda_type_names as type_names
     else:
         type_names = contextlib.nullcontext
 

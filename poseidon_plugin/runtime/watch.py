@@ -1,6 +1,6 @@
 """The first iterations under the plan: check the layers each rank built, compare time with the prediction.
 
-Installed just before the training script starts (``patches/watch.py`` does the hooking). On the first
+Installed just before the training script starts (``patches/watch_hooks.py`` does the hooking). On the first
 training step every rank compares the global layer numbers it built with the plan's (and stops the job
 with a clear error if the script did not honour the rewritten flags). Iterations are timed over the span the
 prediction covers (:data:`SPAN`): from the start of one training step (the schedule call) to the start of the
@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-from poseidon_plugin.patches import watch as watch_patch
+from poseidon_plugin.patches import watch_hooks as watch_patch
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.plan import Plan
 from poseidon_plugin.plan import format_ranges as ranges
@@ -29,7 +29,7 @@ SPAN = "step start to next step start: schedule, gradient sync, optimizer step"
 
 
 class Watch:
-    """Receives the schedule's timings (via patches/watch.py) for one rank."""
+    """Receives the schedule's timings (via patches/watch_hooks.py) for one rank."""
 
     def __init__(self, *, plan: Plan, global_rank: int, stage: int, device: Device, iterations: int,
                  log: Callable[[str], None], log_rank0: Callable[[str], None]) -> None:

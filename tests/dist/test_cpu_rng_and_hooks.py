@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from poseidon_plugin.patches import cpu_shim as shim_table
+from poseidon_plugin.emulation import cpu_shim_patch as shim_table
 
 
 def _tracker():
@@ -65,7 +65,7 @@ def test_shim_seeds_tp_shards_differently_through_megatron_own_seeding():
     under fork() differ between TP ranks (they were equal with the inference tracker)."""
     from megatron.core.tensor_parallel import random as mc_random
 
-    from poseidon_plugin.runtime import cpu_shim
+    from poseidon_plugin.emulation import cpu_shim
 
     installed_here = not cpu_shim.installed()
     cpu_shim.install(force=True)
@@ -84,7 +84,7 @@ def test_shim_seeds_tp_shards_differently_through_megatron_own_seeding():
 
 def test_emulated_output_is_not_a_view_and_still_marks_backward_start():
     """deallocate_output_tensor asserts ``out._base is None`` on a stage's output."""
-    from poseidon_plugin.patches import emulation
+    from poseidon_plugin.emulation import compute_patch as emulation
 
     x = torch.randn(4, 3, requires_grad=True)
     out = x * 2
@@ -105,7 +105,7 @@ def test_freed_pipeline_output_keeps_the_storage_gloo_is_sending():
     one-element output for its custom backward) is kept."""
     from megatron.core.pipeline_parallel import schedules
 
-    from poseidon_plugin.runtime import cpu_shim
+    from poseidon_plugin.emulation import cpu_shim
 
     installed_here = not cpu_shim.installed()
     cpu_shim.install(force=True)

@@ -10,6 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from poseidon_plugin.errors import PoseidonError  # noqa: E402
 from poseidon_plugin.runtime import devices  # noqa: E402
 
 
@@ -73,3 +74,53 @@ def test_runtime_devices_use_their_runtime(monkeypatch, cls, attr):
     start, stop = dev.mark(), dev.mark()
     assert start.recorded and stop.recorded and dev.ms_between(start, stop) == 2.5
     assert (dev.kind, dev.backend) == ((attr, "nccl") if attr == "cuda" else (attr, "hccl"))
+
+
+def _declared(emulate: str):
+    from poseidon_plugin.runtime.options import RuntimeOptions
+    from poseidon_plugin.runtime.precheck import declared_cluster
+
+    return declared_cluster(RuntimeOptions(emulate=emulate), None)
+
+
+def test_a_cpu_rank_is_the_declared_device_stretched_against_the_fastest_type():
+    """``devices.emulated`` (the bootstrap's way to the emulation): a CPU rank reports the declared type and
+    its preset memory, its compute stretched by fastest peak / its peak (A2-2 376, A2-4 280 TFLOP/s); the
+    deterministic emulation keeps factor 1 (it holds compute to deadlines)."""
+    declared = _declared("A2-2:1,A2-4:1")
+    slow = devices.emulated(devices.Device(1), declared, "A2-4", flag="A2-2:1,A2-4:1", deterministic=False)
+    assert (slow.kind, slow.name(), slow.total_memory()) == ("emulated", "A2-4", 32 * devices.GIB)
+    assert slow.slowdown() == pytest.approx(376 / 280)
+    fast = devices.emulated(devices.Device(0), declared, "A2-2", flag="A2-2:1,A2-4:1", deterministic=False)
+    assert fast.slowdown() == 1.0
+    held = devices.emulated(devices.Device(1), declared, "A2-4", flag="A2-2:1,A2-4:1", deterministic=True)
+    assert held.slowdown() == 1.0 and held.name() == "A2-4"
+
+
+def test_an_accelerator_is_not_emulated_and_refuses_poseidon_emulate(monkeypatch):
+    monkeypatch.setattr(torch, "cuda", _Runtime(), raising=False)
+    gpu = devices.CudaDevice(0)
+    declared = _declared("A2-2:1")
+    assert devices.emulated(gpu, declared, "A2-2", flag=None, deterministic=False) is gpu  # --poseidon-cluster
+    with pytest.raises(PoseidonError, match=r"--poseidon-emulate emulates devices on CPU ranks, but this "
+                                                     r"rank has a cuda device; declare the cluster with "
+                                                     r"--poseidon-cluster FILE instead"):
+        devices.emulated(gpu, declared, "A2-2", flag="A2-2:1", deterministic=False)
+    assert gpu.prepare_training("pretrain_gpt.py", ("--x", "1"), is_module=False, log=print) == ["--x", "1"]
+
+
+def test_restretch_follows_the_fastest_type_of_the_agents_union(monkeypatch):
+    """An agent that declared only A2-4 ran unstretched; the union with another agent's A2-2 stretches it
+    (and applies the compute patch: recorded here, not applied to megatron)."""
+    from poseidon_plugin.emulation import compute_patch
+
+    applied = []
+    monkeypatch.setattr(compute_patch.TABLE, "apply", lambda: applied.append(compute_patch.factor()))
+    monkeypatch.setitem(compute_patch._state, "factor", 1.0)  # restored after the test
+    alone = devices.emulated(devices.Device(0), _declared("A2-4:1"), "A2-4", flag="A2-4:1", deterministic=False)
+    assert alone.slowdown() == 1.0
+    devices.restretch(alone, _declared("A2-2:1,A2-4:1"), "A2-4")
+    assert alone.slowdown() == pytest.approx(376 / 280) and applied == [pytest.approx(376 / 280)]
+    cpu = devices.Device(0)
+    devices.restretch(cpu, _declared("A2-2:1,A2-4:1"), "A2-4")  # not emulated: left alone
+    assert cpu.slowdown() == 1.0 and len(applied) == 1

@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from poseidon_plugin.runtime.emulation import slowdown_factors  # noqa: E402
+from poseidon_plugin.emulation.harness import slowdown_factors  # noqa: E402
 from poseidon_plugin.runtime.options import RuntimeOptions  # noqa: E402
 from poseidon_plugin.runtime.precheck import declared_cluster  # noqa: E402
 from tests.dist.conftest import free_port  # noqa: E402

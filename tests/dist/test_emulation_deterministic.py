@@ -13,8 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from poseidon_plugin.patches import emulated_links  # noqa: E402
-from poseidon_plugin.patches import emulation as compute_patch  # noqa: E402
+from poseidon_plugin.emulation import links_patch as emulated_links  # noqa: E402
+from poseidon_plugin.emulation import compute_patch  # noqa: E402
 
 
 
@@ -225,7 +225,7 @@ class _Store:
 def test_planned_ranks_of_two_agents_share_one_stamp_file(tmp_path, monkeypatch):
     """Defect 7 (issue 25): each agent's launcher made its own stamp file and the ranks of a second agent
     (torchrun's GROUP_WORLD_SIZE > 1) shared none; now planned rank 0's file is everyone's."""
-    from poseidon_plugin.runtime import emulation
+    from poseidon_plugin.emulation import harness as emulation
 
     store, mapped = _Store(), {}
     monkeypatch.setattr(emulated_links, "set_stamps", lambda stamps: mapped.__setitem__(rank, stamps))
@@ -242,7 +242,7 @@ def test_planned_ranks_of_two_agents_share_one_stamp_file(tmp_path, monkeypatch)
 
 
 def test_stamps_are_used_by_every_rank_or_by_none(tmp_path, monkeypatch):
-    from poseidon_plugin.runtime import emulation
+    from poseidon_plugin.emulation import harness as emulation
 
     store, mapped = _Store(), {}
     monkeypatch.setattr(emulated_links, "set_stamps", lambda stamps: mapped.__setitem__("me", stamps))
@@ -306,9 +306,9 @@ def test_emulated_links_table_applies_to_installed_megatron():
 import re  # noqa: E402
 
 from poseidon_plugin.costmodel import Candidate, CostModel  # noqa: E402
-from poseidon_plugin.runtime import emulation  # noqa: E402
+from poseidon_plugin.emulation import harness as emulation  # noqa: E402
 from poseidon_plugin.runtime.job_flags import read_job  # noqa: E402
-from poseidon_plugin.runtime.planning import job_name, model_spec  # noqa: E402
+from poseidon_plugin.runtime.job_spec import job_name, model_spec  # noqa: E402
 from poseidon_plugin.specs import ProfileEntry, ProfileSpec  # noqa: E402
 from tests.dist.test_launcher import JOB, SCRIPT, poseidon_run  # noqa: E402
 

@@ -24,7 +24,7 @@ def _gpt_pipeline_body(rank: int, world_size: int, pp: int, vpp: int | None, ove
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
 
-    from poseidon_plugin.runtime import cpu_shim
+    from poseidon_plugin.emulation import cpu_shim
 
     assert cpu_shim.install(), "the test machine unexpectedly has an accelerator"
     try:
@@ -118,7 +118,7 @@ def _gpt_pipeline_body(rank: int, world_size: int, pp: int, vpp: int | None, ove
 
 def test_cpu_shim_install_is_idempotent_and_reversible():
     """install() twice, uninstall() twice: torch.cuda and the mode stack come back exactly as they were."""
-    from poseidon_plugin.runtime import cpu_shim
+    from poseidon_plugin.emulation import cpu_shim
 
     before = {name: getattr(torch.cuda, name) for name in ("current_device", "synchronize", "current_stream")}
     modes = len(torch.overrides._get_current_function_mode_stack())

@@ -22,7 +22,7 @@ from poseidon_plugin.plan import Plan  # noqa: E402
 from poseidon_plugin.runtime import launcher  # noqa: E402
 from poseidon_plugin.runtime.job_flags import read_job  # noqa: E402
 from poseidon_plugin.runtime.placement import planned_layers  # noqa: E402
-from poseidon_plugin.runtime.planning import model_spec  # noqa: E402
+from poseidon_plugin.runtime.job_spec import model_spec  # noqa: E402
 from poseidon_plugin.runtime.watch import ranges  # noqa: E402
 from poseidon_plugin.specs import load_profile, parse_cluster  # noqa: E402
 

@@ -28,7 +28,7 @@ from poseidon_plugin.costmodel import Candidate, CostModel
 from poseidon_plugin.runtime.apply import planned_flags
 from poseidon_plugin.runtime.launcher import RANK_ENV_DEFAULTS
 from poseidon_plugin.runtime.job_flags import read_job, rewrite
-from poseidon_plugin.runtime.planning import model_spec
+from poseidon_plugin.runtime.job_spec import model_spec
 from poseidon_plugin.specs import parse_cluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -17,7 +17,9 @@ from poseidon_plugin.runtime.inventory import (RankInfo, World, cluster_from_wor
                                                world_from_declared)
 from poseidon_plugin.runtime.job_flags import read_job  # noqa: E402
 from poseidon_plugin.runtime.placement import planned_layers, planned_ranks, stage_of  # noqa: E402
-from poseidon_plugin.runtime.planning import check_plan_fits, model_spec, plan_on_rank0  # noqa: E402
+from poseidon_plugin.runtime.job_spec import model_spec  # noqa: E402
+from poseidon_plugin.runtime.planning import plan_on_rank0  # noqa: E402
+from poseidon_plugin.runtime.precheck import check_plan_fits  # noqa: E402
 from poseidon_plugin.specs import GIB, LinkSpec, load_cluster, load_model, parse_cluster  # noqa: E402
 from poseidon_plugin.target import TargetRuntime  # noqa: E402
 

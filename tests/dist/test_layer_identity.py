@@ -4,8 +4,8 @@ For each split (fixed seeds), every pipeline rank and chunk asks the installed c
 builds and where they start (``get_num_layers_to_build`` / ``get_transformer_layer_offset`` under
 ``patches.layer_assignment``), and asks MindSpeed-LLM's layer-type decision (a stand-in of the real one,
 ``tests/standins``) which global layer each local layer is and whether it is noop, dense or MoE, through
-MindSpeed's offset helper under ``patches.mindspeed``. Both must equal what the plan says, on 0.16.1
-(installed) and 0.12.2 (``.cache/mcore012``). Without ``patches.mindspeed`` the helper's even split gives
+MindSpeed's offset helper under ``patches.mindspeed_offsets``. Both must equal what the plan says, on 0.16.1
+(installed) and 0.12.2 (``.cache/mcore012``). Without ``patches.mindspeed_offsets`` the helper's even split gives
 other layers (checked on one split). One subprocess per core: the ranks are set in ``parallel_state``
 without process groups, as the split functions only read them there.
 """
@@ -67,7 +67,7 @@ _BODY = textwrap.dedent("""
     from megatron.core.transformer import transformer_block, transformer_layer
     import mindspeed.core.transformer.transformer_block as ms_block
     import mindspeed_llm.core.transformer.transformer_block as llm_block
-    from poseidon_plugin.patches import layer_assignment, mindspeed as ms_patch
+    from poseidon_plugin.patches import layer_assignment, mindspeed_offsets as ms_patch
     from poseidon_plugin.runtime.job_flags import read_job
     from poseidon_plugin.runtime.megatron_model import transformer_config
 

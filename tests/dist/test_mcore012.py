@@ -41,7 +41,8 @@ _BODY = textwrap.dedent("""
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         import megatron.core
-        from poseidon_plugin.runtime import cpu_shim, devices, megatron_model, profiler
+        from poseidon_plugin.emulation import cpu_shim
+        from poseidon_plugin.runtime import devices, megatron_model, profiler
         from poseidon_plugin.runtime.job_flags import read_job
         cpu_shim.install()
         solo = [dist.new_group([r]) for r in range(world)][rank]

@@ -2,7 +2,7 @@
 
 The plan's expert layout reaches the script (``--expert-model-parallel-size 2 --moe-token-dispatcher-type
 alltoall``), every rank builds its planned layers and half of the experts, and the job trains on gloo (the
-all-to-all dispatcher through the CPU shim's MoE rows, ``patches/cpu_shim.py``)."""
+all-to-all dispatcher through the CPU shim's MoE rows, ``emulation/cpu_shim_patch.py``)."""
 
 from __future__ import annotations
 

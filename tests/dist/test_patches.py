@@ -38,7 +38,7 @@ def _build_with_layer_patch(rank: int, world: int, layers: tuple[int, ...]) -> d
     from megatron.core.transformer import transformer_layer
 
     from poseidon_plugin.patches import layer_assignment
-    from poseidon_plugin.runtime import cpu_shim
+    from poseidon_plugin.emulation import cpu_shim
     from poseidon_plugin.runtime.job_flags import read_job
     from poseidon_plugin.runtime.megatron_model import gpt_model, transformer_config
 
@@ -139,7 +139,7 @@ class _Block(torch.nn.Module):
 
 
 def test_emulation_stretches_forward_and_backward_without_changing_numbers(monkeypatch):
-    from poseidon_plugin.patches import emulation
+    from poseidon_plugin.emulation import compute_patch as emulation
 
     sleeps: list[float] = []
     monkeypatch.setattr(emulation, "_sleep", sleeps.append)
@@ -164,7 +164,8 @@ def test_emulation_stretches_forward_and_backward_without_changing_numbers(monke
 def test_emulation_and_watch_tables_apply_to_installed_megatron():
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from poseidon_plugin.patches import emulation, watch
+    from poseidon_plugin.emulation import compute_patch as emulation
+    from poseidon_plugin.patches import watch_hooks as watch
 
     original = TransformerLayer.forward
     for table in (emulation.TABLE, watch.TABLE):
@@ -180,7 +181,7 @@ def test_emulation_and_watch_tables_apply_to_installed_megatron():
 
 
 def test_emulation_factor_must_not_speed_up():
-    from poseidon_plugin.patches import emulation
+    from poseidon_plugin.emulation import compute_patch as emulation
 
     with pytest.raises(ValueError, match="must be >= 1.0"):
         emulation.set_factor(0.5)
@@ -190,12 +191,12 @@ def test_emulation_factor_must_not_speed_up():
 
 
 def test_cpu_shim_is_a_verified_reversible_table():
-    """The shim's torch.cuda stand-ins and megatron-core's RNG tracker go through patches/cpu_shim.py: verified
+    """The shim's torch.cuda stand-ins and megatron-core's RNG tracker go through emulation/cpu_shim_patch.py: verified
     after install, and install/uninstall restore the exact objects (tracker included)."""
     from megatron.core.tensor_parallel import random as mc_random
 
-    from poseidon_plugin.patches import cpu_shim as shim_table
-    from poseidon_plugin.runtime import cpu_shim
+    from poseidon_plugin.emulation import cpu_shim_patch as shim_table
+    from poseidon_plugin.emulation import cpu_shim
 
     if cpu_shim.installed():
         pytest.skip("the shim is installed process-wide by an earlier test")

@@ -17,10 +17,11 @@ JOB = ["--num-layers", "4", "--hidden-size", str(H), "--num-attention-heads", st
 
 
 def _profile(rank: int, world_size: int, cache_dir: str) -> dict:
-    from poseidon_plugin.runtime import cpu_shim, devices
+    from poseidon_plugin.emulation import cpu_shim
+    from poseidon_plugin.runtime import devices
     from poseidon_plugin.runtime.inventory import RankInfo, World
     from poseidon_plugin.runtime.job_flags import read_job
-    from poseidon_plugin.runtime.planning import model_spec
+    from poseidon_plugin.runtime.job_spec import model_spec
     from poseidon_plugin.runtime.profiler import ProfileRequest, profile_world
 
     cpu_shim.install()
@@ -116,10 +117,11 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
 
 
 def _profile_moe(rank: int, world_size: int, cache_dir: str) -> dict:
-    from poseidon_plugin.runtime import cpu_shim, devices
+    from poseidon_plugin.emulation import cpu_shim
+    from poseidon_plugin.runtime import devices
     from poseidon_plugin.runtime.inventory import RankInfo, World
     from poseidon_plugin.runtime.job_flags import read_job
-    from poseidon_plugin.runtime.planning import model_spec
+    from poseidon_plugin.runtime.job_spec import model_spec
     from poseidon_plugin.runtime.profiler import ProfileRequest, profile_world
 
     cpu_shim.install()

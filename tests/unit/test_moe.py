@@ -273,7 +273,7 @@ JOB = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
 
 def test_job_flags_read_the_moe_flags():
     from poseidon_plugin.runtime.job_flags import read_job
-    from poseidon_plugin.runtime.planning import model_spec
+    from poseidon_plugin.runtime.job_spec import model_spec
 
     job = read_job("pretrain_gpt.py", JOB + ["--moe-ffn-hidden-size", "96", "--moe-shared-expert-intermediate-size",
                                              "128", "--moe-expert-capacity-factor", "1.5",
@@ -301,7 +301,7 @@ def test_job_flags_refuse_what_the_planner_cannot_price(extra, match):
 def test_the_deterministic_emulation_times_the_plan_s_all_to_all_in_each_moe_layer():
     """Bound to an EP plan, an emulated rank's MoE layer deadline grows by what the cost model added for the
     expert layout (the all-to-all blocks the layer), so the emulated job runs what was predicted."""
-    from poseidon_plugin.runtime import emulation
+    from poseidon_plugin.emulation import harness as emulation
     from poseidon_plugin.specs import ModelSpec, ProfileEntry, ProfileSpec
 
     state = emulation.deterministic_state(emulate="A2-2:2,A2-4:2", emulate_model="mixtral-8x7b:0.25", rank=2,

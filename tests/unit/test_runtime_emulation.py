@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from poseidon_plugin.errors import PoseidonError
-from poseidon_plugin.runtime.emulation import EmulatedNode, check_world, parse_emulate, slowdown_factors, types_by_rank
+from poseidon_plugin.emulation.harness import EmulatedNode, check_world, parse_emulate, slowdown_factors, types_by_rank
 from poseidon_plugin.specs import device_presets
 
 KNOWN = ("A2-2", "A2-3", "A2-4", "RTX-3090")
@@ -58,7 +58,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 from poseidon_plugin.costmodel import Candidate, CostModel  # noqa: E402
-from poseidon_plugin.runtime import emulation  # noqa: E402
+from poseidon_plugin.emulation import harness as emulation  # noqa: E402
 from poseidon_plugin.specs import (LINK_CROSS_TYPE, LINK_INTER_NODE, LINK_INTRA_NODE, ModelSpec,  # noqa: E402
                                    ProfileEntry, ProfileSpec, analytic_entry, constants_for, load_model,
                                    model_presets)
@@ -283,7 +283,7 @@ def test_deterministic_state_checks_the_world():
 
 
 def test_emulation_module_stays_torch_free():
-    code = ("import sys; from poseidon_plugin.runtime import emulation; "
+    code = ("import sys; from poseidon_plugin.emulation import harness as emulation; "
             "emulation.deterministic_state(emulate='A2-2:1', emulate_model='llama3-8b', rank=0, world_size=1, "
             "num_layers=2, global_batch=2, micro_batch_size=1); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -313,10 +313,10 @@ def test_plan_priced_under_another_emulation_is_refused_by_name():
     from poseidon_plugin.costmodel import Candidate, CostModel
     from poseidon_plugin.errors import PoseidonError
     from poseidon_plugin.runtime.job_flags import read_job
-    from poseidon_plugin.runtime.planning import model_spec
+    from poseidon_plugin.runtime.job_spec import model_spec
     from poseidon_plugin.runtime.precheck import check_plan_job
     from poseidon_plugin.specs import ProfileSpec, parse_cluster
-    from poseidon_plugin.runtime import emulation
+    from poseidon_plugin.emulation import harness as emulation
 
     args = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--global-batch-size", "8"]

@@ -147,7 +147,7 @@ def test_default_profile_cache_follows_xdg(monkeypatch, tmp_path):
 def test_torch_free_modules_do_not_import_torch():
     code = (
         "import sys\n"
-        "import poseidon_plugin.runtime.options, poseidon_plugin.runtime.job_flags, poseidon_plugin.runtime.emulation\n"
+        "import poseidon_plugin.runtime.options, poseidon_plugin.runtime.job_flags, poseidon_plugin.emulation.harness\n"
         "import poseidon_plugin.patches.table\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("torch")
 
 from poseidon_plugin.costmodel import Candidate, CostModel  # noqa: E402
-from poseidon_plugin.patches import watch as watch_patch  # noqa: E402
+from poseidon_plugin.patches import watch_hooks as watch_patch  # noqa: E402
 from poseidon_plugin.runtime.placement import planned_layers  # noqa: E402
 from poseidon_plugin.runtime.watch import SPAN, Watch  # noqa: E402
 from poseidon_plugin.specs import load_cluster, load_model  # noqa: E402

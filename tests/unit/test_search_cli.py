@@ -172,8 +172,25 @@ def test_console_time_limit_counts_from_the_process_start():
 
 def test_console_main_takes_the_process_age_off_the_time_limit(monkeypatch, capsys):
     """``main()`` without argv takes the process's age off ``--time-limit``: with an age past the limit
-    the search gets only a sliver (incomplete, still a plan); with an explicit argv it is not read."""
+    the search gets only a sliver (incomplete, still a plan); with an explicit argv it is not read. The
+    commands' clock is frozen, so the limits the search receives are exact (no wall-clock window)."""
+    import types
+
     import poseidon_plugin.cli as cli
+    import poseidon_plugin.search.cli as search_cli
+    import poseidon_plugin.target as target
+
+    frozen = types.SimpleNamespace(monotonic=lambda: 1000.0)
+    monkeypatch.setattr(cli, "time", frozen)
+    monkeypatch.setattr(search_cli, "time", frozen)
+    limits = []
+    real_search = target.search_plan
+
+    def recording_search(cm, runtime, options):
+        limits.append(options.time_limit_s)
+        return real_search(cm, runtime, options)
+
+    monkeypatch.setattr(target, "search_plan", recording_search)
     argv = ["plan", "--cluster", "paper-setting-1", "--model", "llama3-8b", "--schedules", "1f1b",
             "--time-limit", "20", "--json", "--no-progress"]
     monkeypatch.setattr(cli, "process_age_s", lambda: 25.0)
@@ -181,4 +198,5 @@ def test_console_main_takes_the_process_age_off_the_time_limit(monkeypatch, caps
     assert cli.main() == 0
     assert json.loads(capsys.readouterr().out)["search_stats"]["complete"] is False
     assert cli.main(argv) == 0
-    assert json.loads(capsys.readouterr().out)["search_stats"]["complete"] is True
+    assert Plan.from_dict(json.loads(capsys.readouterr().out)).predicted_iteration_ms > 0
+    assert limits == [1e-3, 20.0]  # 20 s less an age of 25 s: the 1 ms sliver; explicit argv: all 20 s

@@ -1,13 +1,13 @@
 """Megatron-LM's own training loop (``megatron.training``: ``pretrain``, ``train_step``) on CPU ranks.
 
-The megatron-core shim (``runtime/cpu_shim.py``) makes the model, the schedules and DDP run on gloo. A
+The megatron-core shim (``emulation/cpu_shim.py``) makes the model, the schedules and DDP run on gloo. A
 training script built on ``megatron.training`` (Megatron-LM's ``pretrain_gpt.py``) needs two things more
 on a CPU rank, both made here and nowhere else, each named in one log line:
 
 * flags: the command a user writes for GPUs turns on features that exist only as CUDA kernels (Transformer
   Engine, Apex's persistent layer norm and gradient-accumulation fusion, the fused RoPE); on a CPU rank
   each is switched to Megatron-LM's own unfused path (:func:`flag_adjustments`, torch-free);
-* the CUDA runtime calls ``megatron.training`` makes: the patch table ``patches/megatron_training.py``.
+* the CUDA runtime calls ``megatron.training`` makes: the patch table ``emulation/megatron_training_patch.py``.
 
 Nothing here runs on CUDA or Ascend ranks (``bootstrap.py`` calls :func:`prepare` only where the shim is
 installed), and scripts that do not use ``megatron.training`` (``scripts/pretrain_gpt.py``) are left as
@@ -106,7 +106,7 @@ def prepare(script: str, args: Sequence[str], *, is_module: bool, log: Callable[
     log line per change. Scripts without ``megatron.training`` get ``args`` back unchanged."""
     if not uses_megatron_training(script, is_module):
         return list(args)
-    from poseidon_plugin.patches import megatron_training
+    from poseidon_plugin.emulation import megatron_training_patch as megatron_training
 
     try:
         importlib.import_module("megatron.training.training")

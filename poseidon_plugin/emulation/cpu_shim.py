@@ -5,12 +5,12 @@ megatron-core assumes CUDA in a handful of places that are not about compute (bu
 calls in the schedules, the CUDA RNG tracker, DDP stream handles). The facts behind each stand-in are in
 docs/RUNTIME.md ("CPU ranks: what the shim stands in for"). This module replaces exactly those calls, and nothing that does
 compute, so that the schedules, DDP and ``finalize_model_grads`` run unchanged on gloo: the attributes
-through the patch table ``patches/cpu_shim.py`` (applied, verified, reverted like every other patch), the
+through the patch table ``emulation/cpu_shim_patch.py`` (applied, verified, reverted like every other patch), the
 ``device="cuda"`` arguments through a ``TorchFunctionMode``.
 
 Usage::
 
-    from poseidon_plugin.runtime import cpu_shim
+    from poseidon_plugin.emulation import cpu_shim
     cpu_shim.install()        # no-op (returns False) when an accelerator is present
     ...                       # build the model, run get_forward_backward_func()(...)
     cpu_shim.uninstall()      # restores every patched attribute; idempotent
@@ -20,7 +20,7 @@ undoes it. The device-rewriting ``TorchFunctionMode`` is thread-local (a torch r
 on the thread that runs the training loop; the other stand-ins are process-wide.
 
 Not covered (configure instead): megatron-core's gradient clipping asserts ``torch.cuda.FloatTensor`` (use
-``clip_grad=0.0``, or Megatron-LM's loop, where ``runtime/cpu_training.py`` makes it run); the distributed
+``clip_grad=0.0``, or Megatron-LM's loop, where ``emulation/cpu_training.py`` makes it run); the distributed
 optimizer and ``--sequence-parallel`` with the local spec fail on CPU.
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from poseidon_plugin.patches.cpu_shim import MOE_TABLE, TABLE
+from poseidon_plugin.emulation.cpu_shim_patch import MOE_TABLE, TABLE
 
 _CPU = torch.device("cpu")
 

@@ -1,6 +1,6 @@
 """CPU stand-ins for the CUDA calls megatron-core makes that are not about compute, as a patch table.
 
-Used by ``poseidon_plugin.runtime.cpu_shim`` (which also pushes the device-rewriting ``TorchFunctionMode``);
+Used by ``poseidon_plugin.emulation.cpu_shim`` (which also pushes the device-rewriting ``TorchFunctionMode``);
 the facts behind each row are in docs/RUNTIME.md ("CPU ranks: what the shim stands in for"):
 
 * megatron-core's CUDA RNG tracker -> the same tracker on CPU generator states (:func:`cpu_rng_tracker_class`:
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .table import LazyPatchTable, Patch, PatchTable
+from poseidon_plugin.patches.table import LazyPatchTable, Patch, PatchTable
 
 _CPU = torch.device("cpu")
 _RANDOM = "megatron.core.tensor_parallel.random"
@@ -135,7 +135,7 @@ def cpu_rng_tracker_class() -> type:
     base = importlib.import_module(_RANDOM).CudaRNGStatesTracker
 
     class CpuRNGStatesTracker(base):  # type: ignore[valid-type, misc]
-        """Megatron's RNG-state tracker on the CPU's default generator (``patches/cpu_shim.py``)."""
+        """Megatron's RNG-state tracker on the CPU's default generator (``emulation/cpu_shim_patch.py``)."""
 
         def add(self, name: str, seed: int) -> None:
             if seed in self.seeds_:

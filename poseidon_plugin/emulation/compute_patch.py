@@ -1,6 +1,6 @@
 """Emulated device speed of each transformer layer, the embedding and the output layer + loss.
 
-Used only with ``--poseidon-emulate`` / a declared cluster on CPU (``poseidon_plugin/runtime/emulation.py``
+Used only with ``--poseidon-emulate`` / a declared cluster on CPU (``emulation/harness.py``
 documents both modes). Two modes, one table:
 
 * *stretch* (:func:`set_factor`): each patched ``forward`` sleeps ``(factor - 1) x`` its own measured
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .table import LazyPatchTable, Patch
+from poseidon_plugin.patches.table import LazyPatchTable, Patch
 
 _state: dict[str, Any] = {"factor": 1.0, "targets": None}
 

@@ -1,7 +1,7 @@
 """CPU stand-ins for the CUDA calls Megatron-LM's training loop (``megatron.training``) makes, as a patch table.
 
-Applied on CPU ranks only, after the megatron-core shim (``patches/cpu_shim.py``), when the training script
-runs on ``megatron.training`` (``runtime/cpu_training.py`` decides and logs each row once). Each row
+Applied on CPU ranks only, after the megatron-core shim (``emulation/cpu_shim_patch.py``), when the training script
+runs on ``megatron.training`` (``emulation/cpu_training.py`` decides and logs each row once). Each row
 replaces one call that is about the CUDA runtime, never about compute; the facts are in docs/RUNTIME.md
 ("Megatron-LM's own pretrain_gpt.py on CPU ranks"):
 
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .table import LazyPatchTable, Patch
+from poseidon_plugin.patches.table import LazyPatchTable, Patch
 
 _INIT = "megatron.training.initialize"
 

@@ -1,6 +1,6 @@
 """Emulated links: inter-stage p2p transfers and the DP gradient sync take their emulated time.
 
-Used only by the deterministic emulation (``--poseidon-emulate-model``, ``poseidon_plugin/runtime/emulation.py``).
+Used only by the deterministic emulation (``--poseidon-emulate-model``, ``emulation/harness.py``).
 Megatron-core's ``P2PCommunicator._communicate`` posts its sends and receives through one of two module
 functions, ``_batched_p2p_ops`` (a list of requests) or ``_p2p_ops`` (a dict, used with ``overlap_p2p_comm``),
 and then waits for the requests (at once, or later in the schedule with overlap). The wrappers here return
@@ -14,7 +14,7 @@ number on that ordered pair), and the j-th send from A to B is the j-th receive 
 matches in posting order on a pair; megatron-core uses one communicator per ordered pair). The real transfer
 completes only once both sides posted (a rendezvous), so the peer's stamp is there when the wait returns.
 The bootstrap hands every planned rank the same file, whichever torchrun agent started it
-(``runtime/emulation.share_stamps``). Without it (a job on several hosts, or no launcher) the transfer
+(``emulation/harness.share_stamps``). Without it (a job on several hosts, or no launcher) the transfer
 counts from when its completion is first seen, and several requests of one call found complete together
 share that moment.
 
@@ -38,8 +38,8 @@ import os
 import time
 from typing import Any
 
-from .emulation import sleep_until
-from .table import Patch, PatchTable
+from poseidon_plugin.emulation.compute_patch import sleep_until
+from poseidon_plugin.patches.table import Patch, PatchTable
 
 STAMPS_ENV = "POSEIDON_EMULATION_STAMPS"
 """Where this agent's launcher lets its ranks create stamp files (a path prefix in a folder it removes at

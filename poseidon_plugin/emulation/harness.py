@@ -12,7 +12,7 @@ What an emulated rank does differently (the documented factor):
   the fastest type runs at the CPU's own speed, an A2-4 (280 TFLOP/s) next to an A2-2 (376) takes
   376/280 = 1.34x as long. The stretch is applied to every transformer layer's forward and backward, and to
   the embedding and output layer + loss, by sleeping ``(factor - 1) x`` the measured compute time right
-  after it (``patches/emulation.py``). Profiling and training go through the same hooks, so the profile
+  after it (``emulation/compute_patch.py``). Profiling and training go through the same hooks, so the profile
   measures exactly the slowed-down compute the training will see;
 - links are not emulated: the cost model gets what gloo measures on this machine (the transfers the
   training really pays).
@@ -84,6 +84,13 @@ def types_by_rank(nodes: Sequence[EmulatedNode]) -> list[str]:
     return [node.device_type for node in nodes for _ in range(node.devices)]
 
 
+def declared_devices(emulate: str) -> int:
+    """How many devices ``--poseidon-emulate`` declares (of the preset device types)."""
+    from poseidon_plugin.specs import device_presets
+
+    return sum(node.devices for node in parse_emulate(emulate, device_presets()))
+
+
 def slowdown_factors(peak_tflops: Mapping[str, float]) -> dict[str, float]:
     """``{type: max peak / its peak}`` over the given types (the fastest gets 1.0)."""
     if not peak_tflops:
@@ -97,8 +104,8 @@ def slowdown_factors(peak_tflops: Mapping[str, float]) -> dict[str, float]:
 # With it an emulated rank no longer stretches its *measured* CPU compute. Instead every transformer layer,
 # the embedding and the output layer + loss take exactly the time the analytic profile gives a real model
 # (the preset) on the rank's device type, times SCALE: the tiny real compute runs first and the rank sleeps
-# until the deadline (``patches/emulation.py``). Inter-stage transfers take the time of the emulated link
-# class (same node / other node / other type) for the preset's message (``patches/emulated_links.py``), and
+# until the deadline (``emulation/compute_patch.py``). Inter-stage transfers take the time of the emulated link
+# class (same node / other node / other type) for the preset's message (``emulation/links_patch.py``), and
 # the DP gradient sync the time of the preset's gradients over the DP group's emulated link. Links are
 # scaled with compute (bandwidth / SCALE, latency x SCALE), so their weight relative to compute is the real
 # cluster's. The planner sees the same numbers: the cluster spec carries the scaled links, and the measured
@@ -480,7 +487,7 @@ _active: dict[str, EmulationState | None] = {"state": None}
 def install_deterministic(state: EmulationState) -> EmulationState:
     """Make ``state`` this process's emulation: compute deadlines and link delays patched in (the links stay
     free until :meth:`EmulationState.bind_plan`). Imports torch/Megatron (the patch tables)."""
-    from poseidon_plugin.patches import emulated_links, emulation as compute_patch
+    from poseidon_plugin.emulation import compute_patch, links_patch as emulated_links
 
     compute_patch.set_targets(state.targets_ms)
     compute_patch.TABLE.apply()
@@ -496,14 +503,14 @@ STAMPS_KEY = "poseidon/emulation-stamps"
 def share_stamps(store: Any, rank: int, world_size: int, *, one_host: bool,
                  agree: Callable[[bool], bool]) -> str:
     """Give every planned rank the same stamp file for the emulated links' posting times
-    (``patches/emulated_links.Stamps``), whichever torchrun agent started it; a line for the log.
+    (``emulation/links_patch.Stamps``), whichever torchrun agent started it; a line for the log.
 
     Planned rank 0 creates a fresh file (named by its pid: a restart never reads an earlier attempt's
     stamps) where its launcher lets it (``STAMPS_ENV``) and publishes the path in the store of this round
     (``store``); the others map that file. ``agree(ok)`` is True when every rank mapped it: stamps are used
     by all ranks or by none (a rank without them would wait for stamps its peers never read). Only when
     ``one_host``: a mapped file is one host's."""
-    from poseidon_plugin.patches import emulated_links
+    from poseidon_plugin.emulation import links_patch as emulated_links
 
     stamps, why = None, "the planned ranks are on several hosts"
     if one_host:
@@ -536,7 +543,7 @@ def uninstall_deterministic() -> None:
     _active["state"] = None
     if state is None:
         return
-    from poseidon_plugin.patches import emulated_links, emulation as compute_patch
+    from poseidon_plugin.emulation import compute_patch, links_patch as emulated_links
 
     emulated_links.TABLE.revert()
     emulated_links.set_state(None)
