@@ -129,7 +129,7 @@ class _CudaTypeNames(TorchFunctionMode):
 
 
 cuda_type_names = _CudaTypeNames
-"""For the profiler, which times megatron-core's gradient clipping on CPU ranks as the training runs it."""
+"""``Device.tensor_type_names`` on CPU ranks: the profiler times megatron-core's gradient clipping as the training runs it."""
 
 
 def _rows() -> tuple[Patch, ...]:

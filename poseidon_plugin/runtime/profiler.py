@@ -563,14 +563,9 @@ def _gradient_clipping(params: list, clip_grad: float, group: Any, device: Devic
             return tensor_parallel.param_is_not_tensor_parallel_duplicate(param)
 
     for_norm = [p.grad for p in params if param_is_not_shared(p) and not_duplicate(p)]
-    if device.torch_device.type == "cpu":   # its CUDA tensor-type check, as on the training's CPU ranks
-        from poseidon_plugin.emulation.megatron_training_patch import cuda_type_names as type_names
-    else:
-        type_names = contextlib.nullcontext
-
     def clip() -> None:
         norm = get_grad_norm_fp32(for_norm, grad_stats_parallel_group=group)
-        with type_names():
+        with device.tensor_type_names():   # its CUDA tensor-type check, as in training
             clip_grad_by_total_norm_fp32(params, clip_grad, norm)
 
     return clip

@@ -158,7 +158,8 @@ def _clipping_calls(rank: int, world_size: int, clip_grad: float) -> dict:
     import torch
     from megatron.core.optimizer import clip_grads
 
-    from poseidon_plugin.runtime import cpu_shim, devices, profiler
+    from poseidon_plugin.emulation import cpu_shim
+    from poseidon_plugin.runtime import devices, profiler
 
     cpu_shim.install()
     calls = {"norm": 0, "clip": 0}
