@@ -77,7 +77,8 @@ def _last_short_time(capacity, num_layers: int, lo: float, hi: float, rel: float
 
 def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int,
                    num_layers: int, *, memory: bool = False, live=None, schedule: str | None = None,
-                   target: float | None = None, comm_model: str | None = None, assign=None) -> float:
+                   target: float | None = None, comm_model: str | None = None, assign=None,
+                   witness: list | None = None) -> float:
     """A lower bound on the iteration time of every plan of a shape group (``counts``: the most ranks
     of each type) or of a structure (``counts``: exact ranks per type); inf when ``pp`` ranks do not
     exist or cannot hold the model. Shape-free: the engine keeps it for every piece of the space it
@@ -95,7 +96,8 @@ def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int
     ``pp`` roomiest ranks cannot hold the model, and (``memory``) the larger of the bound above and
     the work bound with caps: ``l_i <= min(cap_i, w_i T / M)`` (rank ``i``'s own work fits in ``T``);
     with ``live`` also :func:`positional_bound` (given ``schedule``: with the fill and drain terms;
-    ``target``: computed only up to just above it; ``assign``: its assignment solver)."""
+    ``target``: computed only up to just above it; ``assign``: its assignment solver; ``witness``: its
+    relaxation's best assignment, :func:`positional_bound`)."""
     # per type one block of identical ranks (w, cap, n): O(types) where a list of pp ranks cost
     # O(pp log pp), for each of the many shape groups of a large cluster. The group may pick any pp.
     blocks = []
@@ -153,7 +155,7 @@ def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int
         best = lo
     if live is not None:
         best = max(best, positional_bound(table, counts, micro_batches, pp, v, num_layers, live, best,
-                                          schedule, target, comm_model, assign))
+                                          schedule, target, comm_model, assign, witness))
     return best * (1.0 - 1e-9)
 
 
@@ -260,13 +262,17 @@ def _cheapest_placement(per_layer, tops, lows, num_layers: int) -> float | None:
 
 def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int, num_layers: int,
                      live, start: float = 0.0, schedule: str | None = None,
-                     target: float | None = None, comm_model: str | None = None, assign=None) -> float:
+                     target: float | None = None, comm_model: str | None = None, assign=None,
+                     witness: list | None = None) -> float:
     """The work bound with each pipeline position's own memory cap (``live[r]``: the schedule's peak
     live micro-batches at position ``r``); a lower bound on every plan's time, or ``start`` when it is
     not larger. The statement and its proof: docs/SEARCH.md, "What `positional_bound` computes".
     ``schedule`` adds the fill and drain paths, ``comm_model`` the transfers a blocking model waits for,
     ``target`` stops just above that value, ``assign`` is the assignment solver
-    (:func:`.assignment.best_assignment` by default; the compiled search passes its compiled build)."""
+    (:func:`.assignment.best_assignment` by default; the compiled search passes its compiled build).
+    ``witness`` (a list, exact counts): filled with ``[T, types, caps]``, the least ``T`` whose best
+    assignment was found to hold the model, the device type it gives each position and that position's
+    cap: the relaxation's own plan, which the engine turns into a seed (:func:`.seeds.relaxation_split`)."""
     assign = assign or best_assignment
     slack = 1.0 + 1e-9
     m = micro_batches
@@ -477,7 +483,11 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
         # successive shortest paths)
         got = assign([[row[i] if row[i] >= v else NEG for row in h] for i in range(len(types))],
                      [n for _w, n, _c, _s in types], pp)
-        return 0 if got is None else got[0]
+        if got is None:
+            return 0
+        if witness is not None and exact and got[0] >= num_layers and (not witness or t_ms < witness[0]):
+            witness[:] = [t_ms, [active[i] for i in got[1]], [h[r][i] for r, i in enumerate(got[1])]]
+        return got[0]
 
     if capacity(start) >= num_layers:
         return start
