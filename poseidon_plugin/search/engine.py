@@ -441,7 +441,10 @@ class SearchRun:
                 if key not in self.board.best and (not self.out_of_time() or not self.board.best):
                     self.seed(sg)
                     tau = self.threshold(key) * self.shrink
-            if bounds[i] < tau and witness and self.relaxation_seed(sg, witness) and not self.out_of_time():
+            # exact mode only: its trees are proofs that a tight incumbent shortens; default mode keeps
+            # its (time-limited) search as it was
+            if (self.options.mode == "exact" and bounds[i] < tau and witness
+                    and self.relaxation_seed(sg, witness) and not self.out_of_time()):
                 self.polish(sg)
                 tau = self.threshold(key) * self.shrink
             if bounds[i] >= tau:
