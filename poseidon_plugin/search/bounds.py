@@ -77,7 +77,8 @@ def _last_short_time(capacity, num_layers: int, lo: float, hi: float, rel: float
 
 def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int,
                    num_layers: int, *, memory: bool = False, live=None, schedule: str | None = None,
-                   target: float | None = None, comm_model: str | None = None, assign=None) -> float:
+                   target: float | None = None, comm_model: str | None = None, assign=None,
+                   witness: list | None = None) -> float:
     """A lower bound on the iteration time of every plan of a shape group (``counts``: the most ranks
     of each type) or of a structure (``counts``: exact ranks per type); inf when ``pp`` ranks do not
     exist or cannot hold the model. Shape-free: the engine keeps it for every piece of the space it
@@ -95,7 +96,8 @@ def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int
     ``pp`` roomiest ranks cannot hold the model, and (``memory``) the larger of the bound above and
     the work bound with caps: ``l_i <= min(cap_i, w_i T / M)`` (rank ``i``'s own work fits in ``T``);
     with ``live`` also :func:`positional_bound` (given ``schedule``: with the fill and drain terms;
-    ``target``: computed only up to just above it; ``assign``: its assignment solver)."""
+    ``target``: computed only up to just above it; ``assign``: its assignment solver; ``witness``: its
+    relaxation's best assignment, :func:`positional_bound`)."""
     # per type one block of identical ranks (w, cap, n): O(types) where a list of pp ranks cost
     # O(pp log pp), for each of the many shape groups of a large cluster. The group may pick any pp.
     blocks = []
@@ -153,7 +155,7 @@ def pipeline_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int
         best = lo
     if live is not None:
         best = max(best, positional_bound(table, counts, micro_batches, pp, v, num_layers, live, best,
-                                          schedule, target, comm_model, assign))
+                                          schedule, target, comm_model, assign, witness))
     return best * (1.0 - 1e-9)
 
 
@@ -260,42 +262,17 @@ def _cheapest_placement(per_layer, tops, lows, num_layers: int) -> float | None:
 
 def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: int, num_layers: int,
                      live, start: float = 0.0, schedule: str | None = None,
-                     target: float | None = None, comm_model: str | None = None, assign=None) -> float:
+                     target: float | None = None, comm_model: str | None = None, assign=None,
+                     witness: list | None = None) -> float:
     """The work bound with each pipeline position's own memory cap (``live[r]``: the schedule's peak
-    live micro-batches at position ``r``, as the cost model's memory formula takes them); a lower
-    bound on every plan's time, or ``start`` when it is not larger (docs/SEARCH.md "Anytime answers").
-
-    A rank of type ``t`` at position ``r`` holding ``l`` layers needs at least ``l (s_t + live_r a_t /
-    V)`` bytes (its largest chunk holds ``>= l / V`` layers), plus the embedding's state and
-    activations at position 0 and the output layer's state at the last one (its activations too with
-    ``V = 1``), so ``l <= cap_t(r)``; and bound path (b) of position ``r`` holds its ``M`` forwards and
-    backwards after the chunk-0 forward of micro-batch 0 and before the chunk-0 backward of the last one
-    on every earlier position (each chunk holds a layer), so ``r c_min + M (F + B) <= T`` with ``F + B >=
-    (f_t + b_t) l`` plus the position's extras (embedding at 0, head at the last, every chunk's step
-    cost; ``c_min``: the least ``f + b`` of the piece's types) and, ``l`` being an integer, ``l <=
-    k_t(r, T)``. Every rank holds at least ``V`` layers, so a type whose cap at a position is below
-    ``V`` cannot take it. The ranks must hold every layer: the bound is the smallest ``T`` where the best
-    assignment of types to positions (at most ``n_t`` of type ``t``; exactly, when the counts add up
-    to ``pp``) holds them with ``h_t(r) = min(cap_t(r), k_t(r, T))`` layers at position ``r``
-    (bisection: capacity is monotone in ``T``), computed exactly (:func:`.assignment.best_assignment`) after
-    two cheap upper bounds on it, ``sum_t (the n_t largest min(cap_t(r), k_t(0, T)))`` and ``sum_r
-    max_t h_t(r)``, did not settle it.
-
-    With ``schedule`` and ``V = 1`` also the fill and drain of the whole pipeline: ``T >= S + kf F_r +
-    kb B_r`` for both pairs of :func:`drain_coefficients` at position ``r``, where ``S`` is one
-    micro-batch's work on every rank (extras included). With ``Y = T - S`` (the room the drain leaves),
-    ``h_t(r)`` is also at most ``floor((Y - kf e^f_t(r) - kb e^b_t(r)) / (kf f_t + kb b_t))``
-    (``e``: the position's extras). ``S`` is at least ``S_min(Y)``, the cheapest placement of the model
-    when each type's layers fit in its ``n_t`` largest caps ``h_t(r)`` at ``Y`` (with exact counts each
-    of its ranks holds at least ``V``), plus the least extras; ``S_min`` does not rise with ``Y``, so
-    from ``Y_0 = T - S_min(inf)`` every plan of time ``<= T`` has ``Y <= Y_{k+1} = T - S_min(Y_k)``
-    (induction): the caps are taken at the limit of that decreasing sequence. Both paths also hold
-    the sends, rank 0's sync and, under a blocking ``comm_model``, the transfers the rank waits for
-    (:func:`drain_path_terms`). With ``schedule`` and ``V > 1`` the same with the interleaved path of
-    :func:`interleaved_drain_counts`, ``Y = T - S_L / V`` (``S_L``: the layers' work). With
-    ``target``: a value just above it as soon as the capacity there is short (the caller needs no
-    more), else the bisection. ``assign``: the assignment solver, :func:`.assignment.best_assignment` by
-    default (the compiled search passes the compiled build of the same solver)."""
+    live micro-batches at position ``r``); a lower bound on every plan's time, or ``start`` when it is
+    not larger. The statement and its proof: docs/SEARCH.md, "What `positional_bound` computes".
+    ``schedule`` adds the fill and drain paths, ``comm_model`` the transfers a blocking model waits for,
+    ``target`` stops just above that value, ``assign`` is the assignment solver
+    (:func:`.assignment.best_assignment` by default; the compiled search passes its compiled build).
+    ``witness`` (a list, exact counts): filled with ``[T, types, caps]``, the least ``T`` whose best
+    assignment was found to hold the model, the device type it gives each position and that position's
+    cap: the relaxation's own plan, which the engine turns into a seed (:func:`.seeds.relaxation_split`)."""
     assign = assign or best_assignment
     slack = 1.0 + 1e-9
     m = micro_batches
@@ -506,7 +483,11 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
         # successive shortest paths)
         got = assign([[row[i] if row[i] >= v else NEG for row in h] for i in range(len(types))],
                      [n for _w, n, _c, _s in types], pp)
-        return 0 if got is None else got[0]
+        if got is None:
+            return 0
+        if witness is not None and exact and got[0] >= num_layers and (not witness or t_ms < witness[0]):
+            witness[:] = [t_ms, [active[i] for i in got[1]], [h[r][i] for r, i in enumerate(got[1])]]
+        return got[0]
 
     if capacity(start) >= num_layers:
         return start

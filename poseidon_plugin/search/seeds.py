@@ -78,4 +78,31 @@ def assignment_seeds(table: TypeTable, shape: ShapeData, slots: Sequence[int], n
     return out
 
 
-__all__ = ["assignment_seeds", "best_assignment"]
+def relaxation_split(table: TypeTable, shape: ShapeData, types: Sequence[int], caps: Sequence[int],
+                     num_layers: int) -> list[int] | None:
+    """Layers per rank for the relaxation's own plan (``positional_bound``'s witness): each rank within
+    ``caps`` and its memory (:func:`.evaluate.rank_caps`; the relaxation's caps may exceed the memory
+    formula's, its largest chunk holding ``l / V``), then layers taken off the rank with the most
+    per-micro-batch work (``(f + b) l`` and the embedding's or head's; the earliest on ties: early ranks
+    keep the most activations)
+    while more than the model's are held, or added, within memory, where the work stays least while
+    fewer are. None when memory cannot hold the model on these ranks (at least ``V`` each)."""
+    v = shape.virtual_stages
+    pp = len(types)
+    cost = [table.forward_ms[t] + table.backward_ms[t] for t in types]
+    ends = [0.0] * pp
+    ends[0] += table.embedding_forward_ms[types[0]] + table.embedding_backward_ms[types[0]]
+    ends[-1] += table.head_forward_ms[types[-1]] + table.head_backward_ms[types[-1]]
+    room = rank_caps(table, shape, types, num_layers)
+    if min(room) < v or sum(room) < num_layers:
+        return None
+    layers = [max(v, min(c, m)) for c, m in zip(caps, room)]
+    while sum(layers) > num_layers:
+        r = max((r for r in range(len(layers)) if layers[r] > v), key=lambda r: (cost[r] * layers[r] + ends[r], -r))
+        layers[r] -= 1
+    while sum(layers) < num_layers:
+        r = min((r for r in range(len(layers)) if layers[r] < room[r]), key=lambda r: (cost[r] * (layers[r] + 1) + ends[r], -r))
+        layers[r] += 1
+    return layers
+
+__all__ = ["assignment_seeds", "best_assignment", "relaxation_split"]
