@@ -195,6 +195,7 @@ def _run(argv: list[str], rank: int, log: Log) -> int | None:
     phases.seconds["start-up"] = time.perf_counter() - started
 
     world, devices = phases.run("inventory", lambda: _inventory(job, devices))
+    emulated = devices.emulated  # built at inventory when each agent declares its own devices
     me = world.ranks[rank]
     log.rank_line(f"{me.device_type} ({device.kind}) on {me.host}, local rank {me.local_rank}"
                   + (f", compute stretched x{device.slowdown():.2f}" if device.slowdown() > 1.0 else "")
@@ -242,10 +243,10 @@ def _declared_cluster(job: _Job) -> ClusterSpec | None:
 
 
 def _own_devices(opts: runtime_options.RuntimeOptions, world_size: int) -> str | None:
-    """``--poseidon-emulate`` when it declares this agent's devices only (not with the deterministic
-    emulation, which needs the whole job's devices before the ranks meet)."""
+    """``--poseidon-emulate`` when it declares this agent's devices only (the job's are then the agents' union,
+    known at inventory; a deterministic emulation is built there)."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
-    if not opts.emulate or opts.emulate_model or opts.cluster or not local:
+    if not opts.emulate or opts.cluster or not local:
         return None
     from poseidon_plugin.runtime import emulation
     from poseidon_plugin.specs import device_presets
@@ -266,14 +267,17 @@ def profile_digest(cluster: ClusterSpec, model: ModelSpec, profile: ProfileSpec)
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()[:12]
 
 
-def _deterministic_emulation(job: _Job) -> EmulationState | None:
-    """``--poseidon-emulate-model``: this rank's EmulationState (runtime/emulation.py), or None."""
-    if not job.opts.emulate_model:
+def _deterministic_emulation(job: _Job, emulate: str | None = None) -> EmulationState | None:
+    """``--poseidon-emulate-model``: this rank's EmulationState (runtime/emulation.py) for the job's devices
+    ``emulate`` (default ``--poseidon-emulate``), or None. None too before inventory when each agent declares
+    its own devices: the emulation needs the job's, the agents' union (:func:`_union_of_agents`)."""
+    if not job.opts.emulate_model or (emulate is None and job.own_devices is not None):
         return None
     from poseidon_plugin.runtime import emulation
 
     return emulation.deterministic_state(
-        emulate=job.opts.emulate, emulate_model=job.opts.emulate_model, rank=job.rank, world_size=job.world_size,
+        emulate=emulate or job.opts.emulate, emulate_model=job.opts.emulate_model, rank=job.rank,
+        world_size=job.world_size,
         num_layers=job.flags.num_layers, global_batch=job.global_batch, micro_batch_size=job.flags.micro_batch_size,
         job_model=_job_model(job))
 
@@ -304,7 +308,7 @@ def _device(job: _Job, declared: ClusterSpec | None, emulated: EmulationState | 
             memory = int(declared.device_type(entry.device_type).memory_gb * devices.GIB)
             # the deterministic emulation holds compute to deadlines instead of stretching it
             device = devices.EmulatedDevice(job.local_rank, type_name=entry.device_type, memory_bytes=memory,
-                                            factor=1.0 if emulated is not None else factors[entry.device_type])
+                                            factor=1.0 if job.opts.emulate_model else factors[entry.device_type])
         elif job.opts.emulate:
             raise PoseidonError(f"{emulation.FLAG} emulates devices on CPU ranks, but this rank has a {device.kind} "
                                 f"device; declare the cluster with --poseidon-cluster FILE instead")
@@ -350,8 +354,10 @@ def _inventory(job: _Job, devices: _Devices) -> tuple[World, _Devices]:
 
 
 def _union_of_agents(job: _Job, devices: _Devices, union: str) -> _Devices:
-    """The job's emulated cluster from every agent's own devices; this rank's compute stretched against the
-    fastest type of the whole job (an agent alone knows only its own types)."""
+    """The job's emulated cluster from every agent's own devices (``union``: theirs in rank order, gathered at
+    inventory); this rank's compute stretched against the fastest type of the whole job (an agent alone knows
+    only its own types), or, with ``--poseidon-emulate-model``, the deterministic emulation of the whole job
+    built and installed here (its SCALE, links and TP fit depend on every device of the job)."""
     from poseidon_plugin.patches import emulation as emulation_patch
     from poseidon_plugin.runtime import emulation
     from poseidon_plugin.runtime.precheck import declared_cluster
@@ -362,6 +368,12 @@ def _union_of_agents(job: _Job, devices: _Devices, union: str) -> _Devices:
         raise PoseidonError(f"rank {job.rank} is a {devices.entry.device_type} of its agent's --poseidon-emulate but "
                             f"device {job.rank} of the agents' union {union!r} is a {entry.device_type}")
     device = devices.device
+    if job.opts.emulate_model:  # every rank builds the same emulation from the same union, then installs its own
+        state = _deterministic_emulation(job, union)
+        if device.kind == "emulated":
+            emulation.install_deterministic(state)
+            return dataclasses.replace(devices, declared=state.cluster, entry=entry, emulated=state)
+        return dataclasses.replace(devices, declared=state.cluster, entry=entry)
     if device.kind == "emulated":
         factor = emulation.slowdown_factors({t.name: t.peak_tflops for t in declared.device_types})[entry.device_type]
         if factor != device.slowdown():

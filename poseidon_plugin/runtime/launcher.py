@@ -143,7 +143,7 @@ def validate(opts: runtime_options.RuntimeOptions, script: str, script_args: lis
 
 def _agent_declares(opts: runtime_options.RuntimeOptions, world_size: int, nproc_per_node) -> bool:
     """``--poseidon-emulate`` names this agent's devices, not the job's (``elastic.agent_declares``)."""
-    if not opts.emulate or opts.emulate_model:
+    if not opts.emulate:
         return False
     from poseidon_plugin.runtime import elastic, emulation
     from poseidon_plugin.specs import device_presets
