@@ -592,7 +592,10 @@ def _wait_unused(job: _Job, phases: Phases, plan: Plan, device_type: str, log: L
         _exit(0)
 
     signal.signal(signal.SIGTERM, stopped)
-    why = elastic.wait_for_job(phases.store, plan.world_size, phases.lost_ranks)
+    # a planned rank is lost as the training guard sees it (gone, or silent for --poseidon-timeout): one that
+    # stalls for a few seconds (a checkpoint save, a stopped process) is not, or this rank would end the job
+    why = elastic.wait_for_job(phases.store, plan.world_size,
+                               lambda: phases.liveness.lost(silent_s=job.opts.timeout) if phases.liveness else [])
     phases.liveness.stop()
     if why is not None:
         log.error(f"stopped waiting for the job (unused by the plan): {why}")

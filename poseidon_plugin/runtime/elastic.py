@@ -21,15 +21,18 @@ A rank the plan leaves unused must not exit while the job runs: its agent would 
 barrier, time out (300 s) and leave, taking the rendezvous store with it when it hosts it, and with a
 per-round store the process of launcher rank 0 *is* the store. Unused ranks therefore wait until every
 planned rank has finished (:func:`wait_for_job`); the store's host waits for every rank to be done.
+torchrun has no option for the barrier's timeout; tests shorten it with :data:`EXIT_BARRIER_ENV`
+(:func:`exit_barrier`) to check that a job outliving it ends well.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.specs.fields import write_json_atomic
@@ -79,6 +82,47 @@ def hosts_store(rank: int, env: Mapping[str, str] = os.environ) -> bool:
 def launcher_env(environ: Mapping[str, str]) -> dict[str, str]:
     """What the launcher sets for torchrun's agents: a fresh worker store per rendezvous round."""
     return {} if SHARE_STORE_ENV in environ else {SHARE_STORE_ENV: "1"}
+
+
+EXIT_BARRIER_ENV = "POSEIDON_INJECT_EXIT_BARRIER"
+"""Test-only: seconds torchrun's agents wait in their exit barrier (torchrun's 300 s is not an option)."""
+
+
+def exit_barrier_timeout(env: Mapping[str, str] = os.environ) -> float | None:
+    """:data:`EXIT_BARRIER_ENV` in seconds (None when unset); PoseidonError when it is not a positive number."""
+    text = env.get(EXIT_BARRIER_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise PoseidonError(f"{EXIT_BARRIER_ENV}={text!r} is not a positive number of seconds (it is test-only; "
+                            f"unset it for torchrun's 300 s)")
+    return seconds
+
+
+@contextlib.contextmanager
+def exit_barrier(timeout_s: float | None) -> Iterator[None]:
+    """torchrun's agents of this launcher wait ``timeout_s`` in their exit barrier (None: torchrun's own)."""
+    if timeout_s is None:
+        yield
+        return
+    from torch.distributed.launcher import api
+
+    original = api.LocalElasticAgent
+
+    class Agent(original):  # the class torchrun's launch_agent builds, with the barrier's timeout given
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs["exit_barrier_timeout"] = timeout_s
+            super().__init__(*args, **kwargs)
+
+    api.LocalElasticAgent = Agent
+    try:
+        yield
+    finally:
+        api.LocalElasticAgent = original
 
 
 def open_store(rank: int, world_size: int, timeout_s: float, env: Mapping[str, str] = os.environ):

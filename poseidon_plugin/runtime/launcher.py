@@ -43,14 +43,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             torchrun.main(rest)
             return 0
         torchrun_args, env = prepare(opts, rest)
+        from poseidon_plugin.runtime import elastic
+
+        barrier_s = elastic.exit_barrier_timeout(os.environ)
     except PoseidonError as exc:
         message = runtime_options.as_given(str(exc), argv, os.environ)
         print(f"poseidon-run: error: {message}", file=sys.stderr, flush=True)
         return 2
     os.environ.update(env)
-    if not opts.emulate_model:
-        return launch(torchrun_args)
-    with _emulation_stamps():
+    with elastic.exit_barrier(barrier_s), (_emulation_stamps() if opts.emulate_model else contextlib.nullcontext()):
         return launch(torchrun_args)
 
 
