@@ -506,6 +506,8 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, p
         log.job_line(f"flag style {style}: {note}")
     log.job_line(render_table(plan, runtime=None if opts.plan else job.target.describe(plan)))
     log.job_line("command: " + job_flags.command_line(job.script, new_args))
+    if job.rank == 0:
+        _warn_vocab_padding(job, plan, log)
     if job.rank == 0 and opts.save_plan:
         plan.save(opts.save_plan)
         log.job_line(f"plan saved to {opts.save_plan}")
@@ -567,6 +569,34 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, p
     elastic.mark_done(phases.store, planned=True)
     _wait_as_store_host(job, phases, log)
     return code
+
+
+def _warn_vocab_padding(job: _Job, plan: Plan, log: Log) -> None:
+    """A resume (``--load``) whose plan pads the vocabulary to other rows than its checkpoint holds: one line
+    (``elastic.vocab_padding_warning``). Only where the tokens are known from the flags (``--vocab-size`` with
+    the NullTokenizer; Megatron-LM's adds an end-of-document token); the script's own load reports the rest."""
+    from poseidon_plugin.runtime import cpu_training, job_flags
+
+    values = job_flags.flag_values(job.script_args)
+    step, divisible = values.get("--ckpt-step", ""), values.get("--make-vocab-size-divisible-by", "")
+    if not values.get("--load") or not job.flags.vocab_size_given or (step and not step.isdigit()):
+        return
+    megatron_lm = cpu_training.uses_megatron_training(job.script, job.is_module)
+    if values.get("--tokenizer-type", "GPT2BPETokenizer" if megatron_lm else "NullTokenizer") != "NullTokenizer":
+        return
+    folder = elastic.checkpoint_folder(values["--load"], int(step) if step else None)
+    try:
+        rows = elastic.checkpoint_vocab_rows(folder) if folder is not None else None
+    except Exception:  # noqa: BLE001  (a checkpoint the script cannot read either: its load says why)
+        rows = None
+    if rows is None:
+        return
+    line = elastic.vocab_padding_warning(
+        load=values["--load"], checkpoint_rows=rows, tokens=job.flags.vocab_size + (1 if megatron_lm else 0),
+        tp=plan.tp, divisible_by=int(divisible) if divisible.isdigit() and int(divisible) > 0
+        else elastic.VOCAB_DIVISIBLE_BY)
+    if line:
+        log.job_line(line)
 
 
 def _share_stamps(plan: Plan, world: World, new_rank: int, device: Device) -> str:

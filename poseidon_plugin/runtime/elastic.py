@@ -296,3 +296,79 @@ def fleet_change(old: Mapping[str, int], new: Mapping[str, int]) -> str:
         elif delta > 0:
             parts.append(f"{name} x{delta} added")
     return ", ".join(parts) or "same devices"
+
+
+# --- resuming under another TP: the vocabulary's padding ---------------------------------------------
+
+VOCAB_DIVISIBLE_BY = 128
+"""Megatron-LM's default ``--make-vocab-size-divisible-by``."""
+TRACKER = "latest_checkpointed_iteration.txt"
+"""Megatron-LM's file naming a checkpoint folder's last complete iteration (``release`` or a number)."""
+
+
+def padded_vocab(tokens: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """Megatron-LM's embedding rows for ``tokens`` under TP ``tp``: a multiple of ``divisible_by x tp``."""
+    multiple = divisible_by * tp
+    return -(-tokens // multiple) * multiple
+
+
+def checkpoint_folder(load: str, ckpt_step: int | None = None) -> str | None:
+    """The checkpoint folder ``--load DIR`` (``--ckpt-step N``) resumes from, as Megatron-LM finds it; None
+    when there is none (a fresh start) or the tracker does not name one."""
+    if ckpt_step is None:
+        try:
+            with open(os.path.join(load, TRACKER), encoding="utf-8") as f:
+                text = f.read().strip()
+        except OSError:
+            return None
+        if text != "release" and not text.isdigit():
+            return None
+        name = "release" if text == "release" else f"iter_{int(text):07d}"
+    else:
+        name = f"iter_{ckpt_step:07d}"
+    folder = os.path.join(load, name)
+    return folder if os.path.isdir(folder) else None
+
+
+def checkpoint_vocab_rows(folder: str) -> int | None:
+    """The embedding rows of a torch_dist checkpoint (its word embedding's global shape, from the metadata
+    megatron-core's loader reads); None when the folder has no such tensor."""
+    from megatron.core import dist_checkpointing
+
+    for key, tensor in dist_checkpointing.load_tensors_metadata(folder).items():
+        if key.endswith("word_embeddings.weight") and getattr(tensor, "global_shape", None):
+            return int(tensor.global_shape[0])
+    return None
+
+
+def divisor_for_rows(rows: int, tokens: int, tp: int) -> int | None:
+    """A ``--make-vocab-size-divisible-by`` that pads ``tokens`` to exactly ``rows`` under TP ``tp`` (the largest
+    power of two that does, else the smallest number); None when none does."""
+    if rows < tokens or rows % tp:
+        return None
+    fitting = [d for d in range(1, rows // tp + 1) if padded_vocab(tokens, tp, d) == rows]
+    powers = [d for d in fitting if d & (d - 1) == 0]
+    return max(powers) if powers else (min(fitting) if fitting else None)
+
+
+def vocab_padding_warning(*, load: str, checkpoint_rows: int, tokens: int, tp: int,
+                          divisible_by: int = VOCAB_DIVISIBLE_BY) -> str | None:
+    """One line when this plan's TP pads the vocabulary to other rows than the checkpoint's (None when alike):
+    what it does to the embedding and the flag that avoids it."""
+    rows = padded_vocab(tokens, tp, divisible_by)
+    if rows == checkpoint_rows:
+        return None
+    if rows > checkpoint_rows:
+        effect = (f"rows {checkpoint_rows + 1}-{rows} are not in the checkpoint: they start from their "
+                  f"initialization and join the softmax, so the loss resumes above the uninterrupted run's")
+    else:
+        effect = (f"the checkpoint's rows {rows + 1}-{checkpoint_rows} are left out (the softmax loses "
+                  f"trained padding rows), so the loss resumes off the uninterrupted run's")
+    divisor = divisor_for_rows(checkpoint_rows, tokens, tp)
+    fix = (f"--make-vocab-size-divisible-by {divisor} pads TP {tp} to the checkpoint's {checkpoint_rows} rows"
+           if divisor is not None else
+           f"no --make-vocab-size-divisible-by pads TP {tp} to {checkpoint_rows} rows: resume under a TP that "
+           f"divides {checkpoint_rows} and pads alike")
+    return (f"warning: --load {load}: the checkpoint's embedding has {checkpoint_rows} vocabulary rows but this "
+            f"plan's TP {tp} pads the {tokens} tokens to {rows} (a multiple of --make-vocab-size-divisible-by "
+            f"{divisible_by} x TP {tp}): {effect}; {fix}")
