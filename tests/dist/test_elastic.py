@@ -86,6 +86,15 @@ class Agent:
             self.log.close()
 
 
+def finish_all(agents: list[Agent]) -> list[tuple[int, str]]:
+    """Every agent's (exit code, output) once it ends; all of them killed afterwards, also on a failure."""
+    try:
+        return [agent.finish() for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+
+
 def launch(tmp_path, agents_args: list[list[str]], owns: list[str] = OWN, **kwargs) -> list[Agent]:
     """Agent 0 (it hosts the rendezvous), then the others; agent i declares ``owns[i]``."""
     port = free_port()
@@ -169,7 +178,7 @@ def test_an_agent_joins_and_the_job_replans_for_both_and_resumes(reference, tmp_
     try:
         alone.wait_for(r"^poseidon\[rank 0\]: now global rank 0")  # planned for one device
         agents.append(Agent(tmp_path, 1, f"127.0.0.1:{port}", args, **kwargs))
-        results = [agent.finish() for agent in agents]
+        results = finish_all(agents)
     finally:
         for agent in agents:
             agent.kill()
@@ -213,12 +222,7 @@ def test_agents_declaring_their_own_devices_emulate_the_whole_job_deterministica
     """--poseidon-emulate-model with --poseidon-emulate given per agent failed before any process started (it
     needed the whole job's devices before the ranks met): each agent's list is now gathered at inventory and
     every rank builds the emulation of the union (one SCALE, one cluster), then the job plans and trains."""
-    agents = launch(tmp_path, [EMULATED, EMULATED], nnodes="2", torchrun=["--rdzv-id", "emulated"])
-    try:
-        results = [agent.finish() for agent in agents]
-    finally:
-        for agent in agents:
-            agent.kill()
+    results = finish_all(launch(tmp_path, [EMULATED, EMULATED], nnodes="2", torchrun=["--rdzv-id", "emulated"]))
     both = results[0][1] + results[1][1]
     assert [code for code, _ in results] == [0, 0], both[-6000:]
     scale = f"{_emulation_scale(','.join(OWN), 2):.4g}"

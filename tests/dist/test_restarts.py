@@ -170,7 +170,7 @@ def test_an_unused_agent_outlives_torchruns_exit_barrier(tmp_path, share):
 
     import psutil
 
-    from tests.dist.test_elastic import launch
+    from tests.dist.test_elastic import finish_all, launch
 
     plan = emulated_plan(tmp_path / "plan.json", [("A2-2", 1), ("A2-4", 1)], stage_types=["A2-4"], layers=[8])
     job = [*JOB, "--poseidon-plan", plan, "--poseidon-timeout", "90"]
@@ -185,7 +185,7 @@ def test_an_unused_agent_outlives_torchruns_exit_barrier(tmp_path, share):
         worker.send_signal(signal.SIGSTOP)  # the job outlives agent 0's barrier: its ranks left long before
         time.sleep(3 * EXIT_BARRIER_S)
         worker.send_signal(signal.SIGCONT)
-        results = [agent.finish() for agent in agents]
+        results = finish_all(agents)
     finally:
         for agent in agents:
             agent.kill()
