@@ -3,12 +3,13 @@
     python scripts/bench_restart.py
 
 What a user runs (``poseidon-run``, default options; ``--poseidon-emulate`` because the devices are emulated
-on CPU): an elastic job of two agents on this host (c10d rendezvous on 127.0.0.1, ``--nnodes 1:2``,
-``--max-restarts 1``), each declaring its own emulated device, training ``scripts/pretrain_gpt.py`` with
-``--load``/``--save``. A first launch warms the profile cache and saves a checkpoint (and agent 0 alone warms its own
-entries). In the next, agent 1
-is lost (its rank frozen at hand-over, then its launcher and worker killed, as a node that dies) and agent 0
-restarts alone. Every line agent 0 prints is timestamped when it arrives; the split:
+on CPU, ``--poseidon-emulate-model`` so that their times and links are the emulated model's, the same on
+every launch): an elastic job of two agents on this host (c10d rendezvous on 127.0.0.1, ``--nnodes 1:2``,
+``--max-restarts 1``), agent 0 with two devices, agent 1 with one, each declaring its own emulated devices,
+training ``scripts/pretrain_gpt.py`` with ``--load``/``--save``. A first launch warms the profile cache and
+saves a checkpoint (and agent 0 alone warms its own entries). In the next, agent 1 is lost (its rank frozen at
+hand-over, then its launcher and worker killed, as a node that dies) and agent 0 restarts alone on its two
+devices. Every line agent 0 prints is timestamped when it arrives; the split:
 
 - *detection*: the death to the surviving rank's ``lost rank ...`` line (Poseidon's guard; without it the
   rank would wait in a store call for the process group's timeout);
@@ -22,8 +23,9 @@ restarts alone. Every line agent 0 prints is timestamped when it arrives; the sp
   iteration itself).
 
 Targets printed beside the figures: Poseidon's share (detection + its phases) <= 2 s with a warm cache, and the
-restarted plan's hash equals the plan ``poseidon plan`` gives for the surviving device (the same profile and
-model, the survivor's cluster). Timings on a loaded machine are noisy: run it on an idle one.
+restarted plan's hash equals the plan ``poseidon plan`` gives for the surviving fleet (two devices: the same
+profile and model, the survivor's emulated cluster and links). Timings on a loaded machine are noisy: run it
+on an idle one.
 """
 
 from __future__ import annotations
@@ -45,7 +47,12 @@ sys.path[:0] = [HERE, REPO]
 from _agents import kill_agent, wait_for_port  # noqa: E402
 
 TARGET_S = 2.0
-OWN = ["A2-4:1", "A2-2:1"]  # agent i's own device; agent 1's (the faster) is in every plan, so its loss matters
+# agent i's own devices: the survivor (agent 0) keeps two, so its new plan has a placement and links to choose;
+# agent 1's A2-2 is the faster type (in every plan of both agents)
+OWN = ["A2-4:2", "A2-2:1"]
+NPROC = [2, 1]
+LOST_RANK = 2  # agent 1's rank (torchrun numbers agent 0's two ranks first)
+MODEL = "llama3-8b"
 JOB = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
        "--vocab-size", "128", "--micro-batch-size", "1", "--global-batch-size", "64", "--train-iters", "6",
        "--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -59,10 +66,12 @@ class Agent:
     def __init__(self, index: int, port: int, args: list[str], env: dict[str, str], rdzv_id: str) -> None:
         self.lines: list[tuple[float, str]] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "poseidon_plugin.runtime.launcher", "--nnodes", "1:2", "--nproc-per-node", "1",
+            [sys.executable, "-m", "poseidon_plugin.runtime.launcher", "--nnodes", "1:2",
+             "--nproc-per-node", str(NPROC[index]),
              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
              "--rdzv-conf", f"last_call_timeout={LAST_CALL_S}", "--max-restarts", "1", "--monitor-interval", "0.5",
-             "scripts/pretrain_gpt.py", *JOB, *args, "--poseidon-emulate", OWN[index]],
+             "scripts/pretrain_gpt.py", *JOB, *args, "--poseidon-emulate", OWN[index],
+             "--poseidon-emulate-model", MODEL],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -118,16 +127,18 @@ def launch(args: list[str], env: dict[str, str], rdzv_id: str, fault: str | None
 
 
 def offline_hash(out: str, work: str) -> tuple[str, str]:
-    """``poseidon plan`` for the surviving device, with the profile the new attempt wrote: its plan's hash."""
+    """``poseidon plan`` for the surviving devices, with the profile the new attempt wrote and the cluster its
+    emulation declares (devices and scaled links): its plan's hash."""
+    from poseidon_plugin.emulation.harness import deterministic_state
     from poseidon_plugin.runtime.job_flags import read_job
-    from poseidon_plugin.runtime.options import RuntimeOptions
     from poseidon_plugin.runtime.job_spec import job_name, model_spec
-    from poseidon_plugin.runtime.precheck import declared_cluster
 
     profiles = re.findall(r"written to (\S+-profile\.json)", out)
     job = read_job("scripts/pretrain_gpt.py", JOB)
     model = model_spec(job, global_batch_size=64, name=job_name("scripts/pretrain_gpt.py", job))
-    cluster = declared_cluster(RuntimeOptions(emulate=OWN[0]), 1)
+    cluster = deterministic_state(emulate=OWN[0], emulate_model=MODEL, rank=0, world_size=NPROC[0],
+                                  num_layers=job.num_layers, global_batch=64, micro_batch_size=job.micro_batch_size,
+                                  job_model=model).cluster
     paths = {}
     for name, doc in (("model", model.to_dict()), ("cluster", cluster.to_dict())):
         paths[name] = os.path.join(work, f"{name}.json")
@@ -141,8 +152,8 @@ def offline_hash(out: str, work: str) -> tuple[str, str]:
         return "", f"poseidon plan failed: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}"
     from poseidon_plugin.plan import Plan
 
-    return Plan.load(plan_file).plan_hash()[:12], "poseidon plan --cluster (A2-4 x1) --model (the job) --profile " \
-                                                  "(the new attempt's)"
+    return Plan.load(plan_file).plan_hash()[:12], (f"poseidon plan --cluster ({OWN[0]}, emulated links) --model "
+                                                   f"(the job) --profile (the new attempt's)")
 
 
 def main() -> int:
@@ -160,9 +171,9 @@ def main() -> int:
     if alone.finish() != 0:
         raise SystemExit("bench_restart: the warm-up launch of agent 0 alone failed:\n" + alone.text()[-3000:])
     print("restart: agent 1 lost during its start-up, agent 0 restarts alone ...", flush=True)
-    agents = launch(["--load", ck, "--ckpt-step", "2"], env, "restart", fault="hand-over:1:stop:0")
+    agents = launch(["--load", ck, "--ckpt-step", "2"], env, "restart", fault=f"hand-over:{LOST_RANK}:stop:0")
     try:
-        agents[1].wait_for(r"^poseidon\[rank 1\]: now global rank")
+        agents[1].wait_for(rf"^poseidon\[rank {LOST_RANK}\]: now global rank")
         death = time.monotonic()
         agents[1].kill()
         code = agents[0].finish()
@@ -176,7 +187,7 @@ def main() -> int:
     overhead = agents[0].first(r"^poseidon: overhead: Poseidon ([0-9.]+) s .*start-up ([0-9.]+) s before it", death)
     loaded = agents[0].first(r"^loaded checkpoint .* in ([0-9.]+) s$", death)
     first_iteration = agents[0].first(r"^iteration \d+/\d+ \|", death)
-    now_hash = agents[0].first(r"^poseidon:   now:    hash ([0-9a-f]{12}) ", death)
+    now_hash = agents[0].first(r"^poseidon:   now:    hash ([0-9a-f]{12}) +TP (\d+) PP (\d+) DP (\d+) .*$", death)
     cache = agents[0].first(r"^poseidon: profile: cache: (reused \d+ of \d+ configurations)", death)
     if not (lost and overhead and loaded and first_iteration and now_hash):
         raise SystemExit(f"bench_restart: a line is missing from the survivor's output:\n{out[-4000:]}")
@@ -200,6 +211,8 @@ def main() -> int:
           f"{'met' if share <= TARGET_S else f'MISSED by {share - TARGET_S:.2f} s'}")
     offline, how = offline_hash(out, work)
     restarted = now_hash[1][1]
+    used = int(now_hash[1][2]) * int(now_hash[1][3]) * int(now_hash[1][4])
+    print(f"restarted plan ({used} of the survivor's {NPROC[0]} devices): {now_hash[1][0].split('now:')[1].strip()}")
     print(f"restarted plan hash {restarted}; {how}: {offline or '-'}   target equal: "
           f"{'met' if offline == restarted else 'MISSED'}")
     print("(one run; timings on a shared machine are noisy)")

@@ -66,6 +66,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                  "--use-distributed-optimizer"):
         add(flag, action="store_true")
     add("--tokenizer-type", default="NullTokenizer", choices=("NullTokenizer",))
+    # embedding rows: --vocab-size padded to a multiple of this x TP, as Megatron-LM pads them
+    add("--make-vocab-size-divisible-by", type=int, default=128)
     add("--transformer-impl", default="local", choices=("local",))
     # Parallelism and batch.
     add("--tensor-model-parallel-size", type=int, default=1)
@@ -126,7 +128,8 @@ def build_model(args: argparse.Namespace, job, config) -> list[DistributedDataPa
     for vp_stage in range(vpp or 1):
         stage = None if vpp is None else vp_stage
         pre_process, post_process = stage_position(stage)
-        model = gpt_model(job, config, pre_process=pre_process, post_process=post_process, vp_stage=stage)
+        model = gpt_model(job, config, pre_process=pre_process, post_process=post_process, vp_stage=stage,
+                          vocab_divisible_by=args.make_vocab_size_divisible_by)
         if torch.cuda.is_available():
             model.cuda()
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=job.dtype != "fp32", overlap_grad_reduce=False,

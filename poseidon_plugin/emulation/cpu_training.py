@@ -17,14 +17,12 @@ they are.
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from poseidon_plugin import argv
 from poseidon_plugin.errors import PoseidonError
+from poseidon_plugin.runtime.job_flags import uses_megatron_training
 
 _SWITCHES = ("--no-persist-layer-norm", "--no-gradient-accumulation-fusion", "--no-rope-fusion")
 
@@ -86,19 +84,6 @@ def apply_adjustments(args: Sequence[str], adjustments: Sequence[Adjustment]) ->
     for a in adjustments:
         out += [a.flag] if a.new is None else [a.flag, a.new]
     return out
-
-
-def uses_megatron_training(script: str, is_module: bool) -> bool:
-    """Whether the script's stack has ``megatron.training`` (Megatron-LM's files beside the script, or a
-    megatron-core that ships them), without importing it."""
-    if not is_module:
-        folder = os.path.dirname(os.path.abspath(script))
-        if folder not in sys.path:
-            sys.path.insert(0, folder)  # where the script imports from (runpy puts it there too)
-    try:
-        return importlib.util.find_spec("megatron.training") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def prepare(script: str, args: Sequence[str], *, is_module: bool, log: Callable[[str], None]) -> list[str]:

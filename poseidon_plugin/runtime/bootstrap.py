@@ -195,6 +195,7 @@ def _run(argv: list[str], rank: int, log: Log) -> int | None:
     phases.seconds["start-up"] = time.perf_counter() - started
 
     world, devices = phases.run("inventory", lambda: _inventory(job, devices))
+    emulated = devices.emulated  # built at inventory when each agent declares its own devices
     me = world.ranks[rank]
     log.rank_line(f"{me.device_type} ({device.kind}) on {me.host}, local rank {me.local_rank}"
                   + (f", compute stretched x{device.slowdown():.2f}" if device.slowdown() > 1.0 else "")
@@ -242,10 +243,10 @@ def _declared_cluster(job: _Job) -> ClusterSpec | None:
 
 
 def _own_devices(opts: runtime_options.RuntimeOptions, world_size: int) -> str | None:
-    """``--poseidon-emulate`` when it declares this agent's devices only (not with the deterministic
-    emulation, which needs the whole job's devices before the ranks meet)."""
+    """``--poseidon-emulate`` when it declares this agent's devices only (the job's are then the agents' union,
+    known at inventory; a deterministic emulation is built there)."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
-    if not opts.emulate or opts.emulate_model or opts.cluster or not local:
+    if not opts.emulate or opts.cluster or not local:
         return None
     from poseidon_plugin.runtime.devices import declared_devices
 
@@ -264,14 +265,17 @@ def profile_digest(cluster: ClusterSpec, model: ModelSpec, profile: ProfileSpec)
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()[:12]
 
 
-def _deterministic_emulation(job: _Job) -> EmulationState | None:
-    """``--poseidon-emulate-model``: this rank's EmulationState (emulation/harness.py), or None."""
-    if not job.opts.emulate_model:
+def _deterministic_emulation(job: _Job, emulate: str | None = None) -> EmulationState | None:
+    """``--poseidon-emulate-model``: this rank's EmulationState (emulation/harness.py) for the job's devices
+    ``emulate`` (default ``--poseidon-emulate``), or None. None too before inventory when each agent declares
+    its own devices: the emulation needs the job's, the agents' union (:func:`_union_of_agents`)."""
+    if not job.opts.emulate_model or (emulate is None and job.own_devices is not None):
         return None
     from poseidon_plugin.runtime.devices import deterministic_state
 
     return deterministic_state(
-        emulate=job.opts.emulate, emulate_model=job.opts.emulate_model, rank=job.rank, world_size=job.world_size,
+        emulate=emulate or job.opts.emulate, emulate_model=job.opts.emulate_model, rank=job.rank,
+        world_size=job.world_size,
         num_layers=job.flags.num_layers, global_batch=job.global_batch, micro_batch_size=job.flags.micro_batch_size,
         job_model=_job_model(job))
 
@@ -298,7 +302,7 @@ def _device(job: _Job, declared: ClusterSpec | None, emulated: EmulationState | 
                                 f"{job.world_size} ranks; declare one device per rank")
         entry = declared.devices()[index]
         device = devices.emulated(device, declared, entry.device_type, flag=job.opts.emulate,
-                                  deterministic=emulated is not None)
+                                  deterministic=bool(job.opts.emulate_model))
     emulated = devices.install_emulation(device, emulated)
     return _Devices(device=device, declared=declared, entry=entry, emulated=emulated)
 
@@ -329,9 +333,11 @@ def _inventory(job: _Job, devices: _Devices) -> tuple[World, _Devices]:
 
 
 def _union_of_agents(job: _Job, devices: _Devices, union: str) -> _Devices:
-    """The job's emulated cluster from every agent's own devices; this rank's compute stretched against the
-    fastest type of the whole job (an agent alone knows only its own types)."""
-    from poseidon_plugin.runtime.devices import restretch
+    """The job's emulated cluster from every agent's own devices (``union``: theirs in rank order, gathered at
+    inventory); this rank's compute stretched against the fastest type of the whole job (an agent alone knows
+    only its own types), or, with ``--poseidon-emulate-model``, the deterministic emulation of the whole job
+    built and installed here (its SCALE, links and TP fit depend on every device of the job)."""
+    from poseidon_plugin.runtime.devices import install_emulation, restretch
     from poseidon_plugin.runtime.precheck import declared_cluster
 
     declared = declared_cluster(dataclasses.replace(job.opts, emulate=union), job.world_size)
@@ -339,6 +345,10 @@ def _union_of_agents(job: _Job, devices: _Devices, union: str) -> _Devices:
     if devices.entry is not None and entry.device_type != devices.entry.device_type:
         raise PoseidonError(f"rank {job.rank} is a {devices.entry.device_type} of its agent's --poseidon-emulate but "
                             f"device {job.rank} of the agents' union {union!r} is a {entry.device_type}")
+    if job.opts.emulate_model:  # every rank builds the same emulation from the same union, then installs its own
+        state = _deterministic_emulation(job, union)
+        kept = install_emulation(devices.device, state)
+        return dataclasses.replace(devices, declared=state.cluster, entry=entry, emulated=kept or devices.emulated)
     restretch(devices.device, declared, entry.device_type)
     return dataclasses.replace(devices, declared=declared, entry=entry)
 
@@ -465,6 +475,8 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, p
         log.job_line(f"flag style {style}: {note}")
     log.job_line(render_table(plan, runtime=None if opts.plan else job.target.describe(plan)))
     log.job_line("command: " + job_flags.command_line(job.script, new_args))
+    if job.rank == 0:
+        _warn_vocab_padding(job, plan, log)
     if job.rank == 0 and opts.save_plan:
         plan.save(opts.save_plan)
         log.job_line(f"plan saved to {opts.save_plan}")
@@ -525,6 +537,34 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, p
     return code
 
 
+def _warn_vocab_padding(job: _Job, plan: Plan, log: Log) -> None:
+    """A resume (``--load``) whose plan pads the vocabulary to other rows than its checkpoint holds: one line
+    (``elastic.vocab_padding_warning``). Only where the tokens are known from the flags (``--vocab-size`` with
+    the NullTokenizer; Megatron-LM's adds an end-of-document token); the script's own load reports the rest."""
+    from poseidon_plugin.runtime import job_flags
+
+    values = job_flags.flag_values(job.script_args)
+    step, divisible = values.get("--ckpt-step", ""), values.get("--make-vocab-size-divisible-by", "")
+    if not values.get("--load") or not job.flags.vocab_size_given or (step and not step.isdigit()):
+        return
+    megatron_lm = job_flags.uses_megatron_training(job.script, job.is_module)
+    if values.get("--tokenizer-type", "GPT2BPETokenizer" if megatron_lm else "NullTokenizer") != "NullTokenizer":
+        return
+    folder = elastic.checkpoint_folder(values["--load"], int(step) if step else None)
+    try:
+        rows = elastic.checkpoint_vocab_rows(folder) if folder is not None else None
+    except Exception:  # noqa: BLE001  (a checkpoint the script cannot read either: its load says why)
+        rows = None
+    if rows is None:
+        return
+    line = elastic.vocab_padding_warning(
+        load=values["--load"], checkpoint_rows=rows, tokens=job.flags.vocab_size + (1 if megatron_lm else 0),
+        tp=plan.tp, divisible_by=int(divisible) if divisible.isdigit() and int(divisible) > 0
+        else elastic.VOCAB_DIVISIBLE_BY)
+    if line:
+        log.job_line(line)
+
+
 def _share_stamps(plan: Plan, world: World, new_rank: int, device: Device) -> str:
     """One stamp file for the emulated links of every planned rank on this host, across agents."""
     import torch.distributed as dist
@@ -548,7 +588,10 @@ def _wait_unused(job: _Job, phases: Phases, plan: Plan, device_type: str, log: L
         _exit(0)
 
     signal.signal(signal.SIGTERM, stopped)
-    why = elastic.wait_for_job(phases.store, plan.world_size, phases.lost_ranks)
+    # a planned rank is lost as the training guard sees it (gone, or silent for --poseidon-timeout): one that
+    # stalls for a few seconds (a checkpoint save, a stopped process) is not, or this rank would end the job
+    why = elastic.wait_for_job(phases.store, plan.world_size,
+                               lambda: phases.liveness.lost(silent_s=job.opts.timeout) if phases.liveness else [])
     phases.liveness.stop()
     if why is not None:
         log.error(f"stopped waiting for the job (unused by the plan): {why}")

@@ -21,15 +21,18 @@ A rank the plan leaves unused must not exit while the job runs: its agent would 
 barrier, time out (300 s) and leave, taking the rendezvous store with it when it hosts it, and with a
 per-round store the process of launcher rank 0 *is* the store. Unused ranks therefore wait until every
 planned rank has finished (:func:`wait_for_job`); the store's host waits for every rank to be done.
+torchrun has no option for the barrier's timeout; tests shorten it with :data:`EXIT_BARRIER_ENV`
+(:func:`exit_barrier`) to check that a job outliving it ends well.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.specs.fields import write_json_atomic
@@ -79,6 +82,47 @@ def hosts_store(rank: int, env: Mapping[str, str] = os.environ) -> bool:
 def launcher_env(environ: Mapping[str, str]) -> dict[str, str]:
     """What the launcher sets for torchrun's agents: a fresh worker store per rendezvous round."""
     return {} if SHARE_STORE_ENV in environ else {SHARE_STORE_ENV: "1"}
+
+
+EXIT_BARRIER_ENV = "POSEIDON_INJECT_EXIT_BARRIER"
+"""Test-only: seconds torchrun's agents wait in their exit barrier (torchrun's 300 s is not an option)."""
+
+
+def exit_barrier_timeout(env: Mapping[str, str] = os.environ) -> float | None:
+    """:data:`EXIT_BARRIER_ENV` in seconds (None when unset); PoseidonError when it is not a positive number."""
+    text = env.get(EXIT_BARRIER_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise PoseidonError(f"{EXIT_BARRIER_ENV}={text!r} is not a positive number of seconds (it is test-only; "
+                            f"unset it for torchrun's 300 s)")
+    return seconds
+
+
+@contextlib.contextmanager
+def exit_barrier(timeout_s: float | None) -> Iterator[None]:
+    """torchrun's agents of this launcher wait ``timeout_s`` in their exit barrier (None: torchrun's own)."""
+    if timeout_s is None:
+        yield
+        return
+    from torch.distributed.launcher import api
+
+    original = api.LocalElasticAgent
+
+    class Agent(original):  # the class torchrun's launch_agent builds, with the barrier's timeout given
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs["exit_barrier_timeout"] = timeout_s
+            super().__init__(*args, **kwargs)
+
+    api.LocalElasticAgent = Agent
+    try:
+        yield
+    finally:
+        api.LocalElasticAgent = original
 
 
 def open_store(rank: int, world_size: int, timeout_s: float, env: Mapping[str, str] = os.environ):
@@ -252,3 +296,79 @@ def fleet_change(old: Mapping[str, int], new: Mapping[str, int]) -> str:
         elif delta > 0:
             parts.append(f"{name} x{delta} added")
     return ", ".join(parts) or "same devices"
+
+
+# --- resuming under another TP: the vocabulary's padding ---------------------------------------------
+
+VOCAB_DIVISIBLE_BY = 128
+"""Megatron-LM's default ``--make-vocab-size-divisible-by``."""
+TRACKER = "latest_checkpointed_iteration.txt"
+"""Megatron-LM's file naming a checkpoint folder's last complete iteration (``release`` or a number)."""
+
+
+def padded_vocab(tokens: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """Megatron-LM's embedding rows for ``tokens`` under TP ``tp``: a multiple of ``divisible_by x tp``."""
+    multiple = divisible_by * tp
+    return -(-tokens // multiple) * multiple
+
+
+def checkpoint_folder(load: str, ckpt_step: int | None = None) -> str | None:
+    """The checkpoint folder ``--load DIR`` (``--ckpt-step N``) resumes from, as Megatron-LM finds it; None
+    when there is none (a fresh start) or the tracker does not name one."""
+    if ckpt_step is None:
+        try:
+            with open(os.path.join(load, TRACKER), encoding="utf-8") as f:
+                text = f.read().strip()
+        except OSError:
+            return None
+        if text != "release" and not text.isdigit():
+            return None
+        name = "release" if text == "release" else f"iter_{int(text):07d}"
+    else:
+        name = f"iter_{ckpt_step:07d}"
+    folder = os.path.join(load, name)
+    return folder if os.path.isdir(folder) else None
+
+
+def checkpoint_vocab_rows(folder: str) -> int | None:
+    """The embedding rows of a torch_dist checkpoint (its word embedding's global shape, from the metadata
+    megatron-core's loader reads); None when the folder has no such tensor."""
+    from megatron.core import dist_checkpointing
+
+    for key, tensor in dist_checkpointing.load_tensors_metadata(folder).items():
+        if key.endswith("word_embeddings.weight") and getattr(tensor, "global_shape", None):
+            return int(tensor.global_shape[0])
+    return None
+
+
+def divisor_for_rows(rows: int, tokens: int, tp: int) -> int | None:
+    """A ``--make-vocab-size-divisible-by`` that pads ``tokens`` to exactly ``rows`` under TP ``tp`` (the largest
+    power of two that does, else the smallest number); None when none does."""
+    if rows < tokens or rows % tp:
+        return None
+    fitting = [d for d in range(1, rows // tp + 1) if padded_vocab(tokens, tp, d) == rows]
+    powers = [d for d in fitting if d & (d - 1) == 0]
+    return max(powers) if powers else (min(fitting) if fitting else None)
+
+
+def vocab_padding_warning(*, load: str, checkpoint_rows: int, tokens: int, tp: int,
+                          divisible_by: int = VOCAB_DIVISIBLE_BY) -> str | None:
+    """One line when this plan's TP pads the vocabulary to other rows than the checkpoint's (None when alike):
+    what it does to the embedding and the flag that avoids it."""
+    rows = padded_vocab(tokens, tp, divisible_by)
+    if rows == checkpoint_rows:
+        return None
+    if rows > checkpoint_rows:
+        effect = (f"rows {checkpoint_rows + 1}-{rows} are not in the checkpoint: they start from their "
+                  f"initialization and join the softmax, so the loss resumes above the uninterrupted run's")
+    else:
+        effect = (f"the checkpoint's rows {rows + 1}-{checkpoint_rows} are left out (the softmax loses "
+                  f"trained padding rows), so the loss resumes off the uninterrupted run's")
+    divisor = divisor_for_rows(checkpoint_rows, tokens, tp)
+    fix = (f"--make-vocab-size-divisible-by {divisor} pads TP {tp} to the checkpoint's {checkpoint_rows} rows"
+           if divisor is not None else
+           f"no --make-vocab-size-divisible-by pads TP {tp} to {checkpoint_rows} rows: resume under a TP that "
+           f"divides {checkpoint_rows} and pads alike")
+    return (f"warning: --load {load}: the checkpoint's embedding has {checkpoint_rows} vocabulary rows but this "
+            f"plan's TP {tp} pads the {tokens} tokens to {rows} (a multiple of --make-vocab-size-divisible-by "
+            f"{divisible_by} x TP {tp}): {effect}; {fix}")

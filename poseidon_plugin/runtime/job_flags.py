@@ -10,7 +10,10 @@ Flag names are Megatron-LM's (``megatron/training/arguments.py``); the command l
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shlex
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -276,3 +279,16 @@ def replaced_flags(args: Sequence[str], planned: Sequence[str], drop: Sequence[s
 def command_line(script: str, args: Sequence[str]) -> str:
     """A shell-quoted one-line rendering of ``script args`` (for the log)."""
     return shlex.join([script, *args])
+
+
+def uses_megatron_training(script: str, is_module: bool) -> bool:
+    """Whether the script's stack has ``megatron.training`` (Megatron-LM's files beside the script, or a
+    megatron-core that ships them), without importing it."""
+    if not is_module:
+        folder = os.path.dirname(os.path.abspath(script))
+        if folder not in sys.path:
+            sys.path.insert(0, folder)  # where the script imports from (runpy puts it there too)
+    try:
+        return importlib.util.find_spec("megatron.training") is not None
+    except (ImportError, ValueError):
+        return False

@@ -43,14 +43,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             torchrun.main(rest)
             return 0
         torchrun_args, env = prepare(opts, rest)
+        from poseidon_plugin.runtime import elastic
+
+        barrier_s = elastic.exit_barrier_timeout(os.environ)
     except PoseidonError as exc:
         message = runtime_options.as_given(str(exc), argv, os.environ)
         print(f"poseidon-run: error: {message}", file=sys.stderr, flush=True)
         return 2
     os.environ.update(env)
-    if not opts.emulate_model:
-        return launch(torchrun_args)
-    with _emulation_stamps():
+    with elastic.exit_barrier(barrier_s), (_emulation_stamps() if opts.emulate_model else contextlib.nullcontext()):
         return launch(torchrun_args)
 
 
@@ -143,7 +144,7 @@ def validate(opts: runtime_options.RuntimeOptions, script: str, script_args: lis
 
 def _agent_declares(opts: runtime_options.RuntimeOptions, world_size: int, nproc_per_node) -> bool:
     """``--poseidon-emulate`` names this agent's devices, not the job's (``elastic.agent_declares``)."""
-    if not opts.emulate or opts.emulate_model:
+    if not opts.emulate:
         return False
     from poseidon_plugin.emulation.harness import declared_devices
     from poseidon_plugin.runtime import elastic

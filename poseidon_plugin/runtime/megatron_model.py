@@ -167,8 +167,9 @@ def gpt_model(
     post_process: bool,
     vp_stage: int | None = None,
     pg_collection: Any = None,
+    vocab_divisible_by: int = 128,
 ) -> GPTModel:
-    """A GPTModel chunk for this rank.
+    """A GPTModel chunk for this rank (its vocabulary padded to a multiple of ``vocab_divisible_by`` x TP).
 
     Groups: ``pg_collection`` where GPTModel takes it; elsewhere the caller must hold
     :func:`parallel_state_for` ``(pg_collection)`` around building *and* running the model (checked), or
@@ -180,7 +181,7 @@ def gpt_model(
     kwargs: dict[str, Any] = dict(
         config=config,
         transformer_layer_spec=layer_spec(job),
-        vocab_size=padded_vocab_size(job, config.tensor_model_parallel_size),
+        vocab_size=padded_vocab_size(job, config.tensor_model_parallel_size, vocab_divisible_by),
         max_sequence_length=job.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,

@@ -47,7 +47,7 @@ class Agent:
     """One ``poseidon-run`` agent (its own process group and log file)."""
 
     def __init__(self, tmp_path, index: int, endpoint: str, script_args: list[str], *, nnodes: str = "1:2",
-                 torchrun: list[str] = (), env: dict[str, str] | None = None) -> None:
+                 torchrun: list[str] = (), env: dict[str, str] | None = None, own: str | None = None) -> None:
         full = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path.parent / "xdg"),
                     PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
         for key in [k for k in full if k.startswith("POSEIDON_") or k.startswith("TORCH_DISABLE_SHARE")]:
@@ -58,7 +58,7 @@ class Agent:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "poseidon_plugin.runtime.launcher", "--nnodes", nnodes, "--nproc-per-node", "1",
              "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--monitor-interval", "0.5", *torchrun,
-             SCRIPT, *script_args, "--poseidon-emulate", OWN[index]],
+             SCRIPT, *script_args, "--poseidon-emulate", own or OWN[index]],
             cwd=REPO, env=full, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def output(self) -> str:
@@ -86,13 +86,23 @@ class Agent:
             self.log.close()
 
 
-def launch(tmp_path, agents_args: list[list[str]], **kwargs) -> list[Agent]:
+def finish_all(agents: list[Agent]) -> list[tuple[int, str]]:
+    """Every agent's (exit code, output) once it ends; all of them killed afterwards, also on a failure."""
+    try:
+        return [agent.finish() for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+
+
+def launch(tmp_path, agents_args: list[list[str]], owns: list[str] = OWN, **kwargs) -> list[Agent]:
+    """Agent 0 (it hosts the rendezvous), then the others; agent i declares ``owns[i]``."""
     port = free_port()
-    first = Agent(tmp_path, 0, f"127.0.0.1:{port}", agents_args[0], **kwargs)
+    first = Agent(tmp_path, 0, f"127.0.0.1:{port}", agents_args[0], own=owns[0], **kwargs)
     try:
         if not wait_for_port(port, BOUND_S):
             pytest.fail(f"no agent listened on port {port}:\n{first.output()[-4000:]}")
-        return [first, *[Agent(tmp_path, i, f"127.0.0.1:{port}", args, **kwargs)
+        return [first, *[Agent(tmp_path, i, f"127.0.0.1:{port}", args, own=owns[i], **kwargs)
                          for i, args in enumerate(agents_args[1:], start=1)]]
     except BaseException:
         first.kill()
@@ -168,7 +178,7 @@ def test_an_agent_joins_and_the_job_replans_for_both_and_resumes(reference, tmp_
     try:
         alone.wait_for(r"^poseidon\[rank 0\]: now global rank 0")  # planned for one device
         agents.append(Agent(tmp_path, 1, f"127.0.0.1:{port}", args, **kwargs))
-        results = [agent.finish() for agent in agents]
+        results = finish_all(agents)
     finally:
         for agent in agents:
             agent.kill()
@@ -181,3 +191,65 @@ def test_an_agent_joins_and_the_job_replans_for_both_and_resumes(reference, tmp_
     assert sorted(resumed) == [5, 6], both[-6000:]
     for iteration, loss in resumed.items():
         assert abs(loss - uninterrupted[iteration]) <= LOSS_TOLERANCE, (iteration, loss, uninterrupted)
+
+
+# --- the deterministic emulation with each agent's own devices ----------------------------------------
+
+MODEL = "llama3-8b"
+EMULATED = [*JOB, "--poseidon-emulate-model", MODEL, "--poseidon-micro-batch-sizes", "1", "--poseidon-timeout", "90"]
+
+
+def _emulation_scale(emulate: str, world_size: int) -> float:
+    """The automatic SCALE of the whole job's deterministic emulation (every rank must build this one)."""
+    from poseidon_plugin.emulation.harness import deterministic_state
+    from poseidon_plugin.runtime.job_flags import effective_global_batch, read_job
+    from poseidon_plugin.runtime.job_spec import job_name, model_spec
+
+    flags = read_job(SCRIPT, JOB)
+    gbs = effective_global_batch(flags, world_size)
+    return deterministic_state(emulate=emulate, emulate_model=MODEL, rank=0, world_size=world_size,
+                               num_layers=flags.num_layers, global_batch=gbs, micro_batch_size=flags.micro_batch_size,
+                               job_model=model_spec(flags, global_batch_size=gbs, name=job_name(SCRIPT, flags))).scale
+
+
+def _emulation_lines(output: str) -> dict[int, tuple[str, str]]:
+    return {int(rank): (device, scale) for rank, device, scale in re.findall(
+        r"^poseidon\[rank (\d)\]: (A2-\d) \(emulated\) on \S+, local rank 0, deterministic emulation of "
+        rf"{MODEL} x(\S+) ", output, re.M)}
+
+
+def test_agents_declaring_their_own_devices_emulate_the_whole_job_deterministically(tmp_path):
+    """--poseidon-emulate-model with --poseidon-emulate given per agent failed before any process started (it
+    needed the whole job's devices before the ranks met): each agent's list is now gathered at inventory and
+    every rank builds the emulation of the union (one SCALE, one cluster), then the job plans and trains."""
+    results = finish_all(launch(tmp_path, [EMULATED, EMULATED], nnodes="2", torchrun=["--rdzv-id", "emulated"]))
+    both = results[0][1] + results[1][1]
+    assert [code for code, _ in results] == [0, 0], both[-6000:]
+    scale = f"{_emulation_scale(','.join(OWN), 2):.4g}"
+    assert _emulation_lines(both) == {0: ("A2-4", scale), 1: ("A2-2", scale)}, both[-6000:]
+    assert len(re.findall(r"^poseidon: Poseidon plan:", both, re.M)) == 1, both[-6000:]  # one plan, rank 0's
+    assert len(iteration_losses(both)) == 3, both[-6000:]
+
+
+def test_an_agent_leaves_a_deterministically_emulated_job_and_the_survivor_replans(tmp_path):
+    """2 -> 1 agents under --poseidon-emulate-model: the survivor's next attempt emulates its own device
+    alone (the SCALE of a one-device job) and re-plans for it. The survivor is the A2-2 (64 GB): the
+    emulated model does not fit one A2-4's 32 GB."""
+    owns = OWN[::-1]
+    agents = launch(tmp_path, [EMULATED, EMULATED], owns=owns, torchrun=["--max-restarts", "1", "--rdzv-id", "emulated-leave",
+                                                            *LAST_CALL],
+                    env={"POSEIDON_INJECT_FAULT": "hand-over:1:stop:0"})
+    try:
+        agents[1].wait_for(r"^poseidon\[rank 1\]: now global rank")
+        agents[1].kill()
+        code, out = agents[0].finish()
+    finally:
+        for agent in agents:
+            agent.kill()
+    assert code == 0, out[-6000:]
+    before, _, after = out.partition("error: lost rank")  # attempt 0 ends where its rank 0 finds rank 1 gone
+    assert _emulation_lines(before) == {0: ("A2-2", f"{_emulation_scale(','.join(owns), 2):.4g}")}, out[-6000:]
+    assert _emulation_lines(after) == {0: ("A2-2", f"{_emulation_scale(owns[0], 1):.4g}")}, out[-6000:]
+    assert re.search(r"^poseidon: re-planned for attempt 1 of this run \(A2-4 x1 gone; 2 -> 1 devices\): a new plan$",
+                     out, re.M), out[-6000:]
+    assert len(iteration_losses(after)) == 3, out[-6000:]

@@ -153,3 +153,43 @@ def test_ranks_of_two_agents_share_the_emulated_links_posting_times(tmp_path):
     assert re.search(r"^poseidon: emulation: p2p posting times shared by the 2 planned ranks through one file$",
                      both, re.M), both[-6000:]
     assert len(losses(both)) == len(re.findall(r"^iteration ", both, re.M)) > 0, both[-6000:]
+
+
+EXIT_BARRIER_S = 5
+"""torchrun's exit barrier, shortened for the test (``POSEIDON_INJECT_EXIT_BARRIER``; torchrun's is 300 s)."""
+
+
+@pytest.mark.parametrize("share", ["1", "0"], ids=["store-per-round", "agent-store"])
+def test_an_unused_agent_outlives_torchruns_exit_barrier(tmp_path, share):
+    """Defect 3 as filed: agent 0's ranks are all unused, agent 1 trains for longer than torchrun's exit barrier
+    (its rank frozen for several barriers' time after placement); agent 0 hosts the rendezvous. Unused ranks
+    used to leave at once: their agent then timed out in the barrier and left with the store (the agent's own
+    with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0, the workers' per-round one in rank 0's process otherwise)
+    while agent 1 still trained. Now both agents end with the job, exit 0, the training finished."""
+    import signal
+
+    import psutil
+
+    from tests.dist.test_elastic import finish_all, launch
+
+    plan = emulated_plan(tmp_path / "plan.json", [("A2-2", 1), ("A2-4", 1)], stage_types=["A2-4"], layers=[8])
+    job = [*JOB, "--poseidon-plan", plan, "--poseidon-timeout", "90"]
+    agents = launch(tmp_path, [job, job], owns=["A2-2:1", "A2-4:1"], nnodes="2",
+                    torchrun=["--rdzv-id", f"barrier-{share}"],
+                    env={"POSEIDON_INJECT_EXIT_BARRIER": str(EXIT_BARRIER_S), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": share})
+    try:
+        agents[0].wait_for(r"^poseidon\[rank 0\]: A2-2 device is not used by the plan; waiting for the job to end$")
+        agents[1].wait_for(r"^poseidon\[rank 1\]: now global rank 0")
+        worker = next(p for p in psutil.Process(agents[1].proc.pid).children(recursive=True)
+                      if "poseidon_plugin.runtime.bootstrap" in " ".join(p.cmdline()))
+        worker.send_signal(signal.SIGSTOP)  # the job outlives agent 0's barrier: its ranks left long before
+        time.sleep(3 * EXIT_BARRIER_S)
+        worker.send_signal(signal.SIGCONT)
+        results = finish_all(agents)
+    finally:
+        for agent in agents:
+            agent.kill()
+    (c0, out0), (c1, out1) = results
+    assert (c0, c1) == (0, 0), (out0 + out1)[-6000:]
+    assert len(losses(out1)) == 3, out1[-4000:]
+    assert out0.index("waiting for the job to end") < out0.index("the job has ended; leaving"), out0[-4000:]

@@ -62,3 +62,34 @@ def test_a_checkpoint_resumes_under_another_plan_on_another_fleet(tmp_path):
     assert sorted(resumed) == [4, 5, 6], out[-4000:]  # the iteration counter continues
     for iteration, loss in resumed.items():
         assert abs(loss - uninterrupted[iteration]) <= LOSS_TOLERANCE, (iteration, loss, uninterrupted)
+
+
+def test_a_resume_whose_tp_pads_the_vocabulary_otherwise_warns_and_the_flag_avoids_it(tmp_path):
+    """--vocab-size 128 holds 128 rows at TP 1 and 256 at TP 2 (Megatron-LM pads to a multiple of
+    --make-vocab-size-divisible-by 128 x TP): resumed under TP 2, rank 0 warns once, naming both sizes and the
+    flag's value that pads TP 2 to the checkpoint's rows; with that value given there is no warning and the
+    loss continues as the uninterrupted run's."""
+    job = _with(JOB, train_iters="3")
+    ck = str(tmp_path / "ck")
+    one = emulated_plan(tmp_path / "tp1.json", [("A2-4", 1)], stage_types=["A2-4"], layers=[8], job_args=job)
+    code, out = poseidon_run(["--nproc-per-node", "1", SCRIPT, *job, "--save", ck, "--save-interval", "2",
+                              "--poseidon-emulate", "A2-4:1", "--poseidon-plan", one], tmp_path)
+    assert code == 0, out[-4000:]
+    uninterrupted = iteration_losses(out)
+    two = emulated_plan(tmp_path / "tp2.json", [("A2-4", 2)], stage_types=["A2-4"], layers=[8], tp=2, job_args=job)
+    resume = ["--nproc-per-node", "2", SCRIPT, *job, "--load", ck, "--ckpt-step", "2",
+              "--poseidon-emulate", "A2-4:2", "--poseidon-plan", two]
+    code, out = poseidon_run(resume, tmp_path)
+    assert code == 0, out[-4000:]
+    warnings = re.findall(r"^poseidon: warning: --load .*$", out, re.M)
+    assert warnings == [f"poseidon: warning: --load {ck}: the checkpoint's embedding has 128 vocabulary rows but this "
+                        f"plan's TP 2 pads the 128 tokens to 256 (a multiple of --make-vocab-size-divisible-by 128 x "
+                        f"TP 2): rows 129-256 are not in the checkpoint: they start from their initialization and "
+                        f"join the softmax, so the loss resumes above the uninterrupted run's; "
+                        f"--make-vocab-size-divisible-by 64 pads TP 2 to the checkpoint's 128 rows"], out[-4000:]
+    code, out = poseidon_run([*resume, "--make-vocab-size-divisible-by", "64"], tmp_path)
+    assert code == 0, out[-4000:]
+    assert "poseidon: warning: --load" not in out, out[-4000:]
+    resumed = iteration_losses(out)
+    assert sorted(resumed) == [3], out[-4000:]
+    assert abs(resumed[3] - uninterrupted[3]) <= LOSS_TOLERANCE, (resumed, uninterrupted)

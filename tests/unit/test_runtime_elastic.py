@@ -153,3 +153,53 @@ def test_test_faults_name_an_attempt_or_a_world_size():
     assert parse_fault("hand-over:1:kill:0", attempt=1, world_size=2) is None
     with pytest.raises(PoseidonError, match="PHASE:RANK"):
         parse_fault("hand-over:0:wait:x1")
+
+
+@pytest.mark.parametrize("tokens, tp, divisible_by, rows", [
+    (128, 1, 128, 128), (128, 2, 128, 256), (513, 1, 128, 640), (513, 2, 128, 768), (513, 2, 64, 640)])
+def test_the_vocabulary_pads_to_a_multiple_of_the_divisor_times_tp(tokens, tp, divisible_by, rows):
+    assert elastic.padded_vocab(tokens, tp, divisible_by) == rows
+
+
+def test_the_divisor_that_pads_a_tp_to_the_checkpoints_rows():
+    assert elastic.divisor_for_rows(640, 513, 2) == 64  # Megatron-LM's NullTokenizer: 512 + 1 tokens
+    assert elastic.divisor_for_rows(128, 128, 2) == 64
+    assert elastic.padded_vocab(513, 2, elastic.divisor_for_rows(640, 513, 2)) == 640
+    assert elastic.divisor_for_rows(640, 513, 3) is None  # 640 rows do not split into 3 equal shards
+    assert elastic.divisor_for_rows(256, 513, 1) is None  # fewer rows than tokens
+
+
+def test_a_resume_padded_otherwise_warns_with_the_rows_and_the_flag():
+    assert elastic.vocab_padding_warning(load="ck", checkpoint_rows=640, tokens=513, tp=1) is None
+    grown = elastic.vocab_padding_warning(load="ck", checkpoint_rows=640, tokens=513, tp=2)
+    assert grown == ("warning: --load ck: the checkpoint's embedding has 640 vocabulary rows but this plan's TP 2 "
+                     "pads the 513 tokens to 768 (a multiple of --make-vocab-size-divisible-by 128 x TP 2): rows "
+                     "641-768 are not in the checkpoint: they start from their initialization and join the softmax, "
+                     "so the loss resumes above the uninterrupted run's; --make-vocab-size-divisible-by 64 pads TP 2 "
+                     "to the checkpoint's 640 rows")
+    shrunk = elastic.vocab_padding_warning(load="ck", checkpoint_rows=768, tokens=513, tp=1)
+    assert "the checkpoint's rows 641-768 are left out" in shrunk and "--make-vocab-size-divisible-by 256 pads TP 1" in shrunk
+    none = elastic.vocab_padding_warning(load="ck", checkpoint_rows=640, tokens=513, tp=3)
+    assert none.endswith("no --make-vocab-size-divisible-by pads TP 3 to 640 rows: resume under a TP that divides "
+                         "640 and pads alike")
+
+
+def test_the_checkpoint_folder_is_megatrons_tracker_or_the_step(tmp_path):
+    assert elastic.checkpoint_folder(str(tmp_path)) is None  # no tracker: a fresh start
+    (tmp_path / "iter_0000004").mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("4\n")
+    assert elastic.checkpoint_folder(str(tmp_path)) == str(tmp_path / "iter_0000004")
+    assert elastic.checkpoint_folder(str(tmp_path), 2) is None  # no such iteration saved
+    (tmp_path / "release").mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
+    assert elastic.checkpoint_folder(str(tmp_path)) == str(tmp_path / "release")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("garbage")
+    assert elastic.checkpoint_folder(str(tmp_path)) is None
+
+
+def test_the_test_only_exit_barrier_is_a_positive_number_of_seconds():
+    assert elastic.exit_barrier_timeout({}) is None
+    assert elastic.exit_barrier_timeout({"POSEIDON_INJECT_EXIT_BARRIER": "5"}) == 5.0
+    for bad in ("0", "-1", "soon", "inf"):
+        with pytest.raises(PoseidonError, match=r"^POSEIDON_INJECT_EXIT_BARRIER='.*' is not a positive number"):
+            elastic.exit_barrier_timeout({"POSEIDON_INJECT_EXIT_BARRIER": bad})
