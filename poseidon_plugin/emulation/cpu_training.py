@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 from poseidon_plugin import argv
 from poseidon_plugin.errors import PoseidonError
-from poseidon_plugin.runtime.job_flags import uses_megatron_training
 
 _SWITCHES = ("--no-persist-layer-norm", "--no-gradient-accumulation-fusion", "--no-rope-fusion")
 
@@ -87,10 +86,9 @@ def apply_adjustments(args: Sequence[str], adjustments: Sequence[Adjustment]) ->
 
 
 def prepare(script: str, args: Sequence[str], *, is_module: bool, log: Callable[[str], None]) -> list[str]:
-    """On a CPU rank, right before the script runs: the adjusted arguments, the training table applied, one
-    log line per change. Scripts without ``megatron.training`` get ``args`` back unchanged."""
-    if not uses_megatron_training(script, is_module):
-        return list(args)
+    """On a CPU rank, right before a script whose stack has ``megatron.training`` runs
+    (``job_flags.uses_megatron_training``, checked by ``Device.prepare_training``): the adjusted arguments, the
+    training table applied, one log line per change."""
     from poseidon_plugin.emulation import megatron_training_patch as megatron_training
 
     try:

@@ -91,6 +91,10 @@ class Device:
                          log: Callable[[str], None]) -> list[str]:
         """The training script's arguments on this device: on CPU ranks Megatron-LM's own loop
         (``megatron.training``) is made to run first (``emulation/cpu_training.py``)."""
+        from poseidon_plugin.runtime.job_flags import uses_megatron_training
+
+        if not uses_megatron_training(script, is_module):
+            return list(args)
         from poseidon_plugin.emulation import cpu_training
 
         return cpu_training.prepare(script, args, is_module=is_module, log=log)
