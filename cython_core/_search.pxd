@@ -1,14 +1,15 @@
 # Types of poseidon_plugin/search/splits.py, compiled as poseidon_plugin._core._search (the engine's
 # fast path): the tree walk over the state and bounds of StructureBounds (structure_bounds.pxd).
 cimport cython
-from poseidon_plugin._core.structure_bounds cimport StructureBounds, chunk_layers
+from poseidon_plugin._core.relaxation_bound cimport RelaxationBound
+from poseidon_plugin._core.structure_bounds cimport chunk_layers
 
 cdef double INF, PATH_SLACK
-cdef int CLOCK_EVERY, N_MINS, N_TYPE_MINS, N_COUNTERS
+cdef int CLOCK_EVERY, N_MINS, N_TYPE_MINS, N_COUNTERS, LP_MAX, LP_MIN_UNDECIDED
 cdef int NODES, BOUND_EVALS, SIM_CALLS, PRUNED_BOUND, PRUNED_PATH, PRUNED_MEMORY, PRUNED_RIDGE
 cdef int PRUNED_ORDER, IMPROVED
 
-cdef class SplitSearch(StructureBounds):
+cdef class SplitSearch(RelaxationBound):
     cdef inline double _memory_need(self, int t, int r, int layers) noexcept nogil
     cdef inline int _rank_cap(self, int t, int r) noexcept nogil
     cdef inline int _reset(self, object counts) except -1

@@ -19,7 +19,7 @@ cdef class StructureBounds:
     cdef bint ridge, blocks, backward, exact_counts, have_best, aborted
     cdef double tau, shrink, best, deadline
     cdef long long max_nodes
-    cdef long long[::1] ctr
+    cdef long long[::1] ctr, depth_nodes
     cdef double[::1] params
     # the type table: per type, per slot (t * stride + slot)
     cdef double[::1] forward_ms, backward_ms, embedding_forward_ms, embedding_backward_ms

@@ -33,19 +33,20 @@ import math
 import time
 from array import array
 
-from poseidon_plugin.search.constants import CLOCK_EVERY, N_MINS, N_TYPE_MINS, PATH_SLACK
+from poseidon_plugin.search.constants import (CLOCK_EVERY, LP_MAX, LP_MIN_UNDECIDED, N_MINS, N_TYPE_MINS,
+                                              PATH_SLACK)
 from poseidon_plugin.search.counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES,
                                              PRUNED_BOUND, PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH,
                                              PRUNED_RIDGE, SIM_CALLS)
 from poseidon_plugin.search.split_result import SplitResult
 
-from .structure_bounds import (StructureBounds, chunk_layers, float_buffer, float_copy, int_buffer,
-                               int_copy)
+from .relaxation_bound import RelaxationBound
+from .structure_bounds import chunk_layers, float_buffer, float_copy, int_buffer, int_copy
 
 INF = math.inf
 
 
-class SplitSearch(StructureBounds):
+class SplitSearch(RelaxationBound):
     """Exact (or ridge-pruned) search of one structure; re-usable with different counts and ``tau``.
 
     The bounds and caps are the methods of :class:`~.structure_bounds.StructureBounds`; this class holds
@@ -117,6 +118,7 @@ class SplitSearch(StructureBounds):
         self.ctr = array("q", [0]) * N_COUNTERS
         self.best_types = int_buffer(pp)
         self.best_layers = int_buffer(nv)
+        self.depth_nodes = array("q", [0]) * (pp + 1)   # nodes per depth of the last run (diagnostics)
         # the fill's scratch (StructureBounds._fill)
         self.mins = float_buffer(N_MINS)
         self.type_mins = float_buffer(nt * N_TYPE_MINS)
@@ -177,6 +179,29 @@ class SplitSearch(StructureBounds):
         self.assign_gain = float_buffer(nt)
         self.assign_via_type = int_buffer(nt)
         self.assign_via_rank = int_buffer(nt)
+        # the relaxation bound's scratch (RelaxationBound)
+        npar = self.n_par = shape.n_params
+        self.lp_base = float_buffer(npar)
+        self.lp_free = int_buffer(npar)
+        self.lp_weight = float_buffer(npar)
+        self.lp_point = float_buffer(npar)
+        self.lp_rank = float_buffer(npar)
+        self.lp_cnt = int_buffer(LP_MAX * npar)
+        self.lp_colp = float_buffer(LP_MAX * npar)
+        self.lp_cost = float_buffer(LP_MAX * LP_MAX)
+        self.lp_layers = int_buffer(LP_MAX)
+        self.lp_lam = float_buffer(LP_MAX)
+        self.lp_theta = float_buffer(LP_MAX)
+        self.lp_dual = float_buffer(LP_MAX + 2)
+        self.lp_tab = float_buffer((LP_MAX + 3) * (3 * LP_MAX + 4))
+        self.lp_basis = int_buffer(LP_MAX + 2)
+        self.lp_lo = int_buffer(pp * nt)
+        self.lp_hi = int_buffer(pp * nt)
+        self.lp_arg = int_buffer(pp * nt)
+        self.lp_new_t = int_buffer(pp)
+        self.lp_new_l = int_buffer(pp)
+        self.lp_const = 0.0
+        self.lp_value = 0.0
         # memory: most layers rank r holds on type t (all chunks; < V when the rank cannot be used)
         self.live = int_copy(shape.live)
         self.layer_state_bytes = float_copy(table.layer_state_bytes)
@@ -248,6 +273,8 @@ class SplitSearch(StructureBounds):
             self.layers[i] = 0
         for i in range(N_COUNTERS):
             self.ctr[i] = 0
+        for i in range(self.pp + 1):
+            self.depth_nodes[i] = 0
         self.exact_counts = total == self.pp
         return total
 
@@ -280,6 +307,10 @@ class SplitSearch(StructureBounds):
             layers = tuple([self.best_layers[i] for i in range(self.nv)])
         return SplitResult(time_ms=self.best, types=types, layers=layers,
                            counters=tuple([self.ctr[i] for i in range(N_COUNTERS)]), aborted=self.aborted)
+
+    def depth_profile(self) -> list[int]:
+        """Nodes per depth of the last :meth:`run` (depth ``k``: ``k`` ranks decided)."""
+        return [self.depth_nodes[i] for i in range(self.pp + 1)]
 
     def _root_check(self) -> None:
         """Path and mass bounds at the root only (no DAG needed): ``best = 0`` when not pruned."""
@@ -339,6 +370,7 @@ class SplitSearch(StructureBounds):
         if self.aborted:
             return
         self.ctr[NODES] += 1
+        self.depth_nodes[k] += 1
         if (self.ctr[NODES] % CLOCK_EVERY == 0 and time.monotonic() > self.deadline) or \
                 self.ctr[NODES] == self.max_nodes:
             self.aborted = True
@@ -362,6 +394,12 @@ class SplitSearch(StructureBounds):
                                  self.caps[(k - 1) * nv:k * nv], self.capts[(k - 1) * nv * nt:k * nv * nt], True)
         if not ok:
             return
+        if self.tau < INF and self.exact_counts and b - a >= LP_MIN_UNDECIDED:
+            # the relaxation bound (docs/SEARCH.md): every completion's DAG over fractional types and layers
+            limit = self.tau * (1.0 + PATH_SLACK)
+            if self._relaxation_bound(a, b, left, lb, cap, capt, limit) >= limit:
+                self.ctr[PRUNED_PATH] += 1
+                return
         for t in range(nt):
             why = self._type_allowed(r, t)
             if why:

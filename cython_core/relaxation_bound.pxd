@@ -1,0 +1,41 @@
+# Types of poseidon_plugin/search/relaxation_bound.py, compiled as poseidon_plugin._core.relaxation_bound:
+# the relaxation bound's scratch (set by SplitSearch.__init__) and its methods, on top of StructureBounds.
+cimport cython
+from poseidon_plugin._core.structure_bounds cimport StructureBounds, chunk_layers
+
+cdef double INF, NEG_F, LP_BIG_MU, LP_EPS
+cdef int LP_MAX, LP_PIVOTS, N_TYPE_MINS
+cdef int MIN_FORWARD, MIN_BACKWARD, MIN_EMBEDDING_FORWARD, MIN_EMBEDDING_BACKWARD, MIN_HEAD_FORWARD
+cdef int MIN_HEAD_BACKWARD, MIN_ALLREDUCE, MIN_EMBEDDING_ALLREDUCE, MIN_HEAD_ALLREDUCE
+
+cdef class RelaxationBound(StructureBounds):
+    cdef int n_par
+    cdef int[::1] lp_free, lp_cnt, lp_layers, lp_basis, lp_lo, lp_hi, lp_arg, lp_new_t, lp_new_l
+    cdef double[::1] lp_base, lp_weight, lp_point, lp_rank, lp_colp, lp_cost, lp_lam, lp_theta, lp_dual
+    cdef double[::1] lp_tab
+    cdef double lp_const, lp_value
+
+    @cython.locals(best=cython.double, scale=cython.double, mu=cython.double, total=cython.double,
+                   x=cython.double, got=cython.double, value=cython.double, t_master=cython.double,
+                   dag=cython.double, n_paths=cython.int, n_cols=cython.int, added=cython.int)
+    cdef double _relaxation_bound(self, int a, int b, int left, int[::1] lb, int[::1] cap, int[::1] capt,
+                                  double need) noexcept
+    cdef inline void _lp_range(self, int r, int t, int[::1] lb, int[::1] cap, int[::1] capt) noexcept nogil
+    @cython.locals(f=cython.double, bw=cython.double, total_ar=cython.double, tm='double[::1]')
+    cdef inline void _lp_put_rank(self, double[::1] out, int off, int r, int t, int l) noexcept nogil
+    @cython.locals(x=cython.double)
+    cdef inline double _lp_rank_cost(self, int r, int t, int l) noexcept nogil
+    @cython.locals(x=cython.double)
+    cdef inline void _lp_weights(self, int n_paths) noexcept nogil
+    @cython.locals(best=cython.double, x=cython.double, got=cython.double)
+    cdef inline double _lp_oracle(self, int a, int b, double mu) noexcept nogil
+    cdef inline void _lp_add_path(self, int q) noexcept nogil
+    cdef inline void _lp_add_column(self, int j, int a, int b, int n_paths, double scale) noexcept nogil
+    @cython.locals(x=cython.double)
+    cdef inline double _lp_path_cost(self, int q, int j) noexcept nogil
+    @cython.locals(tab='double[::1]', x=cython.double)
+    cdef inline bint _lp_master(self, int n_paths, int n_cols, int left) noexcept nogil
+    @cython.locals(tab='double[::1]', best=cython.double, x=cython.double, ratio=cython.double)
+    cdef inline bint _lp_simplex(self, int m, int w, int art) noexcept nogil
+    @cython.locals(tab='double[::1]', p=cython.double, f=cython.double)
+    cdef inline void _lp_pivot(self, int m, int w, int pr, int pc) noexcept nogil

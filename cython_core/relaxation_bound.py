@@ -1,0 +1,1 @@
+../poseidon_plugin/search/relaxation_bound.py
