@@ -3,23 +3,44 @@
 cimport cython
 from poseidon_plugin._core.structure_bounds cimport StructureBounds, chunk_layers
 
-cdef double INF, NEG_F, LP_BIG_MU, LP_EPS
-cdef int LP_MAX, LP_PIVOTS, N_TYPE_MINS
+cdef double INF, NEG_F, LP_EPS
+cdef int LP_MAX, LP_MAX_OPTIONS, LP_PIVOTS, N_TYPE_MINS
 cdef int MIN_FORWARD, MIN_BACKWARD, MIN_EMBEDDING_FORWARD, MIN_EMBEDDING_BACKWARD, MIN_HEAD_FORWARD
 cdef int MIN_HEAD_BACKWARD, MIN_ALLREDUCE, MIN_EMBEDDING_ALLREDUCE, MIN_HEAD_ALLREDUCE
 
 cdef class RelaxationBound(StructureBounds):
     cdef int n_par
-    cdef int[::1] lp_free, lp_cnt, lp_layers, lp_basis, lp_lo, lp_hi, lp_arg, lp_new_t, lp_new_l
-    cdef double[::1] lp_base, lp_weight, lp_point, lp_rank, lp_colp, lp_cost, lp_lam, lp_theta, lp_dual
-    cdef double[::1] lp_tab
-    cdef double lp_const, lp_value
+    cdef int[::1] lp_free, lp_cnt, lp_basis, lp_lo, lp_hi, lp_arg, lp_new_t, lp_new_l
+    cdef int[::1] lp_opt_r, lp_opt_t, lp_opt_l
+    cdef double[::1] lp_base, lp_weight, lp_point, lp_rank, lp_lam, lp_tab, lp_obj
+    cdef double lp_const
+    cdef int lp_n_opt, lp_slack0, lp_art0, lp_w, lp_m, lp_layer_row
 
     @cython.locals(best=cython.double, scale=cython.double, mu=cython.double, total=cython.double,
-                   x=cython.double, got=cython.double, value=cython.double, t_master=cython.double,
-                   dag=cython.double, n_paths=cython.int, n_cols=cython.int, added=cython.int)
+                   x=cython.double, got=cython.double, value=cython.double, dag=cython.double,
+                   n_paths=cython.int, n_opt=cython.int)
     cdef double _relaxation_bound(self, int a, int b, int left, int[::1] lb, int[::1] cap, int[::1] capt,
                                   double need) noexcept
+    @cython.locals(tab='double[::1]', obj='double[::1]', x=cython.double, n_opt=cython.int, n_types=cython.int)
+    cdef bint _lp_build(self, int a, int b, int left, int n_paths, double scale) noexcept nogil
+    @cython.locals(tab='double[::1]', x=cython.double)
+    cdef inline void _lp_path_row(self, int q, int off, double scale) noexcept nogil
+    @cython.locals(x=cython.double)
+    cdef inline double _lp_option_cost(self, int q, int j) noexcept nogil
+    @cython.locals(tab='double[::1]', f=cython.double)
+    cdef inline bint _lp_cut(self, int q, double scale) noexcept nogil
+    @cython.locals(x=cython.double)
+    cdef inline void _lp_objective(self) noexcept nogil
+    cdef inline double _lp_value(self) noexcept nogil
+    @cython.locals(x=cython.double)
+    cdef inline void _lp_point(self) noexcept nogil
+    @cython.locals(tab='double[::1]', obj='double[::1]', best=cython.double, x=cython.double, ratio=cython.double)
+    cdef inline bint _lp_simplex(self) noexcept nogil
+    @cython.locals(tab='double[::1]', obj='double[::1]', best=cython.double, x=cython.double, ratio=cython.double,
+                   worst=cython.double, d=cython.double)
+    cdef inline bint _lp_dual_simplex(self) noexcept nogil
+    @cython.locals(tab='double[::1]', obj='double[::1]', p=cython.double, f=cython.double)
+    cdef inline void _lp_pivot(self, int pr, int pc) noexcept nogil
     cdef inline void _lp_range(self, int r, int t, int[::1] lb, int[::1] cap, int[::1] capt) noexcept nogil
     @cython.locals(f=cython.double, bw=cython.double, total_ar=cython.double, tm='double[::1]')
     cdef inline void _lp_put_rank(self, double[::1] out, int off, int r, int t, int l) noexcept nogil
@@ -30,12 +51,3 @@ cdef class RelaxationBound(StructureBounds):
     @cython.locals(best=cython.double, x=cython.double, got=cython.double)
     cdef inline double _lp_oracle(self, int a, int b, double mu) noexcept nogil
     cdef inline void _lp_add_path(self, int q) noexcept nogil
-    cdef inline void _lp_add_column(self, int j, int a, int b, int n_paths, double scale) noexcept nogil
-    @cython.locals(x=cython.double)
-    cdef inline double _lp_path_cost(self, int q, int j) noexcept nogil
-    @cython.locals(tab='double[::1]', x=cython.double)
-    cdef inline bint _lp_master(self, int n_paths, int n_cols, int left) noexcept nogil
-    @cython.locals(tab='double[::1]', best=cython.double, x=cython.double, ratio=cython.double)
-    cdef inline bint _lp_simplex(self, int m, int w, int art) noexcept nogil
-    @cython.locals(tab='double[::1]', p=cython.double, f=cython.double)
-    cdef inline void _lp_pivot(self, int m, int w, int pr, int pc) noexcept nogil

@@ -16,11 +16,11 @@ FIT_SLACK = 1e-12
 # scratch, in less time (bench_search measures it)
 PROPAGATION_ROUNDS = 3
 INHERITED_ROUNDS = 2
-# the relaxation bound (search/relaxation_bound.py): at most this many paths and columns per node ...
-LP_MAX = 40
-LP_PIVOTS = 4000            # ... pivots per solve of its program (Bland's rule: no cycling; a cap anyway)
-LP_EPS = 1e-9               # its simplex's tolerance (the program's costs are scaled by tau: ~1)
-LP_BIG_MU = 1e7             # a layer multiplier that makes the oracle take the fewest / most layers
+# the relaxation bound (search/relaxation_bound.py): at most this many path rows per node ...
+LP_MAX = 24
+LP_MAX_OPTIONS = 600        # ... and (rank, type, layers) options: a node with more is left to the other bounds
+LP_PIVOTS = 4000            # pivots per simplex run (Bland's rule: no cycling; a cap anyway)
+LP_EPS = 1e-9               # the simplex's tolerance (the program's costs are scaled by tau: ~1)
 LP_MIN_UNDECIDED = 3        # nodes with fewer undecided ranks are left to the children's DAG bounds
 CLOCK_EVERY = 1024          # nodes between two looks at the clock (time limit)
 
@@ -34,8 +34,8 @@ MIN_FORWARD, MIN_BACKWARD, MIN_EMBEDDING_FORWARD, MIN_EMBEDDING_BACKWARD, MIN_HE
 N_MINS = len(MIN_NAMES)
 N_TYPE_MINS = MIN_SEND      # the kinds a type has of its own (the transfers depend on the link)
 
-__all__ = ["CLOCK_EVERY", "FIT_SLACK", "INHERITED_ROUNDS", "LP_BIG_MU", "LP_EPS", "LP_MAX", "LP_MIN_UNDECIDED",
-           "LP_PIVOTS", "MIN_ALLREDUCE", "MIN_BACKWARD",
+__all__ = ["CLOCK_EVERY", "FIT_SLACK", "INHERITED_ROUNDS", "LP_EPS", "LP_MAX", "LP_MAX_OPTIONS",
+           "LP_MIN_UNDECIDED", "LP_PIVOTS", "MIN_ALLREDUCE", "MIN_BACKWARD",
            "MIN_EMBEDDING_ALLREDUCE", "MIN_EMBEDDING_BACKWARD", "MIN_EMBEDDING_FORWARD", "MIN_FORWARD",
            "MIN_HEAD_ALLREDUCE", "MIN_HEAD_BACKWARD", "MIN_HEAD_FORWARD", "MIN_NAMES", "MIN_SEND",
            "N_MINS", "N_TYPE_MINS", "PATH_SLACK", "PROPAGATION_ROUNDS"]

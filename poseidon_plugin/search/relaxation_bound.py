@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 
 from poseidon_plugin.search.assignment import NEG_F
-from poseidon_plugin.search.constants import (LP_BIG_MU, LP_EPS, LP_MAX, LP_PIVOTS, MIN_ALLREDUCE,
+from poseidon_plugin.search.constants import (LP_EPS, LP_MAX, LP_MAX_OPTIONS, LP_PIVOTS, MIN_ALLREDUCE,
                                               MIN_BACKWARD, MIN_EMBEDDING_ALLREDUCE, MIN_EMBEDDING_BACKWARD,
                                               MIN_EMBEDDING_FORWARD, MIN_FORWARD, MIN_HEAD_ALLREDUCE,
                                               MIN_HEAD_BACKWARD, MIN_HEAD_FORWARD, N_TYPE_MINS)
@@ -46,86 +46,316 @@ class RelaxationBound(StructureBounds):
         """A lower bound on every completion (below tau) of the node whose undecided ranks are ``[a, b)``
         with ``left`` layers, ``lb``/``cap``/``capt`` its propagated bounds; it stops once the bound
         reaches ``need``. ``-inf`` where it finds none (never a cut)."""
-        nt, npar = self.nt, self.n_par
+        nt, npar, v = self.nt, self.n_par, self.v
         best = -INF
         self._fill(lb, capt)                  # decided ranks exact, sends at their lower bounds
         for i in range(npar):
             self.lp_base[i] = self.params[i]
-        for i in range(npar):
             self.lp_free[i] = 0
+        n_opt = 0
         for r in range(a, b):
-            for c in range(self.v):
-                self.lp_free[1 + r * self.v + c] = 1
-                self.lp_free[1 + self.nv + r * self.v + c] = 1
+            for c in range(v):
+                self.lp_free[1 + r * v + c] = 1
+                self.lp_free[1 + self.nv + r * v + c] = 1
             self.lp_free[1 + 2 * self.nv + self.pp + r] = 1
             for t in range(nt):
                 self._lp_range(r, t, lb, cap, capt)
+                if self.lp_lo[r * nt + t] >= 0:
+                    n_opt += self.lp_hi[r * nt + t] - self.lp_lo[r * nt + t] + 1
+        if n_opt > LP_MAX_OPTIONS:
+            return best
         scale = self.tau if self.tau > 0.0 else 1.0
-        # the first path: the critical path of the DAG at the lower bounds (the node's own DAG bound)
+        # the first row: the critical path of the DAG at the lower bounds (the node's own DAG bound)
         self._lp_add_path(0)
         n_paths = 1
-        # the first columns: fewest and most layers (the program is feasible: the propagation kept
-        # the node, so the lower bounds fit in left and the assignment capacity reaches it)
-        self.lp_lam[0] = 1.0
-        self._lp_weights(1)
-        n_cols = 0
-        for sign in range(2):
-            mu = -LP_BIG_MU if sign == 0 else LP_BIG_MU
-            if self._lp_oracle(a, b, mu) == INF:
-                return -INF
-            self._lp_add_column(n_cols, a, b, n_paths, scale)
-            n_cols += 1
-        for it in range(LP_MAX):
-            if not self._lp_master(n_paths, n_cols, left):
-                return best
-            # the dual: lambda over the paths, mu of the layer sum; the bound at them
+        if not self._lp_build(a, b, left, n_paths, scale):
+            return best
+        for it in range(LP_MAX - n_paths + 1):
+            # the duals: lambda over the paths (their slacks' reduced costs), mu of the layer sum
             total = 0.0
             for q in range(n_paths):
-                x = -self.lp_dual[q]
+                x = self.lp_obj[self.lp_slack0 + q]
                 if x < 0.0:
                     x = 0.0
                 self.lp_lam[q] = x
                 total += x
             if total <= 0.0:
-                return best
+                break
             for q in range(n_paths):
                 self.lp_lam[q] /= total
-            mu = self.lp_dual[n_paths + 1] * scale
+            mu = -self.lp_obj[self.lp_art0 + self.lp_layer_row] * scale
             self._lp_weights(n_paths)
             got = self._lp_oracle(a, b, mu)
             if got == INF:
-                return best
+                break
             value = self.lp_const + mu * left + got
             if value > best:
                 best = value
             if best >= need:
-                return best
-            t_master = self.lp_value * scale
-            added = 0
-            # a new column where the bound is below the program's value (its reduced cost is their difference)
-            if value < t_master - LP_EPS * scale and n_cols < LP_MAX:
-                self._lp_add_column(n_cols, a, b, n_paths, scale)
-                n_cols += 1
-                added = 1
+                break
             # the DAG at the program's point: no bound of this kind reaches past it; its critical path is
             # a new row where it is longer than the program thinks
-            for i in range(npar):
-                x = 0.0
-                for j in range(n_cols - added):
-                    x += self.lp_theta[j] * self.lp_colp[j * npar + i]
-                self.lp_point[i] = x
+            self._lp_point()
             dag = self.kernel.longest_into(self.lp_point)
-            if dag < need:
-                return best
-            if dag > t_master + LP_EPS * scale and n_paths < LP_MAX:
-                self._lp_add_path(n_paths)
-                for j in range(n_cols):
-                    self.lp_cost[n_paths * LP_MAX + j] = self._lp_path_cost(n_paths, j) / scale
-                n_paths += 1
-                added = 1
-            if not added:
-                return best
+            if dag < need or n_paths >= LP_MAX or dag <= self._lp_value() * scale * (1.0 + LP_EPS):
+                break
+            self._lp_add_path(n_paths)
+            if not self._lp_cut(n_paths, scale):
+                break
+            n_paths += 1
         return best
+
+    # --- the program ----------------------------------------------------------------------------
+
+    def _lp_build(self, a: int, b: int, left: int, n_paths: int, scale: float) -> bool:
+        """The program of the node, solved (two phases): ``min T`` over ``theta[r, t, l] >= 0`` (rank ``r`` on
+        type ``t`` with ``l`` layers; per rank summing to 1, per type to its remaining ranks, their layers
+        to ``left``) with ``T >= cost_P(theta)`` for the first ``n_paths`` paths. Columns: the options, T,
+        a slack per path row (room for LP_MAX), an artificial per first row, the right-hand side."""
+        nt, pp = self.nt, self.pp
+        n_opt = 0
+        for r in range(a, b):
+            for t in range(nt):
+                lo = self.lp_lo[r * nt + t]
+                if lo < 0:
+                    continue
+                for l in range(lo, self.lp_hi[r * nt + t] + 1):
+                    self.lp_opt_r[n_opt] = r
+                    self.lp_opt_t[n_opt] = t
+                    self.lp_opt_l[n_opt] = l
+                    n_opt += 1
+        self.lp_n_opt = n_opt
+        n_types = 0
+        for t in range(nt):
+            if self.remaining[t] > 0:
+                n_types += 1
+        m = (b - a) + n_types + 1 + n_paths
+        col_t = n_opt
+        self.lp_slack0 = n_opt + 1
+        self.lp_art0 = self.lp_slack0 + LP_MAX
+        w = self.lp_art0 + m + 1
+        self.lp_w = w
+        self.lp_layer_row = (b - a) + n_types
+        rhs = w - 1
+        tab = self.lp_tab
+        for i in range(m * w):
+            tab[i] = 0.0
+        for j in range(n_opt):
+            r = self.lp_opt_r[j]
+            t = self.lp_opt_t[j]
+            tab[(r - a) * w + j] = 1.0
+            k = 0
+            for u in range(t):
+                if self.remaining[u] > 0:
+                    k += 1
+            tab[((b - a) + k) * w + j] = 1.0
+            tab[self.lp_layer_row * w + j] = self.lp_opt_l[j]
+        for r in range(b - a):
+            tab[r * w + rhs] = 1.0
+        k = 0
+        for t in range(nt):
+            if self.remaining[t] > 0:
+                tab[((b - a) + k) * w + rhs] = self.remaining[t]
+                k += 1
+        tab[self.lp_layer_row * w + rhs] = left
+        for q in range(n_paths):
+            row = self.lp_layer_row + 1 + q
+            self._lp_path_row(q, row * w, scale)      # T - sum cost theta - s = const (>= 0)
+        for i in range(m):
+            tab[i * w + self.lp_art0 + i] = 1.0
+            self.lp_basis[i] = self.lp_art0 + i
+        self.lp_m = m
+        # phase 1: minimise the artificials
+        obj = self.lp_obj
+        for j in range(w):
+            x = 0.0
+            if j < self.lp_art0 or j == rhs:
+                for i in range(m):
+                    x -= tab[i * w + j]
+            obj[j] = x
+        if not self._lp_simplex():
+            return False
+        if obj[rhs] < -LP_EPS * (1.0 + left):
+            return False
+        for i in range(m):               # drive the artificials out where possible
+            if self.lp_basis[i] >= self.lp_art0:
+                for j in range(self.lp_art0):
+                    if abs(tab[i * w + j]) > LP_EPS:
+                        self._lp_pivot(i, j)
+                        break
+        # phase 2: minimise T (cost 1 on its column)
+        self._lp_objective()
+        return self._lp_simplex()
+
+    def _lp_path_row(self, q: int, off: int, scale: float) -> None:
+        """Path ``q``'s row in original coefficients at ``lp_tab[off:]``: ``T - sum_j cost_q(j) theta_j - s_q =
+        const_q`` (scaled by ``scale``), ``const_q`` the cost of the parameters no undecided rank sets."""
+        npar = self.n_par
+        w = self.lp_w
+        tab = self.lp_tab
+        for j in range(w):
+            tab[off + j] = 0.0
+        x = 0.0
+        for i in range(npar):
+            if not self.lp_free[i] and self.lp_cnt[q * npar + i]:
+                x += self.lp_cnt[q * npar + i] * self.lp_base[i]
+        tab[off + w - 1] = x / scale
+        for j in range(self.lp_n_opt):
+            tab[off + j] = -self._lp_option_cost(q, j) / scale
+        tab[off + self.lp_n_opt] = 1.0
+        tab[off + self.lp_slack0 + q] = -1.0
+
+    def _lp_option_cost(self, q: int, j: int) -> float:
+        """Cost along path ``q`` of option ``j``'s parameters (its rank on its type with its layers)."""
+        pp, v, nv, npar = self.pp, self.v, self.nv, self.n_par
+        r = self.lp_opt_r[j]
+        self._lp_put_rank(self.lp_rank, 0, r, self.lp_opt_t[j], self.lp_opt_l[j])
+        x = 0.0
+        for c in range(v):
+            x += self.lp_cnt[q * npar + 1 + r * v + c] * self.lp_rank[1 + r * v + c]
+            x += self.lp_cnt[q * npar + 1 + nv + r * v + c] * self.lp_rank[1 + nv + r * v + c]
+        x += self.lp_cnt[q * npar + 1 + 2 * nv + pp + r] * self.lp_rank[1 + 2 * nv + pp + r]
+        return x
+
+    def _lp_cut(self, q: int, scale: float) -> bool:
+        """Append path ``q``'s row to the solved program (its slack basic, negated so that the slack's
+        coefficient is 1), express it in the current basis, and restore feasibility by dual simplex."""
+        w, m = self.lp_w, self.lp_m
+        tab = self.lp_tab
+        off = m * w
+        self._lp_path_row(q, off, scale)
+        for j in range(w):
+            tab[off + j] = -tab[off + j]
+        for i in range(m):
+            f = tab[off + self.lp_basis[i]]
+            if f != 0.0:
+                for j in range(w):
+                    tab[off + j] -= f * tab[i * w + j]
+        self.lp_basis[m] = self.lp_slack0 + q
+        self.lp_m = m + 1
+        return self._lp_dual_simplex()
+
+    def _lp_objective(self) -> None:
+        """The phase-2 objective row: reduced costs of ``min T`` in the current basis."""
+        w, m = self.lp_w, self.lp_m
+        kt = -1
+        for i in range(m):
+            if self.lp_basis[i] == self.lp_n_opt:
+                kt = i
+        for j in range(w):
+            x = 1.0 if j == self.lp_n_opt else 0.0
+            if kt >= 0:
+                x -= self.lp_tab[kt * w + j]
+            self.lp_obj[j] = x
+
+    def _lp_value(self) -> float:
+        """The program's optimum (scaled): T's value."""
+        w = self.lp_w
+        for i in range(self.lp_m):
+            if self.lp_basis[i] == self.lp_n_opt:
+                return self.lp_tab[i * w + w - 1]
+        return 0.0
+
+    def _lp_point(self) -> None:
+        """``lp_point``: the parameters at the program's solution (each undecided rank the mix of its options)."""
+        npar, w, pp, v, nv = self.n_par, self.lp_w, self.pp, self.v, self.nv
+        for i in range(npar):
+            self.lp_point[i] = 0.0 if self.lp_free[i] else self.lp_base[i]
+        for i in range(self.lp_m):
+            j = self.lp_basis[i]
+            if j >= self.lp_n_opt:
+                continue
+            x = self.lp_tab[i * w + w - 1]
+            if x <= 0.0:
+                continue
+            r = self.lp_opt_r[j]
+            self._lp_put_rank(self.lp_rank, 0, r, self.lp_opt_t[j], self.lp_opt_l[j])
+            for c in range(v):
+                self.lp_point[1 + r * v + c] += x * self.lp_rank[1 + r * v + c]
+                self.lp_point[1 + nv + r * v + c] += x * self.lp_rank[1 + nv + r * v + c]
+            self.lp_point[1 + 2 * nv + pp + r] += x * self.lp_rank[1 + 2 * nv + pp + r]
+
+    def _lp_simplex(self) -> bool:
+        """Primal simplex on ``lp_tab`` / ``lp_obj`` to optimality, columns before the artificials entering,
+        by Bland's rule; False after ``LP_PIVOTS`` pivots (or unbounded)."""
+        tab, obj = self.lp_tab, self.lp_obj
+        w, m = self.lp_w, self.lp_m
+        rhs = w - 1
+        for k in range(LP_PIVOTS):
+            pc = -1
+            for j in range(self.lp_art0):
+                if obj[j] < -LP_EPS:
+                    pc = j
+                    break
+            if pc < 0:
+                return True
+            pr = -1
+            best = INF
+            for i in range(m):
+                x = tab[i * w + pc]
+                if x > LP_EPS:
+                    ratio = tab[i * w + rhs] / x
+                    if ratio < best - LP_EPS or (ratio <= best + LP_EPS and pr >= 0
+                                                 and self.lp_basis[i] < self.lp_basis[pr]):
+                        best = ratio
+                        pr = i
+            if pr < 0:
+                return False
+            self._lp_pivot(pr, pc)
+        return False
+
+    def _lp_dual_simplex(self) -> bool:
+        """Dual simplex on a dual-feasible ``lp_tab`` (a row appended): the most negative right-hand side
+        leaves, the entering column by the least ratio of reduced cost to its (negative) entry; False
+        when infeasible or after ``LP_PIVOTS`` pivots."""
+        tab, obj = self.lp_tab, self.lp_obj
+        w, m = self.lp_w, self.lp_m
+        rhs = w - 1
+        for k in range(LP_PIVOTS):
+            pr = -1
+            worst = -LP_EPS
+            for i in range(m):
+                if tab[i * w + rhs] < worst:
+                    worst = tab[i * w + rhs]
+                    pr = i
+            if pr < 0:
+                return True
+            pc = -1
+            best = INF
+            for j in range(self.lp_art0):
+                x = tab[pr * w + j]
+                if x < -LP_EPS:
+                    d = obj[j]
+                    if d < 0.0:
+                        d = 0.0
+                    ratio = d / -x
+                    if ratio < best:
+                        best = ratio
+                        pc = j
+            if pc < 0:
+                return False
+            self._lp_pivot(pr, pc)
+        return False
+
+    def _lp_pivot(self, pr: int, pc: int) -> None:
+        """One pivot of the tableau on row ``pr``, column ``pc`` (the objective row too)."""
+        tab, obj = self.lp_tab, self.lp_obj
+        w, m = self.lp_w, self.lp_m
+        p = tab[pr * w + pc]
+        for j in range(w):
+            tab[pr * w + j] /= p
+        for i in range(m):
+            if i == pr:
+                continue
+            f = tab[i * w + pc]
+            if f != 0.0:
+                for j in range(w):
+                    tab[i * w + j] -= f * tab[pr * w + j]
+        f = obj[pc]
+        if f != 0.0:
+            for j in range(w):
+                obj[j] -= f * tab[pr * w + j]
+        self.lp_basis[pr] = pc
 
     # --- the pieces -----------------------------------------------------------------------------
 
@@ -247,145 +477,6 @@ class RelaxationBound(StructureBounds):
         self.kernel.critical_into(self.params if q == 0 else self.lp_point, self.path_counts)
         for i in range(npar):
             self.lp_cnt[q * npar + i] = self.path_counts[i]
-
-    def _lp_add_column(self, j: int, a: int, b: int, n_paths: int, scale: float) -> None:
-        """Column ``j``: the oracle's last point (``lp_new_t``, ``lp_new_l`` on the ranks ``[a, b)``), its
-        parameters, layers and (scaled) cost along every path."""
-        npar = self.n_par
-        off = j * npar
-        for i in range(npar):
-            self.lp_colp[off + i] = self.lp_base[i]
-        total = 0
-        for r in range(a, b):
-            self._lp_put_rank(self.lp_colp, off, r, self.lp_new_t[r], self.lp_new_l[r])
-            total += self.lp_new_l[r]
-        self.lp_layers[j] = total
-        for q in range(n_paths):
-            self.lp_cost[q * LP_MAX + j] = self._lp_path_cost(q, j) / scale
-
-    def _lp_path_cost(self, q: int, j: int) -> float:
-        """Cost of path ``q`` at column ``j``'s parameters."""
-        npar = self.n_par
-        x = 0.0
-        for i in range(npar):
-            if self.lp_cnt[q * npar + i]:
-                x += self.lp_cnt[q * npar + i] * self.lp_colp[j * npar + i]
-        return x
-
-    # --- the program ----------------------------------------------------------------------------
-
-    def _lp_master(self, n_paths: int, n_cols: int, left: int) -> bool:
-        """Solve ``min T`` over ``theta >= 0`` (one per column, summing to 1, their layers to ``left``) with
-        ``T >= sum_j theta_j cost_P(j)`` for every path: dense simplex, two phases, Bland's rule. Sets
-        ``lp_theta``, ``lp_value`` (scaled) and ``lp_dual`` (per row: the paths', then the convexity's and
-        the layer sum's). False where it fails (the caller keeps the bound it has)."""
-        m = n_paths + 2
-        w = n_cols + 2 + n_paths + m          # theta, T, slacks, artificials, rhs
-        col_t = n_cols
-        art = n_cols + 1 + n_paths
-        rhs = w - 1
-        tab = self.lp_tab
-        for i in range((m + 1) * w):
-            tab[i] = 0.0
-        for q in range(n_paths):
-            for j in range(n_cols):
-                tab[q * w + j] = self.lp_cost[q * LP_MAX + j]
-            tab[q * w + col_t] = -1.0
-            tab[q * w + n_cols + 1 + q] = 1.0
-        for j in range(n_cols):
-            tab[n_paths * w + j] = 1.0
-            tab[(n_paths + 1) * w + j] = self.lp_layers[j]
-        tab[n_paths * w + rhs] = 1.0
-        tab[(n_paths + 1) * w + rhs] = left
-        for i in range(m):
-            tab[i * w + art + i] = 1.0
-            self.lp_basis[i] = art + i
-        # phase 1: minimise the artificials
-        for j in range(w):
-            x = 0.0
-            if j < art or j == rhs:
-                for i in range(m):
-                    x -= tab[i * w + j]
-            tab[m * w + j] = x
-        if not self._lp_simplex(m, w, art):
-            return False
-        if tab[m * w + rhs] < -LP_EPS * (1.0 + left):
-            return False                  # infeasible (the caller's columns always allow a point)
-        for i in range(m):               # drive the artificials out where possible
-            if self.lp_basis[i] >= art:
-                for j in range(art):
-                    if abs(tab[i * w + j]) > LP_EPS:
-                        self._lp_pivot(m, w, i, j)
-                        break
-        # phase 2: minimise T (cost 1 on its column)
-        kt = -1
-        for i in range(m):
-            if self.lp_basis[i] == col_t:
-                kt = i
-        for j in range(w):
-            x = 1.0 if j == col_t else 0.0
-            if kt >= 0:
-                x -= tab[kt * w + j]
-            tab[m * w + j] = x
-        if not self._lp_simplex(m, w, art):
-            return False
-        kt = -1
-        for i in range(m):
-            if self.lp_basis[i] == col_t:
-                kt = i
-        self.lp_value = tab[kt * w + rhs] if kt >= 0 else 0.0
-        for j in range(n_cols):
-            self.lp_theta[j] = 0.0
-        for i in range(m):
-            if self.lp_basis[i] < n_cols and tab[i * w + rhs] > 0.0:
-                self.lp_theta[self.lp_basis[i]] = tab[i * w + rhs]
-        # duals y = c_B B^-1: B^-1 is the artificials' columns, c_B is 1 on T's row only
-        for i in range(m):
-            self.lp_dual[i] = tab[kt * w + art + i] if kt >= 0 else 0.0
-        return True
-
-    def _lp_simplex(self, m: int, w: int, art: int) -> bool:
-        """Pivot the tableau ``lp_tab`` (``m`` rows, the objective row ``m``) to optimality, only columns
-        before ``art`` entering, by Bland's rule; False after ``LP_PIVOTS`` pivots (or unbounded)."""
-        tab = self.lp_tab
-        rhs = w - 1
-        for k in range(LP_PIVOTS):
-            pc = -1
-            for j in range(art):
-                if tab[m * w + j] < -LP_EPS:
-                    pc = j
-                    break
-            if pc < 0:
-                return True
-            pr = -1
-            best = INF
-            for i in range(m):
-                x = tab[i * w + pc]
-                if x > LP_EPS:
-                    ratio = tab[i * w + rhs] / x
-                    if ratio < best - LP_EPS or (ratio <= best + LP_EPS and pr >= 0
-                                                 and self.lp_basis[i] < self.lp_basis[pr]):
-                        best = ratio
-                        pr = i
-            if pr < 0:
-                return False
-            self._lp_pivot(m, w, pr, pc)
-        return False
-
-    def _lp_pivot(self, m: int, w: int, pr: int, pc: int) -> None:
-        """One pivot of the tableau on row ``pr``, column ``pc`` (the objective row included)."""
-        tab = self.lp_tab
-        p = tab[pr * w + pc]
-        for j in range(w):
-            tab[pr * w + j] /= p
-        for i in range(m + 1):
-            if i == pr:
-                continue
-            f = tab[i * w + pc]
-            if f != 0.0:
-                for j in range(w):
-                    tab[i * w + j] -= f * tab[pr * w + j]
-        self.lp_basis[pr] = pc
 
 
 __all__ = ["RelaxationBound"]

@@ -33,7 +33,7 @@ import math
 import time
 from array import array
 
-from poseidon_plugin.search.constants import (CLOCK_EVERY, LP_MAX, LP_MIN_UNDECIDED, N_MINS, N_TYPE_MINS,
+from poseidon_plugin.search.constants import (CLOCK_EVERY, LP_MAX, LP_MAX_OPTIONS, LP_MIN_UNDECIDED, N_MINS, N_TYPE_MINS,
                                               PATH_SLACK)
 from poseidon_plugin.search.counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES,
                                              PRUNED_BOUND, PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH,
@@ -179,7 +179,7 @@ class SplitSearch(RelaxationBound):
         self.assign_gain = float_buffer(nt)
         self.assign_via_type = int_buffer(nt)
         self.assign_via_rank = int_buffer(nt)
-        # the relaxation bound's scratch (RelaxationBound)
+        # the relaxation bound's scratch (RelaxationBound): per parameter; per path row; the program
         npar = self.n_par = shape.n_params
         self.lp_base = float_buffer(npar)
         self.lp_free = int_buffer(npar)
@@ -187,21 +187,23 @@ class SplitSearch(RelaxationBound):
         self.lp_point = float_buffer(npar)
         self.lp_rank = float_buffer(npar)
         self.lp_cnt = int_buffer(LP_MAX * npar)
-        self.lp_colp = float_buffer(LP_MAX * npar)
-        self.lp_cost = float_buffer(LP_MAX * LP_MAX)
-        self.lp_layers = int_buffer(LP_MAX)
         self.lp_lam = float_buffer(LP_MAX)
-        self.lp_theta = float_buffer(LP_MAX)
-        self.lp_dual = float_buffer(LP_MAX + 2)
-        self.lp_tab = float_buffer((LP_MAX + 3) * (3 * LP_MAX + 4))
-        self.lp_basis = int_buffer(LP_MAX + 2)
         self.lp_lo = int_buffer(pp * nt)
         self.lp_hi = int_buffer(pp * nt)
         self.lp_arg = int_buffer(pp * nt)
         self.lp_new_t = int_buffer(pp)
         self.lp_new_l = int_buffer(pp)
+        self.lp_opt_r = int_buffer(LP_MAX_OPTIONS)
+        self.lp_opt_t = int_buffer(LP_MAX_OPTIONS)
+        self.lp_opt_l = int_buffer(LP_MAX_OPTIONS)
+        rows = pp + nt + 1 + LP_MAX
+        width = LP_MAX_OPTIONS + 1 + LP_MAX + rows + 1
+        self.lp_tab = float_buffer(rows * width)
+        self.lp_obj = float_buffer(width)
+        self.lp_basis = int_buffer(rows)
         self.lp_const = 0.0
-        self.lp_value = 0.0
+        self.lp_n_opt = self.lp_slack0 = self.lp_art0 = self.lp_w = self.lp_m = 0
+        self.lp_layer_row = 0
         # memory: most layers rank r holds on type t (all chunks; < V when the rank cannot be used)
         self.live = int_copy(shape.live)
         self.layer_state_bytes = float_copy(table.layer_state_bytes)
