@@ -1,21 +1,25 @@
-"""The relaxation bound of a node: the DAG over fractional completions, by row and column generation.
+"""The relaxation bound of a node: the DAG over fractional completions, by row generation.
 
 docs/SEARCH.md ("The relaxation bound") states it and says why it is valid. In short: at a node, every
 completion gives each undecided rank one remaining type and a layer count within the node's caps, the
 layers summing to ``left``; its time is the DAG's longest path, at least the cost of any path ``P`` of the
-DAG, an affine function of the completion's parameters. For any weights ``lambda`` over a set of paths
-(``lambda >= 0``, summing to 1) and any multiplier ``mu`` of the layer sum,
+DAG, an affine function of the completion's parameters (decided ranks exact, sends at the fill's lower
+bounds, an undecided rank's all-reduces at its type's cheapest free slot). The program
 
-    T >= sum_P lambda_P cost_P  >=  const(lambda) + mu * left + min over assignments of
-                                     sum_r min_l (cost_lambda(r, t_r, l) - mu * l)
+    min T   over theta[r, t, l] >= 0 (rank r on type t with l layers): per rank summing to 1, per type
+            to its remaining ranks, sum l theta = left;   T >= cost_P(theta) for every path P found
 
-(the inner minimum is an assignment problem, solved exactly: :func:`.assignment.assign_into`). That is
-the bound; any ``lambda``, ``mu`` give a valid one. They are found by generating both sides of the
-linear program ``min T, T >= cost_P(w) for P in paths, w in the hull of the assignments' points with
-their layers summing to left``: its dual gives ``lambda`` and ``mu``; the assignment at them gives a new
-point (column); the DAG at the program's point gives a new path (row: its critical path). The loop
-stops once the bound reaches what cuts the node, or the DAG at the program's point is below it (no
-bound of this kind can reach it then), or nothing new comes.
+is a relaxation of the completions (each is a 0/1 theta), so its optimum is a lower bound; the bound
+used is its Lagrangian value at the program's duals ``lambda`` (paths) and ``mu`` (layer sum),
+
+    const(lambda) + mu * left + min over assignments of sum_r min_l (cost_lambda(r, t_r, l) - mu l)
+
+(the inner minimum an assignment problem, solved exactly by :func:`.assignment.assign_into`), valid for
+any ``lambda >= 0`` summing to 1 and any ``mu``, so the simplex's rounding never makes it invalid. Rows
+come from the DAG: the first is the critical path at the node's lower bounds; then the DAG is run at the
+program's solution (each undecided rank a mix of its options) and its critical path becomes a new row
+(dual simplex from the solved tableau). It stops once the bound reaches what cuts the node, once the
+DAG at the solution is below that (no bound of this kind reaches past it), or when no new row comes.
 
 One source for both backends (Cython's pure-Python mode): typed by ``cython_core/relaxation_bound.pxd``,
 compiled as ``poseidon_plugin._core.relaxation_bound`` (the base class of the compiled ``SplitSearch``);
@@ -66,6 +70,7 @@ class RelaxationBound(StructureBounds):
             return best
         scale = self.tau if self.tau > 0.0 else 1.0
         # the first row: the critical path of the DAG at the lower bounds (the node's own DAG bound)
+        self.kernel.longest_into(self.params)
         self._lp_add_path(0)
         n_paths = 1
         if not self._lp_build(a, b, left, n_paths, scale):
@@ -472,7 +477,8 @@ class RelaxationBound(StructureBounds):
         return -got
 
     def _lp_add_path(self, q: int) -> None:
-        """Path ``q``: the critical path of the kernel's last run (its counts per parameter)."""
+        """Path ``q``: the critical path of the kernel's last run (its counts per parameter; the run was
+        on ``params`` for the first path, on ``lp_point`` for the others)."""
         npar = self.n_par
         self.kernel.critical_into(self.params if q == 0 else self.lp_point, self.path_counts)
         for i in range(npar):
