@@ -5,11 +5,12 @@ from poseidon_plugin._core.relaxation_bound cimport RelaxationBound
 from poseidon_plugin._core.structure_bounds cimport chunk_layers
 
 cdef double INF, PATH_SLACK
-cdef int CLOCK_EVERY, N_MINS, N_TYPE_MINS, N_COUNTERS, LP_MAX, LP_MAX_OPTIONS, LP_MIN_UNDECIDED
+cdef int CLOCK_EVERY, N_MINS, N_TYPE_MINS, N_COUNTERS, LP_MAX, LP_MAX_OPTIONS, LP_MIN_UNDECIDED, LP_TRIAL, LP_MIN_CUTS
 cdef int NODES, BOUND_EVALS, SIM_CALLS, PRUNED_BOUND, PRUNED_PATH, PRUNED_MEMORY, PRUNED_RIDGE
 cdef int PRUNED_ORDER, IMPROVED
 
 cdef class SplitSearch(RelaxationBound):
+    cdef void _lp_alloc(self)
     cdef inline double _memory_need(self, int t, int r, int layers) noexcept nogil
     cdef inline int _rank_cap(self, int t, int r) noexcept nogil
     cdef inline int _reset(self, object counts) except -1

@@ -14,6 +14,8 @@ cdef class RelaxationBound(StructureBounds):
     cdef int[::1] lp_opt_r, lp_opt_t, lp_opt_l
     cdef double[::1] lp_base, lp_weight, lp_point, lp_rank, lp_lam, lp_tab, lp_obj
     cdef double lp_const
+    cdef long long lp_calls, lp_cuts
+    cdef bint lp_ready
     cdef int lp_n_opt, lp_slack0, lp_art0, lp_w, lp_m, lp_layer_row
 
     @cython.locals(best=cython.double, scale=cython.double, mu=cython.double, total=cython.double,

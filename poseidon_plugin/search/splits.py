@@ -33,7 +33,8 @@ import math
 import time
 from array import array
 
-from poseidon_plugin.search.constants import (CLOCK_EVERY, LP_MAX, LP_MAX_OPTIONS, LP_MIN_UNDECIDED, N_MINS, N_TYPE_MINS,
+from poseidon_plugin.search.constants import (CLOCK_EVERY, LP_MAX, LP_MAX_OPTIONS, LP_MIN_CUTS, LP_MIN_UNDECIDED,
+                                              LP_TRIAL, N_MINS, N_TYPE_MINS,
                                               PATH_SLACK)
 from poseidon_plugin.search.counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES,
                                              PRUNED_BOUND, PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH,
@@ -179,8 +180,33 @@ class SplitSearch(RelaxationBound):
         self.assign_gain = float_buffer(nt)
         self.assign_via_type = int_buffer(nt)
         self.assign_via_rank = int_buffer(nt)
-        # the relaxation bound's scratch (RelaxationBound): per parameter; per path row; the program
-        npar = self.n_par = shape.n_params
+        # the relaxation bound's scratch (RelaxationBound), allocated on its first use (_lp_alloc): most
+        # searches (root checks, one-chunk shapes) never need it
+        self.n_par = shape.n_params
+        self.lp_ready = False
+        self.lp_const = 0.0
+        self.lp_n_opt = self.lp_slack0 = self.lp_art0 = self.lp_w = self.lp_m = 0
+        self.lp_layer_row = 0
+        self.lp_calls = 0            # relaxation bounds computed in this run, and nodes they cut
+        self.lp_cuts = 0
+        # memory: most layers rank r holds on type t (all chunks; < V when the rank cannot be used)
+        self.live = int_copy(shape.live)
+        self.layer_state_bytes = float_copy(table.layer_state_bytes)
+        self.layer_activation_bytes = float_copy(table.layer_activation_bytes)
+        self.embedding_state_bytes = float_copy(table.embedding_state_bytes)
+        self.embedding_activation_bytes = float_copy(table.embedding_activation_bytes)
+        self.head_state_bytes = float_copy(table.head_state_bytes)
+        self.head_activation_bytes = float_copy(table.head_activation_bytes)
+        self.usable_bytes = float_copy(table.usable_bytes)
+        self.cap_rank = int_buffer(nt * pp)
+        for t in range(nt):
+            for r in range(pp):
+                self.cap_rank[t * pp + r] = self._rank_cap(t, r)
+
+    def _lp_alloc(self) -> None:
+        """The relaxation bound's scratch: per parameter; per path row; the program's tableau."""
+        pp, nt = self.pp, self.nt
+        npar = self.n_par
         self.lp_base = float_buffer(npar)
         self.lp_free = int_buffer(npar)
         self.lp_weight = float_buffer(npar)
@@ -201,22 +227,7 @@ class SplitSearch(RelaxationBound):
         self.lp_tab = float_buffer(rows * width)
         self.lp_obj = float_buffer(width)
         self.lp_basis = int_buffer(rows)
-        self.lp_const = 0.0
-        self.lp_n_opt = self.lp_slack0 = self.lp_art0 = self.lp_w = self.lp_m = 0
-        self.lp_layer_row = 0
-        # memory: most layers rank r holds on type t (all chunks; < V when the rank cannot be used)
-        self.live = int_copy(shape.live)
-        self.layer_state_bytes = float_copy(table.layer_state_bytes)
-        self.layer_activation_bytes = float_copy(table.layer_activation_bytes)
-        self.embedding_state_bytes = float_copy(table.embedding_state_bytes)
-        self.embedding_activation_bytes = float_copy(table.embedding_activation_bytes)
-        self.head_state_bytes = float_copy(table.head_state_bytes)
-        self.head_activation_bytes = float_copy(table.head_activation_bytes)
-        self.usable_bytes = float_copy(table.usable_bytes)
-        self.cap_rank = int_buffer(nt * pp)
-        for t in range(nt):
-            for r in range(pp):
-                self.cap_rank[t * pp + r] = self._rank_cap(t, r)
+        self.lp_ready = True
 
     # --- memory ---------------------------------------------------------------------------------
 
@@ -277,6 +288,8 @@ class SplitSearch(RelaxationBound):
             self.ctr[i] = 0
         for i in range(self.pp + 1):
             self.depth_nodes[i] = 0
+        self.lp_calls = 0
+        self.lp_cuts = 0
         self.exact_counts = total == self.pp
         return total
 
@@ -396,10 +409,19 @@ class SplitSearch(RelaxationBound):
                                  self.caps[(k - 1) * nv:k * nv], self.capts[(k - 1) * nv * nt:k * nv * nt], True)
         if not ok:
             return
-        if self.tau < INF and self.exact_counts and b - a >= LP_MIN_UNDECIDED:
-            # the relaxation bound (docs/SEARCH.md): every completion's DAG over fractional types and layers
+        if (self.v > 1 and self.tau < INF and self.exact_counts and b - a >= LP_MIN_UNDECIDED
+                and (self.lp_calls < LP_TRIAL or self.lp_cuts * LP_MIN_CUTS >= self.lp_calls)):
+            # the relaxation bound (docs/SEARCH.md): every completion's DAG over fractional types and
+            # layers, for interleaved shapes (their critical paths switch ranks with the chunk phases,
+            # which no bound path sees; one-chunk shapes have the fill-and-drain paths). It costs a
+            # program per node, so a run keeps it while it cuts at least one node in LP_MIN_CUTS
+            # (after LP_TRIAL nodes), the same decisions on both backends
             limit = self.tau * (1.0 + PATH_SLACK)
+            if not self.lp_ready:
+                self._lp_alloc()
+            self.lp_calls += 1
             if self._relaxation_bound(a, b, left, lb, cap, capt, limit) >= limit:
+                self.lp_cuts += 1
                 self.ctr[PRUNED_PATH] += 1
                 return
         for t in range(nt):

@@ -734,6 +734,7 @@ def _relaxation_case(seed: int) -> int | None:
     if case is None:
         return None
     plans, counts, pp, v, nt, rng, ss = case
+    ss._lp_alloc()                      # (the search allocates it on the first node that needs it)
     above = 0
     for _ in range(6):
         _t, types, layers = rng.choice(plans)
@@ -774,7 +775,3 @@ def test_relaxation_bound_is_above_the_dag_bound_somewhere():
     """Not vacuous: on some random nodes the relaxation bound is above the node's own DAG bound."""
     assert sum(_relaxation_case(seed) or 0 for seed in range(40)) > 0
 
-
-def test_relaxation_bound_cuts_nodes_the_other_bounds_keep():
-    """The relaxation bound cuts nodes on the random structures, and the searches find the same optimum."""
-    assert _nodes_cut_by("_relaxation_bound", lambda *a: -math.inf) > 0
