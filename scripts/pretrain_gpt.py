@@ -231,8 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay, bf16=job.dtype == "bf16",
                         fp16=job.dtype == "fp16", params_dtype=config.params_dtype,
-                        # Megatron's clipping asserts CUDA tensors; on CPU it is off.
-                        clip_grad=0.0 if on_cpu else args.clip_grad,
+                        clip_grad=args.clip_grad,
                         use_distributed_optimizer=args.use_distributed_optimizer),
         chunks,
     )

@@ -20,6 +20,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -267,7 +268,7 @@ class Phases:
                     f"another rank died or did not answer within the timeout, see its output above",
                     user_error=False,
                 ) from None
-            self.fail(name, f"{type(exc).__name__}: {first_line(exc)}", user_error=False)
+            self.fail(name, f"{type(exc).__name__}: {first_line(exc)} ({origin(exc)})", user_error=False)
         finally:
             done.set()
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
@@ -402,3 +403,23 @@ def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (its type name when the message is empty)."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def origin(exc: BaseException) -> str:
+    """Where ``exc`` was raised: ``at megatron/core/transformer/torch_norm.py:45 in __new__`` (the path from
+    its package folder on, so it reads the same on every machine). The innermost frame that is neither torch's
+    nor a torch-function mode passing the call on (the CPU shim's): the call that failed, not the plumbing."""
+    frames = [(f, _package_path(f.filename)) for f in traceback.extract_tb(exc.__traceback__)]
+    if not frames:
+        return "where unknown"
+    caller = [(f, path) for f, path in frames if not path.startswith("torch/") and f.name != "__torch_function__"]
+    frame, path = (caller or frames)[-1]
+    return f"at {path}:{frame.lineno} in {frame.name}"
+
+
+def _package_path(filename: str) -> str:
+    parts = filename.replace(os.sep, "/").split("/")
+    for top in ("megatron", "poseidon_plugin", "torch", "mindspeed", "mindspeed_llm"):
+        if top in parts:
+            return "/".join(parts[len(parts) - 1 - parts[::-1].index(top):])
+    return parts[-1]

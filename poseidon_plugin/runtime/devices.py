@@ -99,13 +99,6 @@ class Device:
 
         return cpu_training.prepare(script, args, is_module=is_module, log=log)
 
-    def tensor_type_names(self) -> contextlib.AbstractContextManager:
-        """Where megatron-core's own code checks ``Tensor.type()`` for a CUDA type name (gradient clipping),
-        on CPU ranks a mode that answers the CUDA names, as the training's CPU rows do; elsewhere nothing."""
-        from poseidon_plugin.emulation.megatron_training_patch import cuda_type_names
-
-        return cuda_type_names()
-
 
 class _RuntimeDevice(Device):
     """An accelerator behind a torch.cuda-like runtime module (``torch.cuda``, or ``torch.npu`` from
@@ -145,9 +138,6 @@ class _RuntimeDevice(Device):
     def prepare_training(self, script: str, args: Sequence[str], *, is_module: bool,
                          log: Callable[[str], None]) -> list[str]:
         return list(args)
-
-    def tensor_type_names(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
 
 
 class CudaDevice(_RuntimeDevice):

@@ -292,7 +292,7 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
                                    loss, iters=iters))
         # the TP duplicates the gradient norm skips: megatron-core 0.12 asks parallel_state for the TP rank
         optimizer = _optimizer_ms(model, layer, device, iters=iters, group=getattr(groups, "tp", None),
-                                  clip_grad=client_step.clip_grad(client, job, on_cpu))
+                                  clip_grad=job.clip_grad)
     # every stage's step pays the job's own step at a middle position (or, not measured, the stand-in's)
     synthetic = framework.pop("synthetic_step_ms")
     framework["client_note"] = client_step.describe(own)
@@ -512,7 +512,10 @@ def _optimizer_ms(model: torch.nn.Module, layer: torch.nn.Module, device: Device
     Adam class (the one its optimizer wraps here); stepped over the profiled model's parameters, and over
     all but the layer's; the difference is one layer's share, the rest is the fixed part of a stage
     (per-call cost, the norm's all-reduce, embedding, output layer). Collective over ``group`` when
-    clipping: every rank of it makes the same calls."""
+    clipping: every rank of it makes the same calls. A bf16 / fp16 model is stepped as Megatron-LM's
+    ``Float16OptimizerWithFloat16Params`` does: clipping and Adam on fp32 copies of the parameters (the fp32
+    gradients its DDP accumulates), then every copy written back into the model's parameter, which the
+    measured time includes; fp16 first unscales the gradients and checks them for inf / NaN."""
     from megatron.core import optimizer as megatron_optimizer
 
     adam = getattr(megatron_optimizer, "Adam", torch.optim.AdamW)
@@ -523,15 +526,21 @@ def _optimizer_ms(model: torch.nn.Module, layer: torch.nn.Module, device: Device
     def step_ms(params: list) -> float:
         if not params:
             return 0.0
-        for p in params:
+        stepped = [_main_param(p) for p in params]   # the parameters themselves in fp32
+        for p in stepped:
             p.grad = torch.randn_like(p) * 1e-3
-        opt = adam(params, lr=1e-6, weight_decay=0.01)
-        clip = _gradient_clipping(params, clip_grad, group, device)
+        opt = adam(stepped, lr=1e-6, weight_decay=0.01)
+        clip = _gradient_clipping(stepped, clip_grad, group, device)
+        unscale = _fp16_unscale(stepped, device) if params[0].dtype == torch.float16 else (lambda: None)
+        pairs = [(p, m) for p, m in zip(params, stepped) if m is not p]
         times = []
         for index in range(1 + iters):
             start = device.mark()
+            unscale()
             clip()
             opt.step()
+            for model_param, main_param in pairs:
+                model_param.copy_(main_param)
             opt.zero_grad(set_to_none=False)
             stop = device.mark()
             if index:
@@ -544,6 +553,30 @@ def _optimizer_ms(model: torch.nn.Module, layer: torch.nn.Module, device: Device
         fixed = step_ms(rest)
     model.zero_grad(set_to_none=True)
     return {"optimizer_ms": max(total - fixed, 0.0), "optimizer_fixed_ms": fixed}
+
+
+def _main_param(param: torch.Tensor) -> torch.Tensor:
+    """``param`` when it is fp32, else the fp32 copy Megatron's mixed-precision optimizer steps instead (with
+    the attributes its gradient norm reads: tensor-parallel layout, shared)."""
+    if param.dtype == torch.float32:
+        return param
+    from megatron.core import tensor_parallel
+
+    main = param.detach().clone().float()
+    tensor_parallel.copy_tensor_model_parallel_attributes(main, param)
+    if hasattr(param, "shared"):
+        main.shared = param.shared
+    return main
+
+
+def _fp16_unscale(params: list, device: Device) -> Callable[[], None]:
+    """fp16's loss-scaled gradients: unscaled and checked for inf / NaN before the step, as
+    ``MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan`` does (its all-reduce of the flag over
+    the model-parallel group is left out)."""
+    found_inf = torch.zeros(1, device=device.torch_device)
+    inv_scale = torch.ones(1, device=device.torch_device)
+    grads = [p.grad for p in params]
+    return lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 
 def _gradient_clipping(params: list, clip_grad: float, group: Any, device: Device) -> Callable[[], None]:
@@ -565,8 +598,7 @@ def _gradient_clipping(params: list, clip_grad: float, group: Any, device: Devic
     for_norm = [p.grad for p in params if param_is_not_shared(p) and not_duplicate(p)]
     def clip() -> None:
         norm = get_grad_norm_fp32(for_norm, grad_stats_parallel_group=group)
-        with device.tensor_type_names():   # its CUDA tensor-type check, as in training
-            clip_grad_by_total_norm_fp32(params, clip_grad, norm)
+        clip_grad_by_total_norm_fp32(params, clip_grad, norm)   # on CPU ranks with the shim's type names
 
     return clip
 
