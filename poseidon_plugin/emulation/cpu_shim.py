@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from poseidon_plugin.emulation.cpu_shim_patch import MOE_TABLE, TABLE, TYPE_NAME_TABLE
+from poseidon_plugin.emulation.cpu_shim_patch import CORE_TABLE, MOE_TABLE, TABLE
 
 _CPU = torch.device("cpu")
 
@@ -73,7 +73,7 @@ def install(*, force: bool = False) -> bool:
         TABLE.apply()  # verified; on failure nothing stays patched
         try:
             MOE_TABLE.apply()
-            TYPE_NAME_TABLE.apply()
+            CORE_TABLE.apply()
         except Exception:
             MOE_TABLE.revert()
             TABLE.revert()
@@ -98,7 +98,7 @@ def uninstall() -> None:
                                    "on another thread); exit that mode first")
             _mode.__exit__(None, None, None)
             _mode = None
-        TYPE_NAME_TABLE.revert()
+        CORE_TABLE.revert()
         MOE_TABLE.revert()
         TABLE.revert()
 

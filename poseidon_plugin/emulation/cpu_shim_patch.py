@@ -12,10 +12,16 @@ the facts behind each row are in docs/RUNTIME.md ("CPU ranks: what the shim stan
 * ``torch.cuda.current_device`` -> the CPU device (buffers are allocated on it), ``synchronize`` /
   ``set_device`` / ``empty_cache`` -> no-ops, streams and events -> null objects (CPU work is synchronous);
   ``get_rng_state`` / ``set_rng_state`` -> the (empty) state of a CUDA generator a CPU rank does not have;
+
+Rows only where the installed core has the target (:data:`CORE_TABLE`, built when applied):
+
 * megatron-core's checks of CUDA tensor-type names (:data:`TYPE_NAME_CHECKS`: gradient clipping asserts
   ``torch.cuda.FloatTensor`` gradients, the mixed-precision and distributed optimizers accept only
   ``torch.cuda.*Tensor`` parameters) -> the call runs inside a ``TorchFunctionMode`` under which
-  ``Tensor.type()`` answers the CUDA name of the tensor's dtype; what the call does is megatron-core's.
+  ``Tensor.type()`` answers the CUDA name of the tensor's dtype; what the call does is megatron-core's;
+* ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` (activation recomputation saves
+  and replays every RNG state) -> the empty state of the CUDA generator a CPU rank does not have, and a
+  no-op: the CPU generator dropout draws from is saved and restored by recomputation itself.
 
 Every stand-in is a distinct object: torch._dynamo maps each torch.cuda function to a rule and rejects one
 object registered under two names.
@@ -319,15 +325,34 @@ def _moe_rows() -> tuple[Patch, ...]:
 MOE_TABLE = LazyPatchTable("cpu_shim_moe", _moe_rows)
 
 
-def _type_name_rows() -> tuple[Patch, ...]:
-    """A row per :data:`TYPE_NAME_CHECKS` target the installed core has (a constructor is reached through its
-    class: no copies to sweep)."""
+def _no_cuda_rng_state(original: Any):
+    def _get_cuda_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        # activation recomputation saves every RNG state to replay the forward; a CPU rank has no CUDA
+        # generator (its dropout draws from the CPU one, which recomputation saves and restores itself)
+        return torch.empty(0, dtype=torch.uint8)
+    return _get_cuda_rng_state
+
+
+def _no_cuda_rng_restore(original: Any):
+    def _set_cuda_rng_state(new_state: Any, device: Any = -1, graph_safe: bool = False) -> None:
+        return None
+    return _set_cuda_rng_state
+
+
+def _core_rows() -> tuple[Patch, ...]:
+    """Rows for megatron-core functions some cores lack, each only where the installed core has the target:
+    every :data:`TYPE_NAME_CHECKS` target (a constructor is reached through its class: no copies to sweep),
+    and megatron-core's own CUDA generator state accessors (activation recomputation reads and restores
+    them)."""
+    wanted = [(target, _with_cuda_type_names) for target in TYPE_NAME_CHECKS]
+    wanted += [(f"{_RANDOM}._get_cuda_rng_state", _no_cuda_rng_state),
+               (f"{_RANDOM}._set_cuda_rng_state", _no_cuda_rng_restore)]
     rows = []
-    for target in TYPE_NAME_CHECKS:
+    for target, make in wanted:
         path, attr = target.rsplit(".", 1)
         owner = _resolve(path)
         if owner is not None and hasattr(owner, attr):
-            rows.append(Patch(target=target, make=_with_cuda_type_names, sweep=attr != "__init__"))
+            rows.append(Patch(target=target, make=make, sweep=attr != "__init__"))
     return tuple(rows)
 
 
@@ -345,4 +370,4 @@ def _resolve(path: str) -> Any:
     return None
 
 
-TYPE_NAME_TABLE = LazyPatchTable("cpu_shim_type_names", _type_name_rows)
+CORE_TABLE = LazyPatchTable("cpu_shim_core", _core_rows)
