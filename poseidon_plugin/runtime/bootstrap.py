@@ -18,6 +18,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING
 
+from poseidon_plugin.costmodel import recompute_note
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.runtime import elastic
 from poseidon_plugin.runtime import options as runtime_options
@@ -474,6 +475,9 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, p
     for note in rewritten.notes:
         log.job_line(f"flag style {style}: {note}")
     log.job_line(render_table(plan, runtime=None if opts.plan else job.target.describe(plan)))
+    recompute = recompute_note(_job_model(job))
+    if recompute:
+        log.job_line(recompute)
     log.job_line("command: " + job_flags.command_line(job.script, new_args))
     if job.rank == 0:
         _warn_vocab_padding(job, plan, log)

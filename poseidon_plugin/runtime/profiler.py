@@ -128,6 +128,8 @@ def cache_key(job: JobFlags, request: ProfileRequest, device: Device,
         "grouped_gemm": job.moe_grouped_gemm,
         "sp": job.sequence_parallel, "untie": job.untie_embeddings, "max_pos": job.max_position_embeddings,
     }
+    if job.recompute == "selective":   # measured with it (full recomputation is priced from the plain layer)
+        layer["recompute"] = "selective"
     return {
         "device_type": request.device_type, "device": f"{device.kind}:{device.name()}",
         "slowdown": f"{device.slowdown():.6g}", "tp": str(request.tp), "mbs": str(request.mbs),
@@ -269,7 +271,7 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
     (README's Megatron-LM job, deterministic emulation: forward 0.55-1.46 ms, one outlier of 5.8 ms at
     micro-batch 2; backward 0.12-0.64 ms; the noise larger than any difference)."""
     on_cpu = device.torch_device.type == "cpu"
-    config = transformer_config(job, tensor_parallel=request.tp, num_layers=1, on_cpu=on_cpu)
+    config = transformer_config(job, tensor_parallel=request.tp, num_layers=1, on_cpu=on_cpu, **_profiled_recompute(job))
     model, steps, peak, loss = _run_steps(job, config, device, groups, request, warmup=warmup, iters=iters)
     layer = model.decoder.layers[0]
     head_params = padded_vocab_size(job, request.tp) * job.hidden_size // request.tp
@@ -323,6 +325,16 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
         "head_activation_bytes": first.saved["head"],
         "peak_memory_bytes": peak,
     })
+
+
+def _profiled_recompute(job: JobFlags) -> dict[str, Any]:
+    """The layer is measured with the job's selective recomputation (what its core attention keeps and
+    recomputes), and without full recomputation, which the cost model prices from the layer itself
+    (``costmodel.full_recompute``): a recomputed layer's forward runs again inside its backward, where the
+    profile's hooks would time it as a second forward."""
+    if job.recompute != "full":
+        return {}
+    return {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}
 
 
 def _run_steps(job: JobFlags, config: Any, device: Device, groups: Any, request: ProfileRequest, *, warmup: int,
@@ -385,7 +397,8 @@ def measure_expert_parallel(job: JobFlags, device: Device, groups: Any, request:
     on_cpu = device.torch_device.type == "cpu"
     # the dispatcher a plan with EP > 1 runs (plan.py adds --moe-token-dispatcher-type alltoall)
     config = transformer_config(job, tensor_parallel=request.tp, num_layers=1, on_cpu=on_cpu,
-                                expert_model_parallel_size=ep, moe_token_dispatcher_type="alltoall")
+                                expert_model_parallel_size=ep, moe_token_dispatcher_type="alltoall",
+                                **_profiled_recompute(job))
     _model, steps, _peak, _loss = _run_steps(job, config, device, groups, request, warmup=warmup, iters=iters)
     return {"ep": ep, "forward_ms": _span(device, steps, "layer_pre", "layer_post"),
             "backward_ms": _span(device, steps, "layer_out_grad", "layer_in_grad")}
