@@ -188,10 +188,17 @@ class Liveness:
         """The other ranks (of ``ranks``, default all) that are gone or silent (for ``silent_s``, default the
         instance's), each described (``rank 2 (pid 81 on node-a): died``); a rank whose script finished is
         not lost."""
-        with self._lock:
-            return self._lost(self.silent_s if silent_s is None else silent_s, ranks) if self._open() else []
+        return [description for _, description in self._lost(silent_s, ranks)]
 
-    def _lost(self, silent_s: float, ranks: Any) -> list[str]:
+    def lost_ids(self, *, silent_s: float | None = None) -> set[int]:
+        """The ranks :meth:`lost` describes."""
+        return {rank for rank, _ in self._lost(silent_s, None)}
+
+    def _lost(self, silent_s: float | None, ranks: Any) -> list[tuple[int, str]]:
+        with self._lock:
+            return self._lost_now(self.silent_s if silent_s is None else silent_s, ranks) if self._open() else []
+
+    def _lost_now(self, silent_s: float, ranks: Any) -> list[tuple[int, str]]:
         out = []
         now = time.time()
         for rank in range(self.world_size) if ranks is None else sorted(ranks):
@@ -210,9 +217,9 @@ class Liveness:
                 continue  # never registered: it is still starting, or failed before the process group
             where = f"rank {rank} (pid {who['pid']} on {who['host']})"
             if who["host"] == self.host and not _process_alive(int(who["pid"])):
-                out.append(f"{where}: its process is gone")
+                out.append((rank, f"{where}: its process is gone"))
             elif beat is not None and now - beat > silent_s:
-                out.append(f"{where}: silent for {now - beat:.0f} s (stopped, hung or dead)")
+                out.append((rank, f"{where}: silent for {now - beat:.0f} s (stopped, hung or dead)"))
         return out
 
 

@@ -95,3 +95,16 @@ def test_the_origin_skips_torch_and_the_cpu_shims_mode():
         with pytest.raises(RuntimeError) as caught:
             project(torch.ones(2, 2), torch.ones(2, 2, dtype=torch.bfloat16))
     assert re.fullmatch(r"at test_faults\.py:\d+ in project", origin(caught.value)), origin(caught.value)
+
+
+@pytest.mark.parametrize("phase", ["inventory", "profiling"])
+def test_a_failure_on_the_rank_hosting_the_store_reaches_every_rank(tmp_path, phase):
+    """Launcher rank 0 hosts the workers' store: leaving at once took the store, and with it its recorded
+    failure, from the others (they said that no rank recorded one, after torch's C++ stack dumps)."""
+    code, out = poseidon_run(TWO, tmp_path, env={"POSEIDON_INJECT_FAULT": f"{phase}:0"})
+    assert code == 1, out[-4000:]
+    errors = _error_lines(out)
+    assert set(errors) == {"0", "1"}, out[-4000:]
+    for message in errors.values():
+        assert message.startswith(f"{phase} failed on rank 0: RuntimeError: injected fault in {phase}"), message
+    assert "no rank recorded a failure" not in out and "frame #0" not in out, out[-4000:]
