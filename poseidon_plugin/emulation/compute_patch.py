@@ -85,13 +85,34 @@ def _sleep(seconds: float) -> None:
         time.sleep(seconds)
 
 
+LATE_S = 1e-3
+"""A held pass that finds its deadline already this far behind counts as late (:func:`overruns`)."""
+_overruns = [0, 0, 0.0]   # held passes, late ones, seconds late in all
+
+
 def sleep_until(deadline: float) -> None:
-    """Sleep to ``deadline`` (perf_counter seconds); a second short sleep absorbs an early wake-up."""
-    while True:
-        left = deadline - time.perf_counter()
-        if left <= 0:
-            return
+    """Sleep to ``deadline`` (perf_counter seconds); a second short sleep absorbs an early wake-up. A pass
+    whose real work already ran past the deadline is counted (:func:`overruns`)."""
+    left = deadline - time.perf_counter()
+    _overruns[0] += 1
+    if left < -LATE_S:
+        _overruns[1] += 1
+        _overruns[2] -= left
+    while left > 0:
         time.sleep(left)
+        left = deadline - time.perf_counter()
+
+
+def overruns() -> tuple[int, int, float]:
+    """``(passes, late, seconds)`` since :func:`reset_overruns`: the passes held to a deadline, those whose real
+    work (the tiny model's compute and collectives) ended more than LATE_S past it, and by how much in all.
+    Late passes mean the host's CPU could not keep the emulated times: the rank runs slower than emulated."""
+    return int(_overruns[0]), int(_overruns[1]), float(_overruns[2])
+
+
+def reset_overruns() -> None:
+    """Start counting :func:`overruns` anew."""
+    _overruns[:] = [0, 0, 0.0]
 
 
 def _first_tensor(args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[Any, torch.Tensor | None]:

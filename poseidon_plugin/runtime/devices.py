@@ -87,6 +87,15 @@ class Device:
         """Factor by which compute on this rank is stretched (1.0 except on emulated devices)."""
         return 1.0
 
+    def reset_overruns(self) -> None:
+        """Start counting :meth:`overruns` anew."""
+
+    def overruns(self) -> tuple[int, int, float, float] | None:
+        """``(passes, late passes, seconds late, SCALE)`` of the deterministic emulation's deadlines since
+        :meth:`reset_overruns` (``emulation/compute_patch.py``); None where compute is not held to deadlines
+        (every real device)."""
+        return None
+
     def prepare_training(self, script: str, args: Sequence[str], *, is_module: bool,
                          log: Callable[[str], None]) -> list[str]:
         """The training script's arguments on this device: on CPU ranks Megatron-LM's own loop
@@ -176,6 +185,8 @@ class EmulatedDevice(Device):
         self.type_name = type_name
         self.memory_bytes = memory_bytes
         self.factor = factor
+        self.scale: float | None = None
+        """The deterministic emulation's SCALE once installed (:func:`install_emulation`)."""
 
     def name(self) -> str:
         return self.type_name
@@ -185,6 +196,18 @@ class EmulatedDevice(Device):
 
     def slowdown(self) -> float:
         return self.factor
+
+    def reset_overruns(self) -> None:
+        from poseidon_plugin.emulation import compute_patch
+
+        compute_patch.reset_overruns()
+
+    def overruns(self) -> tuple[int, int, float, float] | None:
+        from poseidon_plugin.emulation import compute_patch
+
+        if self.scale is None or compute_patch.mode() != "deadline":
+            return None
+        return (*compute_patch.overruns(), self.scale)
 
 
 def emulated(device: Device, declared: ClusterSpec, device_type: str, *, flag: str | None,
@@ -214,6 +237,7 @@ def install_emulation(device: Device, state: EmulationState | None) -> Emulation
         state = None  # only a CPU rank emulates a device
     if state is not None:
         harness.install_deterministic(state)
+        device.scale = state.scale
     if device.slowdown() > 1.0:
         from poseidon_plugin.emulation import compute_patch
 
