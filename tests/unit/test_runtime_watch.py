@@ -90,7 +90,7 @@ def test_an_emulation_behind_its_deadlines_is_named_as_the_cause():
     for index, start in enumerate([0.0, 130.0, 260.0, 390.0], 1):
         watch.on_iteration(index, start, start + 80.0)
     assert lines[-3] == f"watch: median of iterations 2-3: measured 130.0 ms vs predicted 100.0 ms (+30.0%); span: {SPAN}"
-    assert lines[-2] == ("emulation: 240 of 600 layer passes of rank 0 ended past their deadline, 90 ms in all over the "
+    assert lines[-2] == ("emulation: 240 of 600 compute passes of rank 0 ended past their deadline, 90 ms in all over the "
                          "watched iterations (23% of them): this host's CPU cannot run the ranks' real work inside the "
                          "emulated times, so the measured iterations are the host's, not the plan's; give a larger "
                          "SCALE (--poseidon-emulate-model PRESET:SCALE; now 2.44) or fewer ranks per core")
@@ -99,23 +99,34 @@ def test_an_emulation_behind_its_deadlines_is_named_as_the_cause():
 
 def test_deadlines_overrun_by_a_little_are_not_reported():
     lines: list[str] = []
-    watch = _watch(3, lines, _BehindClock(late_ms=5.0))         # 5 ms over 315 ms: under LATE_SHARE
-    for index, start in enumerate([0.0, 105.0, 210.0, 315.0], 1):
+    watch = _watch(3, lines, _BehindClock(late_ms=15.0))        # 15 ms over 360 ms: under LATE_SHARE
+    for index, start in enumerate([0.0, 120.0, 240.0, 360.0], 1):
+        watch.on_iteration(index, start, start + 80.0)
+    assert lines[-2].startswith("watch: median of iterations 2-3")
+    assert lines[-1].endswith("(contention, other jobs, clock changes)")
+    assert not any(line.startswith("emulation:") for line in lines)
+
+
+def test_overruns_are_not_reported_where_the_prediction_holds():
+    lines: list[str] = []
+    watch = _watch(3, lines, _BehindClock(late_ms=90.0))        # late passes, but the iterations match
+    for index, start in enumerate([0.0, 100.0, 200.0, 300.0], 1):
         watch.on_iteration(index, start, start + 80.0)
     assert lines[-1].startswith("watch: median of iterations 2-3")
     assert not any(line.startswith("emulation:") for line in lines)
 
 
-def test_sleep_until_counts_the_passes_that_start_past_their_deadline():
+def test_hold_until_counts_the_compute_passes_that_start_past_their_deadline():
     import time
 
     from poseidon_plugin.emulation import compute_patch
 
     compute_patch.reset_overruns()
     now = time.perf_counter()
-    compute_patch.sleep_until(now - 0.5)                      # the real work ended 0.5 s after the deadline
-    compute_patch.sleep_until(now - compute_patch.LATE_S / 2)  # within the slack: on time
-    compute_patch.sleep_until(time.perf_counter() + 0.001)     # ahead: sleeps
+    compute_patch.hold_until(now - 0.5)                       # the real work ended 0.5 s after the deadline
+    compute_patch.hold_until(now - compute_patch.LATE_S / 2)  # within the slack: on time
+    compute_patch.hold_until(time.perf_counter() + 0.001)     # ahead: sleeps
+    compute_patch.sleep_until(now - 0.5)                      # a link's wait: not a compute pass
     passes, late, late_s = compute_patch.overruns()
     assert (passes, late) == (3, 1)
     assert late_s >= 0.5                                       # read on the clock after the call began
@@ -134,7 +145,7 @@ def test_an_emulated_device_reports_overruns_only_under_deadlines():
     compute_patch.set_targets(lambda part, tp, mbs: (1.0, 2.0))
     try:
         device.reset_overruns()
-        compute_patch.sleep_until(0.0)                     # long past
+        compute_patch.hold_until(0.0)                      # long past
         passes, late, late_s, scale = device.overruns()
         assert (passes, late, scale) == (1, 1, 2.5) and late_s > 0
     finally:
