@@ -152,6 +152,41 @@ class Placement:
                                       # has_gradient_sync; its expert-DP group takes the same link)
 
 
+def recompute_note(model: ModelSpec) -> str | None:
+    """How the job's activation recomputation is priced, in one line (None without recomputation)."""
+    if model.recompute == "selective":
+        return ("recomputation selective (core attention): as the profile measured the layer with it (an analytic "
+                "profile assumes flash attention, which keeps no attention scores to recompute)")
+    if model.recompute != "full":
+        return None
+    flags = (f"--recompute-granularity full --recompute-method {model.recompute_method} "
+             f"--recompute-num-layers {model.recompute_num_layers}")
+    if model.recompute_method == "uniform":
+        return (f"recomputation {flags}: every layer's forward runs again in its backward, keeps its input, and "
+                f"{model.recompute_num_layers} layer(s) of activations are rebuilt at once (off the usable memory)")
+    return (f"recomputation {flags}: priced by bounds (every layer's forward again, every layer's activations "
+            f"kept): the block method's costs differ between the layers of a stage, which per-layer costs cannot "
+            f"express; --recompute-method uniform is priced as it runs")
+
+
+def full_recompute(model: ModelSpec, forward_ms: float, backward_ms: float, activation_bytes: float,
+                   input_bytes: float) -> tuple[float, float, float]:
+    """One layer under Megatron's full activation recomputation (``--recompute-granularity full``):
+    ``(backward ms, bytes it keeps per live micro-batch, bytes rebuilt at once during a backward)``.
+
+    Every recomputed layer runs its forward again inside its backward. ``uniform`` (every layer, in units of
+    ``recompute_num_layers``) keeps each unit's input: at most one layer input (``input_bytes``, the hidden
+    state it receives) per layer; while a unit's backward runs, its layers' activations exist again for one
+    micro-batch: ``recompute_num_layers`` layers' activations, once per device, which the cost model takes off
+    the usable memory. ``block`` recomputes the first ``recompute_num_layers`` layers of each chunk only, a cost
+    that is not the same for every layer of a stage, which the per-layer costs cannot express; it is priced by
+    bounds on both: every layer's forward again (time) and every layer's activations kept (memory)."""
+    backward_ms = backward_ms + forward_ms
+    if model.recompute_method == "uniform":
+        return backward_ms, input_bytes, model.recompute_num_layers * activation_bytes
+    return backward_ms, activation_bytes, 0.0
+
+
 def _ring_sync_ms(params: float, dp: int, grad_bytes: float, param_bytes: float, distributed: bool,
                   bytes_per_ms: float, latency_ms: float) -> float:
     if dp <= 1:
@@ -401,11 +436,15 @@ class CostModel:
                 extra_f, extra_b = expert_parallel_ms(cl, self.model, device_type, tp, mbs, ep, e_tp, link, c)
                 forward_ms, backward_ms = forward_ms + extra_f, backward_ms + extra_b
 
+        activation, rebuilt = float(e.activation_bytes), 0.0
+        if self.model.recompute == "full":
+            backward_ms, activation, rebuilt = full_recompute(self.model, forward_ms, backward_ms, activation,
+                                                              float(e.send_bytes))
         sends = []
         for kind in (LINK_INTRA_NODE, LINK_INTER_NODE, LINK_CROSS_TYPE):
             link = cl.link(device_type, kind)
             sends.append(e.send_bytes / (link.bytes_per_ms * c.link_efficiency) + link.latency_ms)
-        usable = self.usable_bytes(device_type)
+        usable = self.usable_bytes(device_type) - rebuilt
         return GroupCosts(
             device_type=device_type, tp=tp, mbs=mbs, dp=dp,
             forward_ms=forward_ms, backward_ms=backward_ms,
@@ -418,7 +457,7 @@ class CostModel:
             layer_state_bytes=layer_state, ep=ep, etp=etp,
             embedding_state_bytes=e.embedding_params * per_param,
             head_state_bytes=e.head_params * per_param,
-            layer_activation_bytes=float(e.activation_bytes),
+            layer_activation_bytes=activation,
             embedding_activation_bytes=float(e.embedding_activation_bytes),
             head_activation_bytes=float(e.head_activation_bytes),
             usable_bytes=usable, step_forward_ms=e.step_forward_ms, step_backward_ms=e.step_backward_ms,
@@ -717,7 +756,8 @@ class CostModel:
                 first_layers=tuple(firsts[c * pp + r] for c in range(v)),
                 forward_ms=tuple(fwd[r * v:(r + 1) * v]), backward_ms=tuple(bwd[r * v:(r + 1) * v]),
                 send_ms=send[r], allreduce_ms=ar[r], memory_bytes=int(math.ceil(mem[r])),
-                usable_bytes=int(self.usable_bytes(cand.stage_types[r]))))
+                usable_bytes=int(self.group(cand.stage_types[r], cand.tp, cand.mbs, cand.dp, cand.ep,
+                                            cand.etp).usable_bytes)))
         model = self.model
         return Plan(model=model.name, cluster=self.cluster.name, seq_length=model.seq_length,
                     global_batch_size=model.global_batch_size, tp=cand.tp, pp=pp, dp=cand.dp,

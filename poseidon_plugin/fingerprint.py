@@ -25,6 +25,9 @@ MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
                 "tie_embeddings", "distributed_optimizer", "sequence_parallel")
 MOE_FIELDS = ("moe_ffn_hidden_size", "moe_shared_expert_size", "moe_capacity_factor", "moe_pad_to_capacity")
 """Fingerprinted only for MoE models (``num_experts > 0``), so that dense plans keep their fingerprint."""
+RECOMPUTE_FIELDS = ("recompute", "recompute_method", "recompute_num_layers")
+"""Fingerprinted only for jobs that recompute activations, so that other plans keep their fingerprint (a
+plan without them was priced without recomputation: its ``recompute`` reads ``none``)."""
 
 # Megatron-LM flag that sets each model field (for messages that tell the user what to change)
 MODEL_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
@@ -37,7 +40,10 @@ MODEL_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "ff
                "sequence_parallel": "--sequence-parallel", "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
                "moe_shared_expert_size": "--moe-shared-expert-intermediate-size",
                "moe_capacity_factor": "--moe-expert-capacity-factor",
-               "moe_pad_to_capacity": "--moe-pad-expert-input-to-capacity", "emulation": "--poseidon-emulate-model MODEL:SCALE:LINKS"}
+               "moe_pad_to_capacity": "--moe-pad-expert-input-to-capacity",
+               "recompute": "--recompute-granularity / --recompute-activations",
+               "recompute_method": "--recompute-method", "recompute_num_layers": "--recompute-num-layers",
+               "emulation": "--poseidon-emulate-model MODEL:SCALE:LINKS"}
 
 
 def _text(value: Any) -> str:
@@ -46,7 +52,8 @@ def _text(value: Any) -> str:
 
 def model_part(model: Any) -> dict[str, str]:
     """``{"model.<field>": value}`` of a ModelSpec."""
-    names = MODEL_FIELDS + (MOE_FIELDS if getattr(model, "num_experts", 0) else ())
+    names = (MODEL_FIELDS + (MOE_FIELDS if getattr(model, "num_experts", 0) else ())
+             + (RECOMPUTE_FIELDS if getattr(model, "recompute", "none") != "none" else ()))
     return {f"model.{name}": _text(getattr(model, name)) for name in names}
 
 
@@ -78,6 +85,9 @@ def model_mismatches(fingerprint: Sequence[tuple[str, str]], model: Any) -> list
     """``(field, planned, live)`` for each model field the plan was priced with a different value of."""
     planned = dict(fingerprint)
     live = model_part(model)
+    if "model.recompute" not in planned:     # priced without recomputation
+        planned["model.recompute"] = "none"
+    live.setdefault("model.recompute", "none")
     return [(key.partition(".")[2], planned[key], live[key]) for key in live
             if key in planned and planned[key] != live[key]]
 

@@ -123,6 +123,17 @@ def emulation_state(case: ClusterCase) -> emulation.EmulationState:
                                          global_batch=case.global_batch, micro_batch_size=1, job_model=job_model(case))
 
 
+def scaled(case: ClusterCase, factor: float) -> ClusterCase:
+    """``case`` at ``factor`` x its automatic SCALE (given explicitly in ``--poseidon-emulate-model``): for a host
+    slower than the one the emulation's host-fit constants were measured on (docs/FIDELITY.md)."""
+    import dataclasses
+
+    preset, _, rest = case.model.partition(":")
+    links = rest.partition(":")[2]
+    scale = emulation_state(case).scale * factor
+    return dataclasses.replace(case, model=f"{preset}:{scale:.4g}" + (f":{links}" if links else ""))
+
+
 def cost_model(case: ClusterCase, profile_path: str) -> CostModel:
     """The cost model poseidon-run planned with: the emulated cluster, the job, the profile it measured."""
     return CostModel(emulation_state(case).cluster, job_model(case), load_profile(profile_path))

@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 from _e2e_runs import (CLUSTERS, MEASURED_ITERS, MIN_ITERS, QUICK, WARMUP_ITERS, ClusterCase,  # noqa: E402
-                       candidate_of, cost_model, emulation_state, launch, plan_key, random_plans, uniform_plan,
+                       candidate_of, cost_model, emulation_state, launch, plan_key, random_plans, scaled, uniform_plan,
                        use_client)
 from poseidon_plugin.plan import Plan  # noqa: E402
 from poseidon_plugin.target import plan_as_run  # noqa: E402
@@ -223,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client", choices=("poseidon", "megatron-lm"), default="poseidon",
                         help="the training script: scripts/pretrain_gpt.py, or Megatron-LM's own pretrain_gpt.py "
                              "(checkout in POSEIDON_MEGATRON_LM, default ../shared/megatron-lm/core_v0.16.1)")
+    parser.add_argument("--scale-factor", type=float, default=1.0,
+                        help="run each cluster at this many times its automatic emulation SCALE (given explicitly): "
+                             "for a host whose CPU cannot keep the automatic deadlines (see docs/FIDELITY.md)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     parser.add_argument("--render", metavar="JSON", help="print the table of a saved --json output and exit")
     args = parser.parse_args(argv)
@@ -239,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         wanted = [w.strip() for w in args.only.split(",") if w.strip()]
         cases = [c for c in cases if any(w in c.name for w in wanted)]
+    if args.scale_factor != 1.0:
+        if not 0.0 < args.scale_factor < math.inf:
+            parser.error(f"--scale-factor {args.scale_factor}: give a positive number")
+        cases = [scaled(c, args.scale_factor) for c in cases]
     log = (lambda line: print(line, file=sys.stderr, flush=True))
     log(f"client: {script}")
     start = time.perf_counter()

@@ -63,8 +63,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--position-embedding-type", choices=("learned_absolute", "rope"))
     for flag in ("--group-query-attention", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
                  "--bf16", "--fp16", "--use-cpu-initialization", "--mock-data", "--sequence-parallel",
-                 "--use-distributed-optimizer"):
+                 "--use-distributed-optimizer", "--recompute-activations"):
         add(flag, action="store_true")
+    # activation recomputation (read by job_flags.read_job, built by megatron_model.transformer_config)
+    add("--recompute-granularity", choices=("full", "selective"), default=None)
+    add("--recompute-method", choices=("uniform", "block"), default=None)
+    add("--recompute-num-layers", type=int, default=None)
     add("--tokenizer-type", default="NullTokenizer", choices=("NullTokenizer",))
     # embedding rows: --vocab-size padded to a multiple of this x TP, as Megatron-LM pads them
     add("--make-vocab-size-divisible-by", type=int, default=128)
@@ -231,8 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay, bf16=job.dtype == "bf16",
                         fp16=job.dtype == "fp16", params_dtype=config.params_dtype,
-                        # Megatron's clipping asserts CUDA tensors; on CPU it is off.
-                        clip_grad=0.0 if on_cpu else args.clip_grad,
+                        clip_grad=args.clip_grad,
                         use_distributed_optimizer=args.use_distributed_optimizer),
         chunks,
     )

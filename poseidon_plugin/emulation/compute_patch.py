@@ -85,6 +85,11 @@ def _sleep(seconds: float) -> None:
         time.sleep(seconds)
 
 
+LATE_S = 1e-3
+"""A compute pass that finds its deadline already this far behind counts as late (:func:`overruns`)."""
+_overruns = [0, 0, 0.0]   # held passes, late ones, seconds late in all
+
+
 def sleep_until(deadline: float) -> None:
     """Sleep to ``deadline`` (perf_counter seconds); a second short sleep absorbs an early wake-up."""
     while True:
@@ -92,6 +97,30 @@ def sleep_until(deadline: float) -> None:
         if left <= 0:
             return
         time.sleep(left)
+
+
+def hold_until(deadline: float) -> None:
+    """A compute pass held to its deadline: :func:`sleep_until`, counting the pass, and whether its real work
+    already ran past the deadline (:func:`overruns`; the emulated links' waits are not counted: a late
+    receive is the pipeline's, not the host's)."""
+    late = time.perf_counter() - deadline
+    _overruns[0] += 1
+    if late > LATE_S:
+        _overruns[1] += 1
+        _overruns[2] += late
+    sleep_until(deadline)
+
+
+def overruns() -> tuple[int, int, float]:
+    """``(passes, late, seconds)`` since :func:`reset_overruns`: the passes held to a deadline, those whose real
+    work (the tiny model's compute and collectives) ended more than LATE_S past it, and by how much in all.
+    Late passes mean the host's CPU could not keep the emulated times: the rank runs slower than emulated."""
+    return int(_overruns[0]), int(_overruns[1]), float(_overruns[2])
+
+
+def reset_overruns() -> None:
+    """Start counting :func:`overruns` anew."""
+    _overruns[:] = [0, 0, 0.0]
 
 
 def _first_tensor(args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[Any, torch.Tensor | None]:
@@ -126,9 +155,9 @@ def _deadline_forward(original, module, args: tuple, kwargs: dict, part: str, in
         clock = _Clock()
         seconds = backward_ms / 1e3
         args, kwargs = _replace(args, kwargs, where,
-                                _BackwardEnd.apply(tensor, clock, lambda start: sleep_until(start + seconds)))
+                                _BackwardEnd.apply(tensor, clock, lambda start: hold_until(start + seconds)))
     output = original(module, *args, **kwargs)
-    sleep_until(start + forward_ms / 1e3)
+    hold_until(start + forward_ms / 1e3)
     return output if clock is None else _mark_output(output, clock)
 
 

@@ -19,9 +19,8 @@ or ``with cpu_shim.cpu_shim(): ...``. ``install()`` is idempotent and counts not
 undoes it. The device-rewriting ``TorchFunctionMode`` is thread-local (a torch rule), so call ``install()``
 on the thread that runs the training loop; the other stand-ins are process-wide.
 
-Not covered (configure instead): megatron-core's gradient clipping asserts ``torch.cuda.FloatTensor`` (use
-``clip_grad=0.0``, or Megatron-LM's loop, where ``emulation/cpu_training.py`` makes it run); the distributed
-optimizer and ``--sequence-parallel`` with the local spec fail on CPU.
+Not covered (configure instead): ``--sequence-parallel`` with the local spec fails on CPU (transformer configs
+built with ``on_cpu`` leave it out; Megatron-LM's loop gets the flag dropped, ``emulation/cpu_training.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from poseidon_plugin.emulation.cpu_shim_patch import MOE_TABLE, TABLE
+from poseidon_plugin.emulation.cpu_shim_patch import CORE_TABLE, MOE_TABLE, TABLE
 
 _CPU = torch.device("cpu")
 
@@ -74,7 +73,9 @@ def install(*, force: bool = False) -> bool:
         TABLE.apply()  # verified; on failure nothing stays patched
         try:
             MOE_TABLE.apply()
+            CORE_TABLE.apply()
         except Exception:
+            MOE_TABLE.revert()
             TABLE.revert()
             raise
         _mode = _CudaToCpuMode()
@@ -97,6 +98,7 @@ def uninstall() -> None:
                                    "on another thread); exit that mode first")
             _mode.__exit__(None, None, None)
             _mode = None
+        CORE_TABLE.revert()
         MOE_TABLE.revert()
         TABLE.revert()
 

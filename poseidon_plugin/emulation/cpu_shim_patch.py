@@ -11,7 +11,17 @@ the facts behind each row are in docs/RUNTIME.md ("CPU ranks: what the shim stan
   the output's old storage alive: gloo's send reads it until the send completes;
 * ``torch.cuda.current_device`` -> the CPU device (buffers are allocated on it), ``synchronize`` /
   ``set_device`` / ``empty_cache`` -> no-ops, streams and events -> null objects (CPU work is synchronous);
-  ``get_rng_state`` / ``set_rng_state`` -> the (empty) state of a CUDA generator a CPU rank does not have.
+  ``get_rng_state`` / ``set_rng_state`` -> the (empty) state of a CUDA generator a CPU rank does not have;
+
+Rows only where the installed core has the target (:data:`CORE_TABLE`, built when applied):
+
+* megatron-core's checks of CUDA tensor-type names (:data:`TYPE_NAME_CHECKS`: gradient clipping asserts
+  ``torch.cuda.FloatTensor`` gradients, the mixed-precision and distributed optimizers accept only
+  ``torch.cuda.*Tensor`` parameters) -> the call runs inside a ``TorchFunctionMode`` under which
+  ``Tensor.type()`` answers the CUDA name of the tensor's dtype; what the call does is megatron-core's;
+* ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` (activation recomputation saves
+  and replays every RNG state) -> the empty state of the CUDA generator a CPU rank does not have, and a
+  no-op: the CPU generator dropout draws from is saved and restored by recomputation itself.
 
 Every stand-in is a distinct object: torch._dynamo maps each torch.cuda function to a rule and rejects one
 object registered under two names.
@@ -34,6 +44,8 @@ import importlib.util
 from typing import Any
 
 import torch
+
+from torch.overrides import TorchFunctionMode
 
 from poseidon_plugin.patches.table import LazyPatchTable, Patch, PatchTable
 
@@ -215,6 +227,39 @@ def _keep_sent_storage(original: Any):
     return deallocate_output_tensor
 
 
+class CudaTypeNames(TorchFunctionMode):
+    """``Tensor.type()`` (no argument) answers the CUDA tensor type name of the tensor's dtype."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(result, str):
+            return result.replace("torch.", "torch.cuda.", 1) if not result.startswith("torch.cuda.") else result
+        return result
+
+
+def _with_cuda_type_names(original: Any):
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with CudaTypeNames():
+            return original(*args, **kwargs)
+    return call
+
+
+_OPTIMIZER = "megatron.core.optimizer"
+TYPE_NAME_CHECKS: dict[str, tuple[str, tuple[str, ...]]] = {
+    f"{_OPTIMIZER}.clip_grads.clip_grad_by_total_norm_fp32":
+        ("gradient clipping on CPU gradients (its torch.cuda.FloatTensor check reads their CUDA type name)", ()),
+    f"{_OPTIMIZER}.optimizer.Float16OptimizerWithFloat16Params.__init__":
+        ("mixed-precision optimizer set up over CPU parameters (its torch.cuda.BFloat16Tensor / HalfTensor check "
+         "reads their CUDA type name)", ("--bf16", "--fp16")),
+    f"{_OPTIMIZER}.distrib_optimizer.DistributedOptimizer.__init__":
+        ("distributed optimizer set up over CPU parameters (its torch.cuda tensor-type check reads their CUDA "
+         "type name)", ("--use-distributed-optimizer",)),
+}
+"""megatron-core calls that check CUDA tensor-type names: ``target -> (what the row does, the job flags that
+make the call: the row's line is logged only for a job with one of them; none: every job)``."""
+
+
 def _rows() -> tuple[Patch, ...]:
     rows: list[Patch] = []
     if importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None:
@@ -224,6 +269,7 @@ def _rows() -> tuple[Patch, ...]:
                  Patch(target=f"{_RANDOM}.initialize_rng_tracker", make=_initialize_rng_tracker, sweep=True),
                  Patch(target="megatron.core.pipeline_parallel.schedules.deallocate_output_tensor",
                        make=_keep_sent_storage, sweep=True)]
+
     rows += [
         Patch(target="torch.cuda.current_device", make=_current_device),
         Patch(target="torch.cuda.synchronize", make=_no_op),
@@ -277,3 +323,51 @@ def _moe_rows() -> tuple[Patch, ...]:
 
 
 MOE_TABLE = LazyPatchTable("cpu_shim_moe", _moe_rows)
+
+
+def _no_cuda_rng_state(original: Any):
+    def _get_cuda_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        # activation recomputation saves every RNG state to replay the forward; a CPU rank has no CUDA
+        # generator (its dropout draws from the CPU one, which recomputation saves and restores itself)
+        return torch.empty(0, dtype=torch.uint8)
+    return _get_cuda_rng_state
+
+
+def _no_cuda_rng_restore(original: Any):
+    def _set_cuda_rng_state(new_state: Any, device: Any = -1, graph_safe: bool = False) -> None:
+        return None
+    return _set_cuda_rng_state
+
+
+def _core_rows() -> tuple[Patch, ...]:
+    """Rows for megatron-core functions some cores lack, each only where the installed core has the target:
+    every :data:`TYPE_NAME_CHECKS` target (a constructor is reached through its class: no copies to sweep),
+    and megatron-core's own CUDA generator state accessors (activation recomputation reads and restores
+    them)."""
+    wanted = [(target, _with_cuda_type_names) for target in TYPE_NAME_CHECKS]
+    wanted += [(f"{_RANDOM}._get_cuda_rng_state", _no_cuda_rng_state),
+               (f"{_RANDOM}._set_cuda_rng_state", _no_cuda_rng_restore)]
+    rows = []
+    for target, make in wanted:
+        path, attr = target.rsplit(".", 1)
+        owner = _resolve(path)
+        if owner is not None and hasattr(owner, attr):
+            rows.append(Patch(target=target, make=make, sweep=attr != "__init__"))
+    return tuple(rows)
+
+
+def _resolve(path: str) -> Any:
+    """The module or class at dotted ``path``, or None where this installation has none."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name, None)
+        return obj
+    return None
+
+
+CORE_TABLE = LazyPatchTable("cpu_shim_core", _core_rows)

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from poseidon_plugin import argv
 from poseidon_plugin.errors import PoseidonError
 
-_SWITCHES = ("--no-persist-layer-norm", "--no-gradient-accumulation-fusion", "--no-rope-fusion")
+_SWITCHES = ("--no-persist-layer-norm", "--no-gradient-accumulation-fusion", "--no-rope-fusion",
+             "--no-masked-softmax-fusion", "--sequence-parallel")
 
 IMPORT_NEEDS = "triton pydantic tqdm wrapt six regex einops"
 """What importing Megatron-LM's ``megatron.training`` needs besides torch and megatron-core (the ``test``
@@ -38,10 +39,12 @@ class Adjustment:
     old: str | None
     """The user's value (None: not given, Megatron-LM's default applied)."""
     new: str | None
-    """The value set on CPU ranks (None: a switch added)."""
+    """The value set on CPU ranks (None: a switch added; "": the flag dropped)."""
     why: str
 
     def line(self) -> str:
+        if self.new == "":
+            return f"CPU rank: {self.flag} dropped ({self.why})"
         was = "not given" if self.old is None else (f"was {self.old}" if self.old else "was given")
         now = self.flag if self.new is None else f"{self.flag} {self.new}"
         return f"CPU rank: {now} ({was}; {self.why})"
@@ -62,9 +65,16 @@ def flag_adjustments(args: Sequence[str]) -> list[Adjustment]:
     if "--no-gradient-accumulation-fusion" not in values:
         out.append(Adjustment(flag="--no-gradient-accumulation-fusion", old=None, new=None,
                               why="the fused weight-gradient accumulation is a CUDA extension"))
+    if ("--bf16" in values or "--fp16" in values) and "--no-masked-softmax-fusion" not in values:
+        out.append(Adjustment(flag="--no-masked-softmax-fusion", old=None, new=None,
+                              why="the fused bf16 / fp16 softmax is a CUDA extension"))
     if values.get("--position-embedding-type") in ("rope", "yarn", "mrope") and "--no-rope-fusion" not in values:
         out.append(Adjustment(flag="--no-rope-fusion", old=None, new=None,
                               why="the fused RoPE needs Transformer Engine"))
+    if "--sequence-parallel" in values:
+        out.append(Adjustment(flag="--sequence-parallel", old="", new="", why="the local layer spec's torch "
+                              "norms have no sequence-parallel form (Transformer Engine's have); the plan is "
+                              "priced with it"))
     if "--eval-interval" not in values:
         # Megatron-LM's loop divides by it (its default None stops the loop on any device); without the user's
         # own evaluation set-up the emulated run does not evaluate
@@ -81,7 +91,8 @@ def apply_adjustments(args: Sequence[str], adjustments: Sequence[Adjustment]) ->
     replace = {a.flag: a for a in adjustments if a.old is not None}
     out = argv.remove_flags(args, set(replace), _SWITCHES) if replace else list(args)
     for a in adjustments:
-        out += [a.flag] if a.new is None else [a.flag, a.new]
+        if a.new != "":
+            out += [a.flag] if a.new is None else [a.flag, a.new]
     return out
 
 
@@ -89,6 +100,7 @@ def prepare(script: str, args: Sequence[str], *, is_module: bool, log: Callable[
     """On a CPU rank, right before a script whose stack has ``megatron.training`` runs
     (``job_flags.uses_megatron_training``, checked by ``Device.prepare_training``): the adjusted arguments, the
     training table applied, one log line per change."""
+    from poseidon_plugin.emulation import cpu_shim_patch
     from poseidon_plugin.emulation import megatron_training_patch as megatron_training
 
     try:
@@ -104,5 +116,9 @@ def prepare(script: str, args: Sequence[str], *, is_module: bool, log: Callable[
     for row in megatron_training.TABLE.rows:
         note = megatron_training.ROW_NOTES.get(row.target)
         if note:
+            log(f"CPU rank: {note}")
+    # the megatron-core shim's checks of CUDA type names this job's calls meet (applied with the shim)
+    for note, flags in cpu_shim_patch.TYPE_NAME_CHECKS.values():
+        if not flags or any(flag in args for flag in flags):
             log(f"CPU rank: {note}")
     return apply_adjustments(args, adjustments)

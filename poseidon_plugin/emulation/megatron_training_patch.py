@@ -20,8 +20,9 @@ replaces one call that is about the CUDA runtime, never about compute; the facts
   one; on a CPU rank the default generator is the one dropout draws from, so the draw would shift a run
   resumed from a checkpoint (whose RNG state is loaded before the iterators are built) off the stream of the
   uninterrupted run: the call runs with that generator's state kept;
-* ``clip_grad_by_total_norm_fp32`` asserts that every gradient is a ``torch.cuda.FloatTensor``: the check
-  reads the gradients' CUDA type name during that call; the clipping itself is Megatron's.
+
+megatron-core's own checks of CUDA tensor-type names (gradient clipping, the mixed-precision and distributed
+optimizers) are the megatron-core shim's (``emulation/cpu_shim_patch.py``): every client meets them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from poseidon_plugin.patches.table import LazyPatchTable, Patch
 
@@ -54,9 +54,6 @@ ROW_NOTES: dict[str, str] = {
                                                                          "generator's state kept (it stands "
                                                                          "in for the CUDA generator dropout "
                                                                          "draws from)",
-    "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32": "gradient clipping on CPU gradients "
-                                                                        "(its torch.cuda.FloatTensor check "
-                                                                        "reads their CUDA type name)",
 }
 """What each row does, for the one log line per CPU-only adjustment (rows without a note share the previous
 row's line)."""
@@ -118,20 +115,6 @@ def _no_cuda_arch(original: Any):
     return get_device_arch_version
 
 
-class _CudaTypeNames(TorchFunctionMode):
-    """``Tensor.type()`` (no argument) answers the CUDA tensor type name of the tensor's dtype."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(result, str):
-            return result.replace("torch.", "torch.cuda.", 1) if not result.startswith("torch.cuda.") else result
-        return result
-
-
-cuda_type_names = _CudaTypeNames
-"""``Device.tensor_type_names`` on CPU ranks: the profiler times megatron-core's gradient clipping as the training runs it."""
-
-
 def _rows() -> tuple[Patch, ...]:
     """The rows, built when the table is applied: importing ``megatron.training`` is the training script's
     business."""
@@ -145,8 +128,6 @@ def _rows() -> tuple[Patch, ...]:
         Patch(target="megatron.training.utils.get_device_arch_version", make=_no_cuda_arch, sweep=True),
         Patch(target="megatron.training.training.build_train_valid_test_data_iterators",
               make=_inside(_kept_generator_state), sweep=True),
-        Patch(target="megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
-              make=_inside(_CudaTypeNames), sweep=True),
     )
 
 

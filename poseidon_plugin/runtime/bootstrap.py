@@ -18,6 +18,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING
 
+from poseidon_plugin.costmodel import recompute_note
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.runtime import elastic
 from poseidon_plugin.runtime import options as runtime_options
@@ -82,10 +83,10 @@ def main(argv: list[str] | None = None) -> None:
         exit_code = _run(argv, rank, log)
     except PhaseFailed as exc:
         log.error(str(exc))
-        _exit(2 if exc.user_error else 1)
+        _leave(2 if exc.user_error else 1)
     except PoseidonError as exc:
         log.error(str(exc))
-        _exit(2)
+        _leave(2)
     sys.exit(exit_code)
 
 
@@ -101,14 +102,52 @@ def _stopped(log: Log) -> None:
     recorded = phases.recorded_failure() if phases is not None else None
     if recorded is not None:
         log.error(str(recorded))
-        _exit(2 if recorded.user_error else 1)
+        _leave(2 if recorded.user_error else 1)
     lost = phases.lost_ranks() if phases is not None else []
     if lost:
         log.error(f"stopped by the launcher: lost {'; '.join(lost)}, during Poseidon's start-up")
     else:
         log.error("stopped by the launcher during Poseidon's start-up; no rank recorded a failure: a rank of "
               "another agent, or that agent, was lost (see that agent's output), or the job was interrupted")
-    _exit(1)
+    _leave(1)
+
+
+LINGER_S = 10.0
+"""How long the store's host, failing, keeps the store up for the other ranks to read its failure."""
+
+
+def _leave(code: int) -> None:
+    """Leave after a failure. The process that hosts the workers' store (launcher rank 0) takes the store
+    with it: before it leaves it closes its process group, so that ranks blocked in a collective with it fail
+    at once and read the recorded failure, and waits (at most :data:`LINGER_S`) until each other rank has
+    left or is lost; otherwise they could only say that no rank recorded a failure."""
+    phases = _state["phases"]
+    if phases is not None and phases.store is not None:
+        elastic.mark_left(phases.store, phases.rank)
+        if elastic.hosts_store(phases.rank):
+            _close_process_group()
+            lost = phases.liveness.lost_ids if phases.liveness is not None else set
+            elastic.wait_for_peers_to_leave(phases.store, phases.rank, int(os.environ.get("WORLD_SIZE", "1")),
+                                            lost, LINGER_S)
+    _exit(code)
+
+
+def _close_process_group() -> None:
+    """Destroy this rank's process groups, bounded: a peer's pending work must not keep the failure here."""
+    import threading
+
+    import torch.distributed as dist
+
+    def close() -> None:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001  (already broken: the peers see a closed connection all the same)
+            pass
+
+    closer = threading.Thread(target=close, name="poseidon-close", daemon=True)
+    closer.start()
+    closer.join(5.0)
 
 
 def _exit(code: int) -> None:
@@ -474,6 +513,9 @@ def _apply_and_run(job: _Job, phases: Phases, world: World, devices: _Devices, p
     for note in rewritten.notes:
         log.job_line(f"flag style {style}: {note}")
     log.job_line(render_table(plan, runtime=None if opts.plan else job.target.describe(plan)))
+    recompute = recompute_note(_job_model(job))
+    if recompute:
+        log.job_line(recompute)
     log.job_line("command: " + job_flags.command_line(job.script, new_args))
     if job.rank == 0:
         _warn_vocab_padding(job, plan, log)

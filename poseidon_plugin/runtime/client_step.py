@@ -285,15 +285,6 @@ def _positions_ms(forward_step: Callable, data: Any, output: torch.Tensor, devic
             "last_step_ms": max(statistics.median(r[last] - r[middle] for r in rounds), 0.0)}
 
 
-def clip_grad(client: Client | None, job: JobFlags, on_cpu: bool) -> float:
-    """The gradient-clipping threshold the job's optimizer runs with (0: no clipping), for the profiled
-    optimizer step: ``--clip-grad`` (Megatron-LM's default 1.0, :attr:`JobFlags.clip_grad`), except that
-    ``scripts/pretrain_gpt.py`` turns clipping off on CPU ranks (its optimizer config says why)."""
-    if on_cpu and client is not None and kind_name(client) == "pretrain_gpt.py":
-        return 0.0
-    return job.clip_grad
-
-
 def kind_name(client: Client) -> str | None:
     """``"Megatron-LM"``, ``"pretrain_gpt.py"``, or None for a script :func:`kind` does not understand."""
     found = kind(client)
@@ -308,4 +299,4 @@ def describe(costs: dict[str, float] | str) -> str:
             f"+{costs['first_step_ms']:.2f} ms, last stage +{costs['last_step_ms']:.2f} ms")
 
 
-__all__ = ["Client", "POSITIONS", "clip_grad", "describe", "kind", "kind_name", "measure"]
+__all__ = ["Client", "POSITIONS", "describe", "kind", "kind_name", "measure"]

@@ -20,6 +20,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -102,6 +103,12 @@ class Liveness:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._client = None
+        # Every store call holds this lock, and stop() closes the client under it: a thread still inside the
+        # store client's C++ call when the process exits aborts it ("terminate called without an active
+        # exception"), which turned a finished job into a SIGABRT. Reentrant: the SIGTERM handler may ask
+        # lost() while the main thread is inside it.
+        self._lock = threading.RLock()
+        self._closed = False
         tcp = store
         while hasattr(tcp, "underlying_store"):  # torchrun and the process group each add a PrefixStore
             tcp = tcp.underlying_store
@@ -117,23 +124,33 @@ class Liveness:
     def start(self) -> "Liveness":
         """Register this rank and start beating."""
         if self._client is not None:
-            self._client.set(WHO_KEY.format(self.rank), json.dumps({"host": self.host, "pid": os.getpid()}))
-            self._client.set(BEAT_KEY.format(self.rank), repr(time.time()))
+            with self._lock:
+                self._client.set(WHO_KEY.format(self.rank), json.dumps({"host": self.host, "pid": os.getpid()}))
+                self._client.set(BEAT_KEY.format(self.rank), repr(time.time()))
             self._thread = threading.Thread(target=self._beat, name="poseidon-liveness", daemon=True)
             self._thread.start()
         return self
 
     def stop(self) -> None:
-        """Stop beating (the training script's own failures are torchrun's to report), and wait for
-        the beat in flight: a process that exits while its thread is inside the store client's C++
-        call can abort ("terminate called without an active exception")."""
+        """Stop beating and watching (the training script's own failures are torchrun's to report). Returns
+        once no thread of this object is inside a store call, and none will enter one: a process that exits
+        while a thread is inside the store client's C++ call can abort ("terminate called without an active
+        exception"). A call in flight is bounded by the client's timeout."""
         self._stop.set()
+        with self._lock:
+            self._closed = True
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(2.0, 2 * self.beat_s))
 
+    def _open(self) -> bool:
+        """Whether store calls may still be made (call with the lock held)."""
+        return self._client is not None and not self._closed
+
     def mark_finished(self) -> None:
         """This rank's script returned: the others stop counting it as lost when it goes quiet or exits."""
-        if self._client is not None:
+        with self._lock:
+            if not self._open():
+                return
             try:
                 self._client.set(FINISHED_KEY.format(self.rank), "1")
             except Exception:  # noqa: BLE001
@@ -159,18 +176,29 @@ class Liveness:
 
     def _beat(self) -> None:
         while not self._stop.wait(self.beat_s):
-            try:
-                self._client.set(BEAT_KEY.format(self.rank), repr(time.time()))
-            except Exception:  # noqa: BLE001  (the store is gone: the launch is ending)
-                return
+            with self._lock:
+                if not self._open():
+                    return
+                try:
+                    self._client.set(BEAT_KEY.format(self.rank), repr(time.time()))
+                except Exception:  # noqa: BLE001  (the store is gone: the launch is ending)
+                    return
 
     def lost(self, *, silent_s: float | None = None, ranks: Any = None) -> list[str]:
         """The other ranks (of ``ranks``, default all) that are gone or silent (for ``silent_s``, default the
         instance's), each described (``rank 2 (pid 81 on node-a): died``); a rank whose script finished is
         not lost."""
-        if self._client is None:
-            return []
-        silent_s = self.silent_s if silent_s is None else silent_s
+        return [description for _, description in self._lost(silent_s, ranks)]
+
+    def lost_ids(self, *, silent_s: float | None = None) -> set[int]:
+        """The ranks :meth:`lost` describes."""
+        return {rank for rank, _ in self._lost(silent_s, None)}
+
+    def _lost(self, silent_s: float | None, ranks: Any) -> list[tuple[int, str]]:
+        with self._lock:
+            return self._lost_now(self.silent_s if silent_s is None else silent_s, ranks) if self._open() else []
+
+    def _lost_now(self, silent_s: float, ranks: Any) -> list[tuple[int, str]]:
         out = []
         now = time.time()
         for rank in range(self.world_size) if ranks is None else sorted(ranks):
@@ -189,9 +217,9 @@ class Liveness:
                 continue  # never registered: it is still starting, or failed before the process group
             where = f"rank {rank} (pid {who['pid']} on {who['host']})"
             if who["host"] == self.host and not _process_alive(int(who["pid"])):
-                out.append(f"{where}: its process is gone")
+                out.append((rank, f"{where}: its process is gone"))
             elif beat is not None and now - beat > silent_s:
-                out.append(f"{where}: silent for {now - beat:.0f} s (stopped, hung or dead)")
+                out.append((rank, f"{where}: silent for {now - beat:.0f} s (stopped, hung or dead)"))
         return out
 
 
@@ -247,7 +275,7 @@ class Phases:
                     f"another rank died or did not answer within the timeout, see its output above",
                     user_error=False,
                 ) from None
-            self.fail(name, f"{type(exc).__name__}: {first_line(exc)}", user_error=False)
+            self.fail(name, f"{type(exc).__name__}: {first_line(exc)} ({origin(exc)})", user_error=False)
         finally:
             done.set()
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
@@ -382,3 +410,23 @@ def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (its type name when the message is empty)."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def origin(exc: BaseException) -> str:
+    """Where ``exc`` was raised: ``at megatron/core/transformer/torch_norm.py:45 in __new__`` (the path from
+    its package folder on, so it reads the same on every machine). The innermost frame that is neither torch's
+    nor a torch-function mode passing the call on (the CPU shim's): the call that failed, not the plumbing."""
+    frames = [(f, _package_path(f.filename)) for f in traceback.extract_tb(exc.__traceback__)]
+    if not frames:
+        return "where unknown"
+    caller = [(f, path) for f, path in frames if not path.startswith("torch/") and f.name != "__torch_function__"]
+    frame, path = (caller or frames)[-1]
+    return f"at {path}:{frame.lineno} in {frame.name}"
+
+
+def _package_path(filename: str) -> str:
+    parts = filename.replace(os.sep, "/").split("/")
+    for top in ("megatron", "poseidon_plugin", "torch", "mindspeed", "mindspeed_llm"):
+        if top in parts:
+            return "/".join(parts[len(parts) - 1 - parts[::-1].index(top):])
+    return parts[-1]

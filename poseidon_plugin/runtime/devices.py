@@ -87,6 +87,15 @@ class Device:
         """Factor by which compute on this rank is stretched (1.0 except on emulated devices)."""
         return 1.0
 
+    def reset_overruns(self) -> None:
+        """Start counting :meth:`overruns` anew."""
+
+    def overruns(self) -> tuple[int, int, float, float] | None:
+        """``(passes, late passes, seconds late, SCALE)`` of the deterministic emulation's deadlines since
+        :meth:`reset_overruns` (``emulation/compute_patch.py``); None where compute is not held to deadlines
+        (every real device)."""
+        return None
+
     def prepare_training(self, script: str, args: Sequence[str], *, is_module: bool,
                          log: Callable[[str], None]) -> list[str]:
         """The training script's arguments on this device: on CPU ranks Megatron-LM's own loop
@@ -98,13 +107,6 @@ class Device:
         from poseidon_plugin.emulation import cpu_training
 
         return cpu_training.prepare(script, args, is_module=is_module, log=log)
-
-    def tensor_type_names(self) -> contextlib.AbstractContextManager:
-        """Where megatron-core's own code checks ``Tensor.type()`` for a CUDA type name (gradient clipping),
-        on CPU ranks a mode that answers the CUDA names, as the training's CPU rows do; elsewhere nothing."""
-        from poseidon_plugin.emulation.megatron_training_patch import cuda_type_names
-
-        return cuda_type_names()
 
 
 class _RuntimeDevice(Device):
@@ -146,9 +148,6 @@ class _RuntimeDevice(Device):
                          log: Callable[[str], None]) -> list[str]:
         return list(args)
 
-    def tensor_type_names(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
 
 class CudaDevice(_RuntimeDevice):
     """An NVIDIA GPU through torch.cuda (nccl)."""
@@ -186,6 +185,8 @@ class EmulatedDevice(Device):
         self.type_name = type_name
         self.memory_bytes = memory_bytes
         self.factor = factor
+        self.scale: float | None = None
+        """The deterministic emulation's SCALE once installed (:func:`install_emulation`)."""
 
     def name(self) -> str:
         return self.type_name
@@ -195,6 +196,18 @@ class EmulatedDevice(Device):
 
     def slowdown(self) -> float:
         return self.factor
+
+    def reset_overruns(self) -> None:
+        from poseidon_plugin.emulation import compute_patch
+
+        compute_patch.reset_overruns()
+
+    def overruns(self) -> tuple[int, int, float, float] | None:
+        from poseidon_plugin.emulation import compute_patch
+
+        if self.scale is None or compute_patch.mode() != "deadline":
+            return None
+        return (*compute_patch.overruns(), self.scale)
 
 
 def emulated(device: Device, declared: ClusterSpec, device_type: str, *, flag: str | None,
@@ -224,6 +237,7 @@ def install_emulation(device: Device, state: EmulationState | None) -> Emulation
         state = None  # only a CPU rank emulates a device
     if state is not None:
         harness.install_deterministic(state)
+        device.scale = state.scale
     if device.slowdown() > 1.0:
         from poseidon_plugin.emulation import compute_patch
 

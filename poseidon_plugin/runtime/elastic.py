@@ -42,6 +42,8 @@ SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 PLANNED_DONE_KEY = "poseidon/planned-done"
 DONE_KEY = "poseidon/done"
+LEFT_KEY = "poseidon/left/{}"
+"""Set by a rank leaving after a failure (:func:`mark_left`)."""
 
 
 def attempt(env: Mapping[str, str] = os.environ) -> int:
@@ -225,6 +227,33 @@ def mark_done(store, *, planned: bool) -> None:
         store.add(DONE_KEY, 1)
     except Exception:  # noqa: BLE001  (a store that is gone: the others learn it from the launcher)
         pass
+
+
+def mark_left(store, rank: int) -> None:
+    """This rank leaves after a failure, its message written: the store's host need not keep the store for it."""
+    try:
+        store.set(LEFT_KEY.format(rank), "1")
+    except Exception:  # noqa: BLE001  (a store that is gone has no one left to wait)
+        pass
+
+
+def wait_for_peers_to_leave(store, rank: int, world_size: int, lost: Callable[[], set[int]], timeout_s: float, *,
+                            poll_s: float = 0.1, clock: Callable[[], float] = time.monotonic,
+                            sleep: Callable[[float], None] = time.sleep) -> bool:
+    """The store's host, failing, keeps the store up (at most ``timeout_s``) until every other rank has left
+    (:func:`mark_left`, after reading the recorded failure) or is lost (``lost()``: the ranks gone or silent).
+    True when none is left to wait for."""
+    deadline = clock() + timeout_s
+    while True:
+        try:
+            waiting = {r for r in range(world_size) if r != rank and not store.check([LEFT_KEY.format(r)])}
+        except Exception:  # noqa: BLE001
+            return False
+        if not waiting - lost():
+            return True
+        if clock() >= deadline:
+            return False
+        sleep(poll_s)
 
 
 def _count(store, key: str) -> int:

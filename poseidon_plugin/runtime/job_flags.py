@@ -58,6 +58,7 @@ _SWITCHES = frozenset(
         "--use-cpu-initialization",
         "--moe-grouped-gemm",
         "--moe-pad-expert-input-to-capacity",
+        "--recompute-activations",
     }
 )
 # Without these, there is no transformer layer to profile and no model to plan.
@@ -117,6 +118,13 @@ class JobFlags:
     """``--clip-grad``: the gradient-norm clipping threshold (Megatron-LM's default 1.0; 0 turns it off)."""
     moe_grouped_gemm: bool = False
     """``--moe-grouped-gemm``: the local experts' GEMMs as one grouped GEMM (MoE jobs only)."""
+    recompute: str = "none"
+    """Activation recomputation: ``none``, ``selective`` (``--recompute-activations`` or
+    ``--recompute-granularity selective``) or ``full``."""
+    recompute_method: str = ""
+    """``--recompute-method`` (``uniform`` or ``block``; full recomputation only)."""
+    recompute_num_layers: int = 0
+    """``--recompute-num-layers`` (full recomputation only)."""
 
 
 def flag_values(args: Sequence[str]) -> dict[str, str]:
@@ -193,6 +201,7 @@ def read_job(script: str, args: Sequence[str]) -> JobFlags:
             raise PoseidonError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     seq_length = integer("--seq-length")
     dtype = "bf16" if "--bf16" in values else "fp16" if "--fp16" in values else "fp32"
+    recompute, method, recompute_layers = _recompute(values, integer)
     return JobFlags(
         num_layers=integer("--num-layers"),
         hidden_size=hidden,
@@ -228,7 +237,34 @@ def read_job(script: str, args: Sequence[str]) -> JobFlags:
         overlap_p2p_comm="--no-overlap-p2p-communication" not in values,
         clip_grad=number("--clip-grad", 1.0, lambda v: 0.0 <= v < float("inf"), "a finite number >= 0"),
         moe_grouped_gemm=num_experts > 0 and "--moe-grouped-gemm" in values,
+        recompute=recompute,
+        recompute_method=method,
+        recompute_num_layers=recompute_layers,
     )
+
+
+def _recompute(values: dict[str, str], integer: Callable[..., int | None]) -> tuple[str, str, int]:
+    """``(recompute, method, num_layers)`` from Megatron-LM's recomputation flags, with its own rules
+    (``megatron/training/arguments.py``, ``TransformerConfig``): PoseidonError naming the flag otherwise."""
+    granularity = values.get("--recompute-granularity")
+    if "--recompute-activations" in values:   # Megatron-LM sets --recompute-granularity selective for it
+        granularity = "selective"
+    method = values.get("--recompute-method")
+    layers = integer("--recompute-num-layers", 0)
+    if granularity is None:   # a method or a layer count alone recomputes nothing in Megatron either
+        return "none", "", 0
+    if granularity == "selective":
+        if method is not None or layers:
+            raise PoseidonError("--recompute-method and --recompute-num-layers are for --recompute-granularity "
+                                "full (Megatron-LM refuses them with selective recomputation); drop them")
+        return "selective", "", 0
+    if granularity != "full":
+        raise PoseidonError(f"--recompute-granularity {granularity!r} is not supported; use full or selective")
+    if method not in ("uniform", "block") or not layers:
+        raise PoseidonError("--recompute-granularity full needs --recompute-method (uniform or block) and "
+                            "--recompute-num-layers N, as Megatron-LM does; e.g. --recompute-method uniform "
+                            "--recompute-num-layers 1")
+    return "full", method, layers
 
 
 def effective_global_batch(job: JobFlags, world_size: int) -> int:

@@ -36,6 +36,9 @@ def model_spec(job: JobFlags, *, global_batch_size: int, name: str) -> ModelSpec
         tie_embeddings=not job.untie_embeddings,
         distributed_optimizer=job.distributed_optimizer,
         sequence_parallel=job.sequence_parallel,
+        recompute=job.recompute,
+        recompute_method=job.recompute_method,
+        recompute_num_layers=job.recompute_num_layers,
         source="job flags",
     )
 

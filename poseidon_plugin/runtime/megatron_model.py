@@ -95,8 +95,9 @@ def transformer_config(
     """TransformerConfig of the job for the given parallelism.
 
     ``layout`` is a ``--pipeline-model-parallel-layout`` string (uneven / virtual stages); ``num_layers``
-    overrides the job's (the profiler builds one layer). On CPU the fused CUDA kernels are off and weights
-    are initialised on the host, as megatron-core needs there. The job's own keys that the installed
+    overrides the job's (the profiler builds one layer). On CPU the fused CUDA kernels and sequence parallelism
+    are off (the local spec's torch norms have no sequence-parallel form; Transformer Engine's have) and
+    weights are initialised on the host, as megatron-core needs there. The job's own keys that the installed
     TransformerConfig lacks are left out (older cores default them); a ``layout`` or an override it lacks is
     an error, because dropping it would silently change the split or the schedule.
     """
@@ -114,7 +115,10 @@ def transformer_config(
         attention_dropout=job.attention_dropout,
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
-        sequence_parallel=job.sequence_parallel and tensor_parallel > 1,
+        sequence_parallel=job.sequence_parallel and tensor_parallel > 1 and not on_cpu,
+        recompute_granularity=None if job.recompute == "none" else job.recompute,
+        recompute_method=job.recompute_method or None,
+        recompute_num_layers=job.recompute_num_layers or None,
         bf16=job.dtype == "bf16",
         fp16=job.dtype == "fp16",
         params_dtype=torch_dtype(job),
@@ -195,9 +199,13 @@ def gpt_model(
             raise RuntimeError("this megatron-core's GPTModel takes no pg_collection: build and run the model "
                                "inside megatron_model.parallel_state_for(groups)")
     if features.gpt_vp_stage:
-        return GPTModel(**kwargs, vp_stage=vp_stage)
-    with _virtual_rank(vp_stage):
-        return GPTModel(**kwargs)
+        model = GPTModel(**kwargs, vp_stage=vp_stage)
+    else:
+        with _virtual_rank(vp_stage):
+            model = GPTModel(**kwargs)
+    # As Megatron-LM's Float16Module: every parameter and buffer in the job's dtype (the local spec's torch
+    # norms are created in fp32 whatever params_dtype says, and fp32 norm outputs meet bf16 weights)
+    return model if config.params_dtype == torch.float32 else model.to(config.params_dtype)
 
 
 def stage_position(vp_stage: int | None = None) -> tuple[bool, bool]:

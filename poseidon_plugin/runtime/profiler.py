@@ -128,6 +128,8 @@ def cache_key(job: JobFlags, request: ProfileRequest, device: Device,
         "grouped_gemm": job.moe_grouped_gemm,
         "sp": job.sequence_parallel, "untie": job.untie_embeddings, "max_pos": job.max_position_embeddings,
     }
+    if job.recompute == "selective":   # measured with it (full recomputation is priced from the plain layer)
+        layer["recompute"] = "selective"
     return {
         "device_type": request.device_type, "device": f"{device.kind}:{device.name()}",
         "slowdown": f"{device.slowdown():.6g}", "tp": str(request.tp), "mbs": str(request.mbs),
@@ -269,7 +271,7 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
     (README's Megatron-LM job, deterministic emulation: forward 0.55-1.46 ms, one outlier of 5.8 ms at
     micro-batch 2; backward 0.12-0.64 ms; the noise larger than any difference)."""
     on_cpu = device.torch_device.type == "cpu"
-    config = transformer_config(job, tensor_parallel=request.tp, num_layers=1, on_cpu=on_cpu)
+    config = transformer_config(job, tensor_parallel=request.tp, num_layers=1, on_cpu=on_cpu, **_profiled_recompute(job))
     model, steps, peak, loss = _run_steps(job, config, device, groups, request, warmup=warmup, iters=iters)
     layer = model.decoder.layers[0]
     head_params = padded_vocab_size(job, request.tp) * job.hidden_size // request.tp
@@ -292,7 +294,7 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
                                    loss, iters=iters))
         # the TP duplicates the gradient norm skips: megatron-core 0.12 asks parallel_state for the TP rank
         optimizer = _optimizer_ms(model, layer, device, iters=iters, group=getattr(groups, "tp", None),
-                                  clip_grad=client_step.clip_grad(client, job, on_cpu))
+                                  clip_grad=job.clip_grad)
     # every stage's step pays the job's own step at a middle position (or, not measured, the stand-in's)
     synthetic = framework.pop("synthetic_step_ms")
     framework["client_note"] = client_step.describe(own)
@@ -323,6 +325,16 @@ def measure(job: JobFlags, device: Device, groups: Any, request: ProfileRequest,
         "head_activation_bytes": first.saved["head"],
         "peak_memory_bytes": peak,
     })
+
+
+def _profiled_recompute(job: JobFlags) -> dict[str, Any]:
+    """The layer is measured with the job's selective recomputation (what its core attention keeps and
+    recomputes), and without full recomputation, which the cost model prices from the layer itself
+    (``costmodel.full_recompute``): a recomputed layer's forward runs again inside its backward, where the
+    profile's hooks would time it as a second forward."""
+    if job.recompute != "full":
+        return {}
+    return {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}
 
 
 def _run_steps(job: JobFlags, config: Any, device: Device, groups: Any, request: ProfileRequest, *, warmup: int,
@@ -385,7 +397,8 @@ def measure_expert_parallel(job: JobFlags, device: Device, groups: Any, request:
     on_cpu = device.torch_device.type == "cpu"
     # the dispatcher a plan with EP > 1 runs (plan.py adds --moe-token-dispatcher-type alltoall)
     config = transformer_config(job, tensor_parallel=request.tp, num_layers=1, on_cpu=on_cpu,
-                                expert_model_parallel_size=ep, moe_token_dispatcher_type="alltoall")
+                                expert_model_parallel_size=ep, moe_token_dispatcher_type="alltoall",
+                                **_profiled_recompute(job))
     _model, steps, _peak, _loss = _run_steps(job, config, device, groups, request, warmup=warmup, iters=iters)
     return {"ep": ep, "forward_ms": _span(device, steps, "layer_pre", "layer_post"),
             "backward_ms": _span(device, steps, "layer_out_grad", "layer_in_grad")}
@@ -512,7 +525,10 @@ def _optimizer_ms(model: torch.nn.Module, layer: torch.nn.Module, device: Device
     Adam class (the one its optimizer wraps here); stepped over the profiled model's parameters, and over
     all but the layer's; the difference is one layer's share, the rest is the fixed part of a stage
     (per-call cost, the norm's all-reduce, embedding, output layer). Collective over ``group`` when
-    clipping: every rank of it makes the same calls."""
+    clipping: every rank of it makes the same calls. A bf16 / fp16 model is stepped as Megatron-LM's
+    ``Float16OptimizerWithFloat16Params`` does: clipping and Adam on fp32 copies of the parameters (the fp32
+    gradients its DDP accumulates), then every copy written back into the model's parameter, which the
+    measured time includes; fp16 first unscales the gradients and checks them for inf / NaN."""
     from megatron.core import optimizer as megatron_optimizer
 
     adam = getattr(megatron_optimizer, "Adam", torch.optim.AdamW)
@@ -523,15 +539,21 @@ def _optimizer_ms(model: torch.nn.Module, layer: torch.nn.Module, device: Device
     def step_ms(params: list) -> float:
         if not params:
             return 0.0
-        for p in params:
+        stepped = [_main_param(p) for p in params]   # the parameters themselves in fp32
+        for p in stepped:
             p.grad = torch.randn_like(p) * 1e-3
-        opt = adam(params, lr=1e-6, weight_decay=0.01)
-        clip = _gradient_clipping(params, clip_grad, group, device)
+        opt = adam(stepped, lr=1e-6, weight_decay=0.01)
+        clip = _gradient_clipping(stepped, clip_grad, group, device)
+        unscale = _fp16_unscale(stepped, device) if params[0].dtype == torch.float16 else (lambda: None)
+        pairs = [(p, m) for p, m in zip(params, stepped) if m is not p]
         times = []
         for index in range(1 + iters):
             start = device.mark()
+            unscale()
             clip()
             opt.step()
+            for model_param, main_param in pairs:
+                model_param.copy_(main_param)
             opt.zero_grad(set_to_none=False)
             stop = device.mark()
             if index:
@@ -544,6 +566,30 @@ def _optimizer_ms(model: torch.nn.Module, layer: torch.nn.Module, device: Device
         fixed = step_ms(rest)
     model.zero_grad(set_to_none=True)
     return {"optimizer_ms": max(total - fixed, 0.0), "optimizer_fixed_ms": fixed}
+
+
+def _main_param(param: torch.Tensor) -> torch.Tensor:
+    """``param`` when it is fp32, else the fp32 copy Megatron's mixed-precision optimizer steps instead (with
+    the attributes its gradient norm reads: tensor-parallel layout, shared)."""
+    if param.dtype == torch.float32:
+        return param
+    from megatron.core import tensor_parallel
+
+    main = param.detach().clone().float()
+    tensor_parallel.copy_tensor_model_parallel_attributes(main, param)
+    if hasattr(param, "shared"):
+        main.shared = param.shared
+    return main
+
+
+def _fp16_unscale(params: list, device: Device) -> Callable[[], None]:
+    """fp16's loss-scaled gradients: unscaled and checked for inf / NaN before the step, as
+    ``MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan`` does (its all-reduce of the flag over
+    the model-parallel group is left out)."""
+    found_inf = torch.zeros(1, device=device.torch_device)
+    inv_scale = torch.ones(1, device=device.torch_device)
+    grads = [p.grad for p in params]
+    return lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 
 def _gradient_clipping(params: list, clip_grad: float, group: Any, device: Device) -> Callable[[], None]:
@@ -565,8 +611,7 @@ def _gradient_clipping(params: list, clip_grad: float, group: Any, device: Devic
     for_norm = [p.grad for p in params if param_is_not_shared(p) and not_duplicate(p)]
     def clip() -> None:
         norm = get_grad_norm_fp32(for_norm, grad_stats_parallel_group=group)
-        with device.tensor_type_names():   # its CUDA tensor-type check, as in training
-            clip_grad_by_total_norm_fp32(params, clip_grad, norm)
+        clip_grad_by_total_norm_fp32(params, clip_grad, norm)   # on CPU ranks with the shim's type names
 
     return clip
 

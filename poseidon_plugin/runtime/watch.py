@@ -24,6 +24,9 @@ from poseidon_plugin.runtime.devices import Device
 from poseidon_plugin.runtime.placement import planned_layers
 
 WARN_FRACTION = 0.10
+LATE_SHARE = 0.05
+"""Where the watch warns, an emulated rank 0 whose deadlines were overrun for more than this share of the
+watched time names that as the cause (a TP peer's jitter makes a few passes late in any run)."""
 SPAN = "step start to next step start: schedule, gradient sync, optimizer step"
 """What a watched iteration covers, as its log lines say."""
 
@@ -59,6 +62,7 @@ class Watch:
         ends where step ``index`` starts."""
         if index == 1:
             self.check_layers()
+            self.device.reset_overruns()
         previous, self._last_start = self._last_start, start
         done = index - 1
         if previous is None or done < 1 or done > self.iterations:
@@ -105,9 +109,30 @@ class Watch:
         self.log_rank0(f"watch: median of {which}: measured {measured:.1f} ms vs predicted {predicted:.1f} ms "
                        f"({_signed(measured, predicted)}); span: {SPAN}")
         if predicted > 0 and abs(measured - predicted) > WARN_FRACTION * predicted:
+            behind = self.behind_deadlines()
+            if behind:
+                self.log_rank0(behind)
+            cause = ("the emulation fell behind its deadlines (above)" if behind
+                     else "contention, other jobs, clock changes")
             self.log_rank0(f"WARNING: measured iteration time is {_signed(measured, predicted)} off the prediction "
-                           f"(more than {WARN_FRACTION:.0%}); the profile may not reflect the training "
-                           f"(contention, other jobs, clock changes)")
+                           f"(more than {WARN_FRACTION:.0%}); the profile may not reflect the training ({cause})")
+
+    def behind_deadlines(self) -> str | None:
+        """On a deterministically emulated rank whose compute passes ran past their deadlines for more than
+        LATE_SHARE of the watched iterations: one line saying so, with the fix (the host's CPU, not the plan,
+        sets those iterations). None otherwise."""
+        overruns = self.device.overruns()
+        window_ms = sum(self.measured_ms)
+        if overruns is None or window_ms <= 0:
+            return None
+        passes, late, late_s, scale = overruns
+        if late_s * 1e3 <= LATE_SHARE * window_ms:
+            return None
+        return (f"emulation: {late} of {passes} compute passes of rank {self.global_rank} ended past their deadline, "
+                f"{late_s * 1e3:,.0f} ms in all over the watched iterations ({late_s * 1e3 / window_ms:.0%} of them): "
+                f"this host's CPU cannot run the ranks' real work inside the emulated times, so the measured "
+                f"iterations are the host's, not the plan's; give a larger SCALE (--poseidon-emulate-model "
+                f"PRESET:SCALE; now {scale:.3g}) or fewer ranks per core")
 
 
 def priced_elsewhere(plan: Plan, device_kind: str) -> str | None:

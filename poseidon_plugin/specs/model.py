@@ -18,6 +18,9 @@ from .fields import (check_keys, get_bool, get_float, get_int, get_mapping, get_
 
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+RECOMPUTE = ("none", "selective", "full")
+"""Megatron's ``--recompute-granularity`` (``selective`` also ``--recompute-activations``), ``none`` without it."""
+RECOMPUTE_METHODS = ("uniform", "block")
 
 MODEL_LIMITS = {
     "num_layers": 4096,                 # published models: <= ~130
@@ -63,6 +66,9 @@ class ModelSpec:
     tie_embeddings: bool = False   # output layer shares the embedding weights
     distributed_optimizer: bool = True  # optimizer states (and fp32 master) sharded over DP (ZeRO-1)
     sequence_parallel: bool = True      # Megatron --sequence-parallel when TP > 1
+    recompute: str = "none"             # activation recomputation: none | selective | full (--recompute-granularity)
+    recompute_method: str = ""          # full only: uniform | block (--recompute-method)
+    recompute_num_layers: int = 0       # full only: layers per recomputed unit (uniform) / per chunk (block)
     constants: Mapping[str, Any] | None = None  # cost-model constant overrides
     source: str = field(default="<memory>", compare=False)
 
@@ -91,6 +97,18 @@ class ModelSpec:
                 if getattr(self, name) != default:
                     raise InputError(f"{where}{name} = {quote(getattr(self, name))} is invalid for a dense model "
                                      "(num_experts = 0): set num_experts and moe_top_k, or drop it")
+        if self.recompute not in RECOMPUTE:
+            raise InputError(f"{where}recompute = {quote(self.recompute)} is invalid: must be one of "
+                             f"{', '.join(RECOMPUTE)}")
+        if self.recompute == "full":
+            if self.recompute_method not in RECOMPUTE_METHODS or self.recompute_num_layers < 1:
+                raise InputError(f"{where}recompute = full needs recompute_method (one of "
+                                 f"{', '.join(RECOMPUTE_METHODS)}) and recompute_num_layers >= 1, as Megatron's "
+                                 f"--recompute-method and --recompute-num-layers; got {quote(self.recompute_method)}"
+                                 f" and {self.recompute_num_layers}")
+        elif self.recompute_method or self.recompute_num_layers:
+            raise InputError(f"{where}recompute_method and recompute_num_layers are for recompute = full only "
+                             f"(recompute = {self.recompute})")
         if self.moe_pad_to_capacity and not self.moe_capacity_factor:
             raise InputError(f"{where}moe_pad_to_capacity = true needs a moe_capacity_factor > 0 (Megatron's "
                              "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor)")
@@ -148,7 +166,8 @@ _INT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
 _BOOL_FIELDS = ("swiglu", "tie_embeddings", "distributed_optimizer", "sequence_parallel")
 _MOE_INT_FIELDS = ("num_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_shared_expert_size")
 _ALL_FIELDS = ("name", *_INT_FIELDS, "num_query_groups", "dtype", *_MOE_INT_FIELDS, "moe_capacity_factor",
-               "moe_pad_to_capacity", "moe_grouped_gemm", *_BOOL_FIELDS, "constants", "description")
+               "moe_pad_to_capacity", "moe_grouped_gemm", *_BOOL_FIELDS, "recompute", "recompute_method",
+               "recompute_num_layers", "constants", "description")
 
 
 def parse_model(doc: Any, source: str = "<model>") -> ModelSpec:
@@ -170,6 +189,11 @@ def parse_model(doc: Any, source: str = "<model>") -> ModelSpec:
     defaults = {f.name: f.default for f in dataclasses.fields(ModelSpec)}
     for k in _BOOL_FIELDS:
         values[k] = get_bool(doc, k, root, default=defaults[k])
+    values["recompute"] = get_str(doc, "recompute", root, choices=RECOMPUTE, default="none")
+    values["recompute_method"] = ("" if doc.get("recompute_method", "") == ""   # "": none (what to_dict writes)
+                                  else get_str(doc, "recompute_method", root, choices=RECOMPUTE_METHODS))
+    values["recompute_num_layers"] = get_int(doc, "recompute_num_layers", root, minimum=0,
+                                             maximum=lim["num_layers"], default=0)
     constants = doc.get("constants")
     if constants is not None:
         from .constants import DEFAULT_CONSTANTS

@@ -106,14 +106,6 @@ def test_poseidons_own_script_is_timed_with_its_own_batches():
     assert set(costs) == {"middle_step_ms", "first_step_ms", "last_step_ms"} and min(costs.values()) >= 0.0
 
 
-def test_the_clipping_the_jobs_optimizer_runs_with():
-    own = client_step.Client(script=os.path.join(REPO, "scripts", "pretrain_gpt.py"), args=ARGS)
-    job = read_job("pretrain_gpt.py", [*ARGS, "--clip-grad", "0.5"])
-    assert client_step.clip_grad(own, job, on_cpu=False) == 0.5
-    assert client_step.clip_grad(own, job, on_cpu=True) == 0.0      # the script turns clipping off on CPU
-    assert client_step.clip_grad(None, job, on_cpu=True) == 0.5     # others: --clip-grad as Megatron-LM reads it
-
-
 @pytest.mark.parametrize("source, why", [
     ("x = 1\n", "defines no forward_step"),
     ("raise RuntimeError('needs a GPU')\n", "does not load as a module (RuntimeError: needs a GPU)"),

@@ -123,3 +123,42 @@ def test_freed_pipeline_output_keeps_the_storage_gloo_is_sending():
     finally:
         if installed_here:
             cpu_shim.uninstall()
+
+
+def test_activation_recomputation_replays_the_forwards_dropout():
+    """megatron-core's activation checkpointing saves every RNG state and replays the forward in backward
+    (``--recompute-granularity full``, ``--recompute-activations``); it read the CUDA generator a CPU rank does
+    not have ("Torch not compiled with CUDA enabled"). Replayed on the CPU generator and the tracker, the
+    recomputed dropout masks are the forward's: outputs and gradients equal the run without recomputation."""
+    from megatron.core.tensor_parallel import random as mc_random
+
+    from poseidon_plugin.emulation import cpu_shim
+
+    installed_here = not cpu_shim.installed()
+    cpu_shim.install(force=True)
+    try:
+        mc_random.model_parallel_cuda_manual_seed(1234, tp_rank=1, ep_rank=0, etp_rank=0)
+        weight = torch.randn(8, 8, requires_grad=True)
+
+        def block(x: torch.Tensor) -> torch.Tensor:
+            y = torch.nn.functional.dropout(x @ weight, 0.5, training=True)     # the default (CPU) stream
+            with mc_random.get_cuda_rng_tracker().fork():                        # a TP region's own stream
+                return torch.nn.functional.dropout(torch.tanh(y), 0.5, training=True)
+
+        x = torch.randn(4, 8, requires_grad=True)  # checkpointing needs an input with a gradient
+        states = torch.get_rng_state(), mc_random.get_cuda_rng_tracker().get_states()
+        results = []
+        for recompute in (False, True):
+            torch.set_rng_state(states[0])
+            mc_random.get_cuda_rng_tracker().set_states(dict(states[1]))  # its fork writes into the dict
+            weight.grad = x.grad = None
+            out = mc_random.checkpoint(block, False, x) if recompute else block(x)
+            (out * torch.arange(8.0)).sum().backward()
+            results.append((out.detach(), weight.grad.clone(), x.grad.clone()))
+        plain, replayed = results
+        assert all(torch.equal(a, b) for a, b in zip(plain, replayed))
+        plain_out = plain[0]
+        assert (plain_out == 0).any()  # dropout did drop: the masks were really replayed
+    finally:
+        if installed_here:
+            cpu_shim.uninstall()

@@ -38,7 +38,9 @@ def test_late_phase_failure_ends_every_rank_with_one_line(tmp_path, phase):
     errors = _error_lines(out)
     assert set(errors) == {"0", "1"}, out[-4000:]
     for message in errors.values():
-        assert message == f"{phase} failed on rank 1: RuntimeError: injected fault in {phase} (POSEIDON_INJECT_FAULT)"
+        assert re.fullmatch(rf"{phase} failed on rank 1: RuntimeError: injected fault in {phase} "
+                            r"\(POSEIDON_INJECT_FAULT\) \(at poseidon_plugin/runtime/collectives\.py:\d+ in _maybe_inject\)",
+                            message), message
 
 
 def test_killed_rank_is_named_by_the_others_and_the_launcher(tmp_path):
@@ -63,3 +65,46 @@ def test_frozen_rank_is_named_while_waiting_and_at_the_timeout(tmp_path):
     errors = _error_lines(out)
     assert re.fullmatch(r"profiling: lost contact with rank 1 \(pid \d+ on \S+\): silent for \d+ s "
                         r"\(stopped, hung or dead\)", errors.get("0", "")), out[-4000:]
+
+
+def test_an_unexpected_error_names_where_it_was_raised():
+    """An exception without a message (megatron-core's bare asserts) still says where it came from, from the
+    package folder on (the same on every machine)."""
+    from poseidon_plugin.runtime.collectives import origin
+
+    code = compile("def check(grad):\n    assert grad == 'torch.cuda.FloatTensor'\n",
+                   "/opt/venv/lib/python3.11/site-packages/megatron/core/optimizer/clip_grads.py", "exec")
+    namespace: dict = {}
+    exec(code, namespace)
+    with pytest.raises(AssertionError) as caught:
+        namespace["check"]("torch.FloatTensor")
+    assert origin(caught.value) == "at megatron/core/optimizer/clip_grads.py:2 in check"
+    assert origin(AssertionError()) == "where unknown"
+
+
+def test_the_origin_skips_torch_and_the_cpu_shims_mode():
+    import torch
+
+    from poseidon_plugin.emulation import cpu_shim
+    from poseidon_plugin.runtime.collectives import origin
+
+    def project(a, b):  # a bf16 weight meeting an fp32 activation, through the CPU shim's mode
+        return torch.matmul(a, b)
+
+    with cpu_shim.cpu_shim(force=True):
+        with pytest.raises(RuntimeError) as caught:
+            project(torch.ones(2, 2), torch.ones(2, 2, dtype=torch.bfloat16))
+    assert re.fullmatch(r"at test_faults\.py:\d+ in project", origin(caught.value)), origin(caught.value)
+
+
+@pytest.mark.parametrize("phase", ["inventory", "profiling"])
+def test_a_failure_on_the_rank_hosting_the_store_reaches_every_rank(tmp_path, phase):
+    """Launcher rank 0 hosts the workers' store: leaving at once took the store, and with it its recorded
+    failure, from the others (they said that no rank recorded one, after torch's C++ stack dumps)."""
+    code, out = poseidon_run(TWO, tmp_path, env={"POSEIDON_INJECT_FAULT": f"{phase}:0"})
+    assert code == 1, out[-4000:]
+    errors = _error_lines(out)
+    assert set(errors) == {"0", "1"}, out[-4000:]
+    for message in errors.values():
+        assert message.startswith(f"{phase} failed on rank 0: RuntimeError: injected fault in {phase}"), message
+    assert "no rank recorded a failure" not in out and "frame #0" not in out, out[-4000:]

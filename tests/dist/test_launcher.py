@@ -213,7 +213,9 @@ def test_rank_failing_in_profiling_stops_every_rank(tmp_path):
     errors = _error_lines(out)
     assert set(errors) == {"0", "1"}, out[-4000:]
     for message in errors.values():
-        assert message == "profiling failed on rank 1: RuntimeError: injected fault in profiling (POSEIDON_INJECT_FAULT)"
+        assert re.fullmatch(r"profiling failed on rank 1: RuntimeError: injected fault in profiling "
+                            r"\(POSEIDON_INJECT_FAULT\) \(at poseidon_plugin/runtime/collectives\.py:\d+ in _maybe_inject\)",
+                            message), message
     # both exit with code 1 within one torchrun poll, so either may be seen first
     assert re.search(r"poseidon-run: rank [01] \(pid \d+ on \S+\) exited with code 1 first; then rank\(s\) \[[01]\]", out)
 

@@ -156,3 +156,33 @@ def test_disabled_is_plain_torchrun(tmp_path):
     assert code != 0
     assert "Megatron requires CUDA." in out
     assert "poseidon[rank" not in out and "poseidon: " not in out
+
+
+# A Llama-style command as written for GPUs: mixed precision, the distributed optimizer with overlapped gradient
+# reduction, sequence parallelism, full activation recomputation, grouped-query attention, SwiGLU, RMSNorm, RoPE,
+# untied embeddings.
+LLAMA_STYLE = ["--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--sequence-parallel",
+               "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+               "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "176", "--swiglu",
+               "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+               "--disable-bias-linear", "--clip-grad", "1.0", "--weight-decay", "0.1", "--lr-decay-style", "cosine",
+               "--min-lr", "1e-5", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+               "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "1"]
+
+
+def test_a_llama_style_gpu_command_trains_on_cpu_ranks(tmp_path, cache):
+    """Each of these flags stopped the emulated job before: --bf16 in profiling (fp32 norms fed bf16 weights;
+    the clipping's fp32 check) and in Megatron-LM's optimizer (its CUDA tensor-type check), the fused bf16 softmax
+    (a CUDA extension), --sequence-parallel (the local spec's norms have no sequence-parallel form), activation
+    recomputation (it saved the CUDA generator's state); and recomputation was not priced."""
+    code, out = poseidon_run(["--nproc-per-node", "4", SCRIPT, *JOB, *LLAMA_STYLE, *EMULATE,
+                              "--poseidon-profile-cache", cache], tmp_path)
+    assert code == 0, out[-6000:]
+    assert "built layers" in out and "NOT as planned" not in out
+    losses = lm_losses(out)
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
+    for line in ("CPU rank: --sequence-parallel dropped", "CPU rank: --no-masked-softmax-fusion (not given",
+                 "CPU rank: mixed-precision optimizer set up over CPU parameters",
+                 "recomputation --recompute-granularity full --recompute-method uniform --recompute-num-layers 1: "
+                 "every layer's forward runs again in its backward"):
+        assert out.count(f"poseidon: {line}") == 1, line

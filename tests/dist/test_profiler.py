@@ -16,7 +16,8 @@ JOB = ["--num-layers", "4", "--hidden-size", str(H), "--num-attention-heads", st
        "--vocab-size", str(VOCAB), "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
-def _profile(rank: int, world_size: int, cache_dir: str) -> dict:
+def _profile(rank: int, world_size: int, cache_dir: str, extra: tuple[str, ...] = (),
+             configurations: tuple[tuple[int, int], ...] = ((1, 1), (1, 2), (2, 1), (2, 2))) -> dict:
     from poseidon_plugin.emulation import cpu_shim
     from poseidon_plugin.runtime import devices
     from poseidon_plugin.runtime.inventory import RankInfo, World
@@ -25,13 +26,13 @@ def _profile(rank: int, world_size: int, cache_dir: str) -> dict:
     from poseidon_plugin.runtime.profiler import ProfileRequest, profile_world
 
     cpu_shim.install()
-    job = read_job("t.py", JOB)
+    job = read_job("t.py", [*JOB, *extra])
     model = model_spec(job, global_batch_size=8, name="t")
     host = socket.gethostname()
     world = World(ranks=tuple(RankInfo(rank=r, host=host, local_rank=r, device_type="cpu", device_kind="cpu",
                                        memory_bytes=1 << 34, node_tag="cpu") for r in range(world_size)),
                   nodes=(tuple(range(world_size)),))
-    requests = [ProfileRequest(device_type="cpu", tp=tp, mbs=mbs) for tp in (1, 2) for mbs in (1, 2)]
+    requests = [ProfileRequest(device_type="cpu", tp=tp, mbs=mbs) for tp, mbs in configurations]
     outcome = profile_world(world=world, rank=rank, device=devices.Device(rank), job=job, model=model,
                             requests=requests, cache_dir=cache_dir, warmup=1, iters=2)
     return {"reused": outcome.reused, "measured": outcome.measured,
@@ -90,6 +91,54 @@ def test_profile_entries_and_cache(gloo_pool, tmp_path):
         fh.write("{not json")
     third = pool.run(_profile, cache, timeout_s=240)[0]  # a corrupt file is re-measured, not trusted
     assert (third["reused"], third["measured"]) == (3, 1)
+
+
+def test_a_bf16_job_is_profiled_in_bf16(gloo_pool, tmp_path):
+    # --bf16, as Megatron-LM runs it: every parameter and buffer of the model in bf16 (its Float16Module; the
+    # local spec's torch norms are built in fp32 and fed bf16 weights fp32 activations: a dtype error), and
+    # the optimizer stepping fp32 copies (its Float16OptimizerWithFloat16Params; megatron-core's clipping
+    # asserts fp32 gradients)
+    result = gloo_pool(2).run(_profile, str(tmp_path), ("--bf16", "--clip-grad", "1.0"), ((2, 1),),
+                              timeout_s=240)[0]
+    assert result["measured"] == 1
+    (entry,) = result["entries"]
+    assert entry["send_bytes"] == SEQ * H * 2                  # bf16 hidden states to the next stage
+    assert entry["layer_params"] == _layer_params(2)
+    assert entry["optimizer_ms"] > 0 and entry["optimizer_fixed_ms"] > 0
+
+
+def _mixed_precision_step(rank: int, world_size: int) -> dict:
+    import torch
+
+    from poseidon_plugin.emulation import cpu_shim
+    from poseidon_plugin.runtime import devices, profiler
+
+    cpu_shim.install()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).to(torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+    copied = []
+    original = profiler._main_param
+
+    def main_param(param):
+        main = original(param)
+        copied.append((str(param.dtype), str(main.dtype), main is param))
+        return main
+
+    profiler._main_param = main_param
+    try:
+        profiler._optimizer_ms(model, model[1], devices.Device(rank), iters=2, clip_grad=1.0,
+                               group=torch.distributed.group.WORLD)
+    finally:
+        profiler._main_param = original
+    return {"dtypes": sorted({str(p.dtype) for p in model.parameters()}), "copied": sorted(set(copied)),
+            "close": all(torch.allclose(a.float(), b.float(), atol=1e-2) for a, b in zip(before, model.parameters()))}
+
+
+def test_a_bf16_models_optimizer_step_runs_on_fp32_copies(gloo_pool):
+    for result in gloo_pool(2).run(_mixed_precision_step, timeout_s=120):
+        assert result["dtypes"] == ["torch.bfloat16"]          # written back in the model's dtype
+        assert result["copied"] == [("torch.bfloat16", "torch.float32", False)]
+        assert result["close"]                                   # a step of lr 1e-6, not a new model
 
 
 def test_cache_entry_without_framework_fields_is_measured_again(gloo_pool, tmp_path):

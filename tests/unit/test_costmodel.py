@@ -457,3 +457,58 @@ def test_position_steps_reach_the_search_tables_through_the_stage_extras():
     table = type_table(priced, 1, 1, 1, ("X", "Y"))
     assert list(table.embedding_forward_ms) == pytest.approx([0.25 + 7.0, 0.25 + 7.0])
     assert list(table.head_forward_ms) == pytest.approx([1.5 + 11.0, 1.5 + 11.0])
+
+
+# --- activation recomputation (Megatron's --recompute-granularity) ---------------------------------
+
+
+def _recomputing(**fields) -> CostModel:
+    return CostModel(CLUSTER, dataclasses.replace(MODEL, **fields), PROFILE)
+
+
+def test_full_uniform_recomputation_runs_the_forward_again_and_keeps_each_layers_input(cm):
+    plain = cm.group("X", 1, 2, 1)
+    full = _recomputing(recompute="full", recompute_method="uniform", recompute_num_layers=2).group("X", 1, 2, 1)
+    assert full.forward_ms == plain.forward_ms
+    assert full.backward_ms == plain.backward_ms + plain.forward_ms
+    assert full.layer_activation_bytes == 1_000_000 * 2                     # the layer's input (its send bytes)
+    # one recomputed unit (2 layers) of one micro-batch exists again during a backward: off the usable memory
+    assert full.usable_bytes == plain.usable_bytes - 2 * plain.layer_activation_bytes
+    assert (full.embedding_activation_bytes, full.head_activation_bytes) == (
+        plain.embedding_activation_bytes, plain.head_activation_bytes)
+
+
+def test_full_block_recomputation_is_priced_by_bounds_on_time_and_memory(cm):
+    plain = cm.group("X", 1, 1, 1)
+    block = _recomputing(recompute="full", recompute_method="block", recompute_num_layers=1).group("X", 1, 1, 1)
+    assert block.backward_ms == plain.backward_ms + plain.forward_ms         # every layer's forward again
+    assert block.layer_activation_bytes == plain.layer_activation_bytes      # every layer's activations kept
+    assert block.usable_bytes == plain.usable_bytes
+
+
+def test_selective_recomputation_is_the_profiles_own(cm):
+    # the profiler measures the layer with the job's selective recomputation: nothing is added on top
+    selective = _recomputing(recompute="selective").group("X", 2, 1, 1)
+    assert dataclasses.astuple(selective)[1:] == dataclasses.astuple(cm.group("X", 2, 1, 1))[1:]
+
+
+@needs_sim
+def test_a_recomputing_plan_is_slower_and_fits_more_layers(cm):
+    full = _recomputing(recompute="full", recompute_method="uniform", recompute_num_layers=1)
+    cand = Candidate(tp=1, pp=2, dp=1, mbs=1, schedule="1f1b", stage_types=("X", "Y"), layers=(8, 4))
+    assert full.iteration_ms(cand) > cm.iteration_ms(cand)
+    assert max(full.memory_per_stage(cand)) < max(cm.memory_per_stage(cand))
+    assert full.max_layers("Y", 1, 1, 1, live=1) > cm.max_layers("Y", 1, 1, 1, live=1)
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"recompute": "some"}, r"recompute = 'some' is invalid: must be one of none, selective, full"),
+    ({"recompute": "full"}, r"recompute = full needs recompute_method \(one of uniform, block\) and "
+                            r"recompute_num_layers >= 1"),
+    ({"recompute": "full", "recompute_method": "uniform"}, r"recompute_num_layers >= 1"),
+    ({"recompute": "selective", "recompute_method": "uniform", "recompute_num_layers": 1},
+     r"recompute_method and recompute_num_layers are for recompute = full only \(recompute = selective\)"),
+])
+def test_recompute_fields_are_validated(fields, match):
+    with pytest.raises(InputError, match=match):
+        dataclasses.replace(MODEL, **fields)

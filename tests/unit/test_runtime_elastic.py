@@ -54,6 +54,7 @@ def test_agents_running_different_flags_are_named_with_the_argument():
 class _Store:
     def __init__(self):
         self.counts: dict[str, int] = {}
+        self.keys: dict[str, str] = {}
         self.broken = False
 
     def add(self, key, n):
@@ -61,6 +62,16 @@ class _Store:
             raise RuntimeError("Connection closed")
         self.counts[key] = self.counts.get(key, 0) + n
         return self.counts[key]
+
+    def set(self, key, value):
+        if self.broken:
+            raise RuntimeError("Connection closed")
+        self.keys[key] = value
+
+    def check(self, keys):
+        if self.broken:
+            raise RuntimeError("Connection closed")
+        return all(k in self.keys for k in keys)
 
 
 def test_an_unused_rank_waits_until_the_planned_ranks_are_done():
@@ -203,3 +214,23 @@ def test_the_test_only_exit_barrier_is_a_positive_number_of_seconds():
     for bad in ("0", "-1", "soon", "inf"):
         with pytest.raises(PoseidonError, match=r"^POSEIDON_INJECT_EXIT_BARRIER='.*' is not a positive number"):
             elastic.exit_barrier_timeout({"POSEIDON_INJECT_EXIT_BARRIER": bad})
+
+
+def test_the_failing_store_host_waits_for_each_rank_to_leave_or_be_lost_with_a_bound():
+    now, store = [0.0], _Store()
+
+    def sleep(s):
+        now[0] += s
+        if now[0] >= 1.0:   # rank 2 reads the failure and leaves a second later
+            elastic.mark_left(store, 2)
+
+    lost: set[int] = set()
+    assert not elastic.wait_for_peers_to_leave(store, 0, 4, lambda: lost, 5.0, clock=lambda: now[0], sleep=sleep)
+    assert now[0] >= 5.0                                           # ranks 1 and 3 never left: bounded
+    elastic.mark_left(store, 1)
+    lost.add(3)                                                    # rank 3's process is gone: nothing to wait for
+    now[0] = 0.0
+    assert elastic.wait_for_peers_to_leave(store, 0, 4, lambda: lost, 5.0, clock=lambda: now[0], sleep=sleep)
+    assert now[0] == 0.0                                           # no poll needed
+    store.broken = True
+    assert not elastic.wait_for_peers_to_leave(store, 0, 4, lambda: set(), 5.0, clock=lambda: now[0], sleep=sleep)

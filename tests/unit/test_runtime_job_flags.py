@@ -152,3 +152,38 @@ def test_each_user_flag_the_plan_replaces_is_named_with_old_and_new_value():
         "--no-overlap-p2p-communication dropped: the plan's flags decide it (--tensor-model-parallel-size 2 "
         "--pipeline-model-parallel-size 4 --pipeline-model-parallel-layout 'Et|t|t|tL' --micro-batch-size 1)"]
     assert replaced_flags(["--num-layers", "8", "--lr", "1"], planned) == []
+
+
+@pytest.mark.parametrize("flags, recompute", [
+    ([], ("none", "", 0)),
+    (["--recompute-activations"], ("selective", "", 0)),
+    (["--recompute-granularity", "selective"], ("selective", "", 0)),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+     ("full", "uniform", 2)),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "4"],
+     ("full", "block", 4)),
+    # as Megatron-LM: --recompute-activations sets selective; a method alone recomputes nothing
+    (["--recompute-granularity", "full", "--recompute-activations"], ("selective", "", 0)),
+    (["--recompute-method", "uniform", "--recompute-num-layers", "1"], ("none", "", 0)),
+])
+def test_recomputation_is_read_as_megatron_lm_reads_it(flags, recompute):
+    job = read_job("t.py", BASE + flags)
+    assert (job.recompute, job.recompute_method, job.recompute_num_layers) == recompute
+    from poseidon_plugin.runtime.job_spec import model_spec
+
+    spec = model_spec(job, global_batch_size=8, name="t")
+    assert (spec.recompute, spec.recompute_method, spec.recompute_num_layers) == recompute
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--recompute-granularity", "full"], r"--recompute-granularity full needs --recompute-method \(uniform or "
+                                          r"block\) and --recompute-num-layers N"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform"], r"--recompute-num-layers N"),
+    (["--recompute-activations", "--recompute-method", "uniform"], r"are for --recompute-granularity full"),
+    (["--recompute-granularity", "some"], r"--recompute-granularity 'some' is not supported"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"],
+     r"--recompute-num-layers 0 must be >= 1"),
+])
+def test_recomputation_flags_megatron_refuses_are_one_line(flags, match):
+    with pytest.raises(PoseidonError, match=match):
+        read_job("t.py", BASE + flags)
