@@ -48,8 +48,8 @@ DAG against an event-driven execution of the programs).
 
 from __future__ import annotations
 
-from .graph import ALLREDUCE, GraphBuilder, Shape
-from .schedules import BACKWARD, FORWARD, interleaved_table
+from poseidon_plugin.simulator.graph import ALLREDUCE, GraphBuilder, Shape
+from poseidon_plugin.simulator.schedules import BACKWARD, FORWARD, interleaved_table
 
 P2P_CALL = "p2p_call_ms"
 
@@ -347,39 +347,25 @@ def build_programs(builder: GraphBuilder, shape: Shape, progs: list[RankProgram]
     * a non-blocking post (overlap) is a node of weight ``p2p_call_ms`` on the rank's chain;
     * transfers with the same two posting points and the same link (1F1B's two-way steady exchange)
       share one node; a wait for a single transfer node needs no join node.
+
+    Per-op state lives in per-rank lists indexed by op id (a shape of frontier size has ~10^5 ops): the
+    peer of each op, its *anchor* (the posting node, ``-1`` for "time 0", and the weight index of the
+    edge from it to the transfer; ``None`` until posted) and, for sends, its transfer node.
     """
     lay, pp = shape.layout, shape.pp
     call_cost = lay.extra(P2P_CALL)
-    partner: dict[tuple[int, int], tuple[int, int]] = {}
-    for src, sop, dst, rop in match_ops(progs):
-        partner[(src, sop)], partner[(dst, rop)] = (dst, rop), (src, sop)
-    # (rank, op) -> (posting node or -1 for "time 0", edge weight index from it to the transfer)
-    anchor: dict[tuple[int, int], tuple[int, int]] = {}
-    xnode: dict[tuple[int, int], int] = {}     # sender (rank, op) -> transfer node
-    shared: dict[tuple, int] = {}              # (sender anchor, receiver anchor, link) -> transfer node
+    add_node, add_edge = builder.add_node, builder.add_edge
     n = len(progs)
+    peer_rank = [[-1] * len(p.ops) for p in progs]
+    peer_op = [[-1] * len(p.ops) for p in progs]
+    for src, sop, dst, rop in match_ops(progs):
+        peer_rank[src][sop], peer_op[src][sop] = dst, rop
+        peer_rank[dst][rop], peer_op[dst][rop] = src, sop
+    anchor: list[list] = [[None] * len(p.ops) for p in progs]
+    xnode = [[-1] * len(p.ops) for p in progs]  # sender's op -> transfer node
+    shared: dict[tuple, int] = {}              # (sender anchor, receiver anchor, link) -> transfer node
     pc, cursor = [0] * n, [-1] * n
-    counters = [[0, 0] for _ in range(n)]      # per rank: calls, joins (for unique labels)
-
-    def transfer(r: int, op_id: int) -> int:
-        key = (r, op_id) if progs[r].ops[op_id][0] else partner[(r, op_id)]
-        node = xnode.get(key)
-        if node is not None:
-            return node
-        src, sop = key
-        kind, chunk, mb = progs[src].ops[sop][2]
-        weight = lay.send(link_of(src, kind, pp))
-        a_send, a_recv = anchor[key], anchor[partner[key]]
-        node = shared.get((a_send, a_recv, weight))
-        if node is None:
-            # Named after what the sender sends: XF(rank=0,chunk=0,mb=3) carries F(rank 0, chunk 0, mb 3).
-            node = builder.add_node(("X" + kind, src, chunk, mb), weight, -1)
-            for pred, w in (a_send, a_recv):
-                builder.add_edge(_start(pred, w), node, w)
-            shared[(a_send, a_recv, weight)] = node
-        xnode[key] = node
-        return node
-
+    calls, joins = [0] * n, [0] * n            # per rank, for unique labels
     starts: dict[int, int] = {}
 
     def _start(pred: int, w: int) -> int:
@@ -387,60 +373,99 @@ def build_programs(builder: GraphBuilder, shape: Shape, progs: list[RankProgram]
         if pred >= 0:
             return pred
         if w not in starts:
-            starts[w] = builder.add_node(("S", -1, w, -1), 0, -1)
+            starts[w] = add_node(("S", -1, w, -1), 0, -1)
         return starts[w]
+
+    def transfer(r: int, op_id: int) -> int:
+        if progs[r].ops[op_id][0]:
+            src, sop = r, op_id
+        else:
+            src, sop = peer_rank[r][op_id], peer_op[r][op_id]
+        node = xnode[src][sop]
+        if node >= 0:
+            return node
+        kind, chunk, mb = progs[src].ops[sop][2]
+        weight = lay.send(link_of(src, kind, pp))
+        a_send, a_recv = anchor[src][sop], anchor[peer_rank[src][sop]][peer_op[src][sop]]
+        key = (a_send, a_recv, weight)
+        node = shared.get(key, -1)
+        if node < 0:
+            # Named after what the sender sends: XF(rank=0,chunk=0,mb=3) carries F(rank 0, chunk 0, mb 3).
+            node = add_node(("X" + kind, src, chunk, mb), weight, -1)
+            for pred, w in (a_send, a_recv):
+                add_edge(_start(pred, w), node, w)
+            shared[key] = node
+        xnode[src][sop] = node
+        return node
 
     progress = True
     while progress:
         progress = False
         for prog in progs:
             r, ins = prog.rank, prog.instructions
-            while pc[r] < len(ins):
-                instr = ins[pc[r]]
-                if instr[0] == COMPUTE:
+            n_ins, at = len(ins), pc[r]
+            anchor_r, peer_rank_r, peer_op_r = anchor[r], peer_rank[r], peer_op[r]
+            while at < n_ins:
+                instr = ins[at]
+                op = instr[0]
+                if op == COMPUTE:
                     _, kind, chunk, mb = instr
                     w = lay.forward(r, chunk) if kind == FORWARD else lay.backward(r, chunk)
-                    node = builder.add_node((kind, r, chunk, mb), w, r)
+                    node = add_node((kind, r, chunk, mb), w, r)
                     if cursor[r] >= 0:
-                        builder.add_edge(cursor[r], node)
+                        add_edge(cursor[r], node)
                     cursor[r] = node
-                elif instr[0] == POST:
-                    nxt = ins[pc[r] + 1] if pc[r] + 1 < len(ins) else None
-                    blocking = nxt is not None and nxt[0] == WAIT and set(nxt[1]) == set(instr[1])
-                    if not blocking:
-                        node = builder.add_node(("P", r, counters[r][0], -1), call_cost, -1)
-                        counters[r][0] += 1
+                elif op == POST:
+                    nxt = ins[at + 1] if at + 1 < n_ins else None
+                    blocking = nxt is not None and nxt[0] == WAIT and (
+                        nxt[1] == instr[1] or set(nxt[1]) == set(instr[1]))
+                    if blocking:
+                        here = (cursor[r], call_cost)
+                    else:
+                        node = add_node(("P", r, calls[r], -1), call_cost, -1)
+                        calls[r] += 1
                         if cursor[r] >= 0:
-                            builder.add_edge(cursor[r], node)
+                            add_edge(cursor[r], node)
                         cursor[r] = node
+                        here = (node, 0)
                     for op_id in instr[1]:
-                        anchor[(r, op_id)] = (cursor[r], call_cost if blocking else 0)
+                        anchor_r[op_id] = here
                 else:
-                    if any(partner[(r, o)] not in anchor for o in instr[1]):
+                    ids = instr[1]
+                    posted = True
+                    for o in ids:
+                        if anchor[peer_rank_r[o]][peer_op_r[o]] is None:
+                            posted = False
+                            break
+                    if not posted:
                         break  # the peer has not posted yet: run the other ranks first
-                    xs = sorted({transfer(r, o) for o in instr[1]})
-                    own = {anchor[(r, o)] for o in instr[1]}
-                    blocking_here = own == {(cursor[r], call_cost)}
+                    if len(ids) == 1:
+                        xs = [transfer(r, ids[0])]
+                        blocking_here = anchor_r[ids[0]] == (cursor[r], call_cost)
+                    else:
+                        xs = sorted({transfer(r, o) for o in ids})
+                        blocking_here = {anchor_r[o] for o in ids} == {(cursor[r], call_cost)}
                     if len(xs) == 1 and (blocking_here or xs[0] == cursor[r]):
                         cursor[r] = xs[0]
                     else:
-                        node = builder.add_node(("J", r, counters[r][1], -1), 0, -1)
-                        counters[r][1] += 1
+                        node = add_node(("J", r, joins[r], -1), 0, -1)
+                        joins[r] += 1
                         if cursor[r] >= 0 and not blocking_here:
-                            builder.add_edge(cursor[r], node)
+                            add_edge(cursor[r], node)
                         for x in xs:
-                            builder.add_edge(x, node)
+                            add_edge(x, node)
                         cursor[r] = node
-                pc[r] += 1
+                at += 1
                 progress = True
+            pc[r] = at
     stuck = [p.rank for p in progs if pc[p.rank] < len(p.instructions)]
     if stuck:
         raise RuntimeError(f"schedule {shape.schedule!r} (pp={pp}, M={shape.micro_batches}, "
                            f"V={shape.virtual_stages}): p2p programs deadlock on ranks {stuck}")
     for r in range(n):
-        ar = builder.add_node((ALLREDUCE, r, -1, -1), lay.allreduce(r), r)
+        ar = add_node((ALLREDUCE, r, -1, -1), lay.allreduce(r), r)
         if cursor[r] >= 0:
-            builder.add_edge(cursor[r], ar)
+            add_edge(cursor[r], ar)
         builder.sinks.append(ar)
 
 

@@ -22,8 +22,8 @@ ALLOWED = {
     "costmodel": {"plan", "specs", "simulator", "stagecost", "fingerprint", "errors"},
     "search": {"costmodel", "plan", "simulator", "specs", "stagecost", "backend", "errors", "_core"},
     "target": {"search", "costmodel", "simulator", "errors"},
-    # the compiled search: the cython_core/*.py links to search/ modules, under their _core names
-    "_core": {"search"},
+    # the compiled core: the cython_core/*.py links to search/ and simulator/ modules, under their _core names
+    "_core": {"search", "simulator"},
 }
 FACES = {"poseidon_plugin.cli": {"pkg", "errors", "search", "simulator"},
          "poseidon_plugin.search.cli": ALLOWED["search"] | {"target"}}

@@ -246,3 +246,44 @@ def test_stage_level_document_takes_the_call_cost():
     sim = Simulator("1f1b", 3, 4, 1, "megatron")
     sim.set_extra(cm.P2P_CALL, 0.25)
     assert sim.iteration_time([2.0] * 3, [4.0] * 3, [0.5] * 3, [1.0] * 3) == pytest.approx(with_cost)
+
+
+@pytest.mark.parametrize("comm_model", ["megatron", "megatron-overlap"])
+def test_the_compiled_twin_builds_the_same_graphs(comm_model):
+    """``graph.build_graph`` runs the compiled ``comm_megatron`` where it is built (the same source,
+    ``cython_core/comm_megatron.py``): every node, edge, weight and label as the source run uncompiled,
+    on every small shape and on two large ones (1,024 micro-batches; interleaved at PP 16)."""
+    import importlib
+    from importlib.machinery import EXTENSION_SUFFIXES
+
+    core = importlib.import_module("poseidon_plugin._core.comm_megatron")
+    if not core.__file__.endswith(tuple(EXTENSION_SUFFIXES)):
+        pytest.fail("the compiled core is not built: run `pip install -e .` "
+                    "(or `python setup.py build_ext --inplace`) first")
+    shapes = [(*s, comm_model) for s in SHAPES] + [("1f1b", 12, 1024, 1, comm_model),
+                                                   ("interleaved-1f1b", 16, 64, 2, comm_model)]
+    for shape_args in shapes:
+        shape = make_shape(*shape_args)
+        graphs = []
+        for module in (cm, core):
+            builder = GraphBuilder(layout=shape.layout)
+            module.build(builder, shape)
+            graphs.append(builder.freeze(shape))
+        assert graphs[0] == graphs[1], shape_args
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_graph_build_leaves_the_garbage_collector_as_it_found_it(enabled):
+    """``build_graph`` pauses the cyclic collector while it allocates the graph, then restores it."""
+    import gc
+
+    from poseidon_plugin.simulator.graph import build_graph
+
+    before = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        graph = build_graph("1f1b", 3, 4, 1, "megatron")
+        assert graph.n_nodes > 0
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if before else gc.disable)()

@@ -1,0 +1,14 @@
+# Types of poseidon_plugin/simulator/comm_megatron.py, compiled as poseidon_plugin._core.comm_megatron:
+# C integers for the loop counters and node ids of the DAG build (graph.build_graph uses the compiled twin).
+cimport cython
+
+cdef int COMPUTE, POST, WAIT
+
+@cython.locals(first=cython.bint, last=cython.bint, warmup=cython.int, steady=cython.int, i=cython.int)
+cpdef program_1f1b(int pp, int micro_batches, int rank)
+
+@cython.locals(last_rank=cython.bint, k=cython.int, fk=cython.int)
+cpdef program_interleaved(int pp, int micro_batches, int v, int rank)
+
+@cython.locals(last_rank=cython.bint, k=cython.int, fk=cython.int)
+cpdef program_interleaved_overlap(int pp, int micro_batches, int v, int rank)

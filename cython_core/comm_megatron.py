@@ -1,0 +1,1 @@
+../poseidon_plugin/simulator/comm_megatron.py
