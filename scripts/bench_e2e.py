@@ -87,12 +87,22 @@ def describe(plan: Plan) -> str:
             f"{'int' if plan.virtual_stages > 1 else '1f1b'} {types} {'/'.join(map(str, plan.layers))}")
 
 
+FIRST_RUN_LIMIT_S = 1800.0
+"""Bound of the run that searches (its plan's time is not known before): against a hang, not a measure."""
+
+
+def run_limit_s(plan: Plan, iters: int) -> float:
+    """Bound of one run of a known plan: start-up (5 min) plus 3x its predicted iterations, at least 10
+    min. A random plan at 3x SCALE can take 90 s an iteration: a fixed 10 min killed such runs."""
+    return max(600.0, 300.0 + 3.0 * iters * plan.predicted_iteration_ms / 1e3)
+
+
 def run_case(case: ClusterCase, *, quick: bool, iters: int, workdir: str, log) -> dict:
     """All plans of one cluster; the case's JSON record."""
     cache = os.path.join(workdir, "profiles")
     saved = os.path.join(workdir, "poseidon-plan.json")
     log(f"[{case.name}] (a) poseidon-run searches ({case.ranks} ranks, {case.emulate}, {case.model})")
-    first = launch(case, iters=iters, cache_dir=cache, plan_file=None, save_plan=saved)
+    first = launch(case, iters=iters, cache_dir=cache, plan_file=None, save_plan=saved, timeout_s=FIRST_RUN_LIMIT_S)
     if first.code != 0 or not os.path.exists(saved):
         return {"cluster": case.name, "error": f"poseidon-run exited {first.code}", "tail": first.tail}
     plan_a = Plan.load(saved)
@@ -122,7 +132,8 @@ def run_case(case: ClusterCase, *, quick: bool, iters: int, workdir: str, log) -
             path = os.path.join(workdir, f"plan-{len(rows)}.json")
             plan.save(path)
             log(f"[{case.name}] {label}: {describe(plan)}")
-            result = launch(case, iters=iters, cache_dir=cache, plan_file=path, save_plan=None)
+            result = launch(case, iters=iters, cache_dir=cache, plan_file=path, save_plan=None,
+                            timeout_s=run_limit_s(plan, iters))
         predicted = plan.predicted_iteration_ms
         measured = result.measured_ms
         steps = plan.micro_batches + plan.pp - 1
@@ -186,7 +197,8 @@ def render(records: list[dict], wall_s: float) -> str:
         out.append("-" * len(head))
         for r in rec["rows"]:
             errors.append(abs(r["error"]))
-            flag = "" if r["layers_as_planned"] else "  (NOT as planned)"
+            flag = ("" if r["layers_as_planned"] else "  (killed at the run's time limit)" if r.get("code") == 124
+                    else "  (NOT as planned)")
             out.append(f"{r['label']:<18}{r['plan'][:43]:<44}{r['predicted_ms']:>9.0f}{r['measured_ms']:>9.0f}"
                        f"{100 * r['error']:>+7.1f}{100 * r['spread']:>8.1f}{r['optimizer_ms']:>8.0f}"
                        f"{r['excess_per_step_ms']:>8.1f}{r.get('load', float('nan')):>6.1f}{flag}")
@@ -200,10 +212,14 @@ def render(records: list[dict], wall_s: float) -> str:
             note = rec.get("uniform_note") or "no uniform split fits the devices' memory"
             out.append(f"(b) uniform: {note}")
         need = f"target >= {TARGET_SPEEDUP}x" if ratio >= SPEEDUP_WHEN_RATIO else "no target (types < 1.3x apart)"
+        if rec["speedup_vs_uniform"] == rec["speedup_vs_uniform"]:
+            speedup = (f"speed-up over uniform {rec['speedup_vs_uniform']:.2f}x, predicted "
+                       f"{rec.get('speedup_predicted', float('nan')):.2f}x")
+        else:   # no (b) row: the line above says why
+            speedup = "speed-up over uniform: none measured (no (b) row)"
         out.append(f"Spearman {rec['spearman']:.2f} (target >= {TARGET_SPEARMAN}); Poseidon vs fastest measured "
                    f"{100 * rec['poseidon_vs_fastest']:+.1f}% (target <= +{100 * TARGET_FASTEST_WITHIN:.0f}%); "
-                   f"speed-up over uniform {rec['speedup_vs_uniform']:.2f}x, predicted "
-                   f"{rec.get('speedup_predicted', float('nan')):.2f}x ({need}; types {ratio:.2f}x apart)")
+                   f"{speedup} ({need}; types {ratio:.2f}x apart)")
         out.append("")
     if errors:
         out.append(f"all plans: |error| median {100 * statistics.median(errors):.1f}% "
