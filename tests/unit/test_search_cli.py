@@ -200,3 +200,21 @@ def test_console_main_takes_the_process_age_off_the_time_limit(monkeypatch, caps
     assert cli.main(argv) == 0
     assert Plan.from_dict(json.loads(capsys.readouterr().out)).predicted_iteration_ms > 0
     assert limits == [1e-3, 20.0]  # 20 s less an age of 25 s: the 1 ms sliver; explicit argv: all 20 s
+
+
+@pytest.mark.parametrize("argv", [["--no-progress"], []])
+def test_a_search_without_a_bar_gets_no_progress_calls(monkeypatch, argv):
+    """With ``--no-progress``, or stderr not a terminal (as under pytest), the search gets no progress
+    callable: each call would compute the gap's lower bound for a bar nobody sees."""
+    import poseidon_plugin.target as target
+
+    seen = []
+    real = target.search_plan
+
+    def spy(cost_model, runtime, options=None, **kwargs):
+        seen.append(options.progress)
+        return real(cost_model, runtime, options, **kwargs)
+
+    monkeypatch.setattr(target, "search_plan", spy)
+    assert main(["plan", "--cluster", "paper-setting-1", "--model", "llama3-8b", "--json", *argv]) == 0
+    assert seen == [None]
