@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import math
 
-from ..backend import compiled
-from . import assignment
-from .assignment import NEG
-from .shapes import RankOps
-from .tables import TypeTable
+from poseidon_plugin.backend import compiled
+from poseidon_plugin.search import assignment
+from poseidon_plugin.search.assignment import NEG
+from poseidon_plugin.search.shapes import RankOps
+from poseidon_plugin.search.tables import TypeTable
 
 # the one assignment solver, compiled where built (the same file: the same results)
 best_assignment = (compiled("assignment") or assignment).best_assignment

@@ -100,8 +100,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact-alternatives", action="store_true",
                         help="prove the alternatives too (each the best of its shape; slower); without it "
                              "only the plan is proven (--exact) and alternatives are met on the way")
-    parser.add_argument("--warmup-samples", type=int, default=500, metavar="N",
-                        help="random plans simulated first to seed the bound (default 500)")
+    parser.add_argument("--warmup-samples", type=int, default=None, metavar="N",
+                        help="random plans simulated first to seed the bound (default: 500 with "
+                             "--search-mode default, none with --exact, whose seeds give the first plan)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the warm-up sampler")
     parser.add_argument("--time-limit", type=float, metavar="SECONDS",
                         help="stop after this long and print the best plan so far (marked not proven)")

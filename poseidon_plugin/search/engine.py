@@ -2,7 +2,8 @@
 
 ``search(cost_model, SearchOptions(...)) -> SearchResult``. Outline (docs/SEARCH.md):
 
-1. warm-up: simulate ``warmup_samples`` random feasible plans to seed the leaderboard (paper §4.2.3);
+1. warm-up: simulate ``warmup_count`` random feasible plans to seed the leaderboard (paper §4.2.3;
+   ``default`` mode only, unless asked);
 2. order every shape group ``(tp, mbs, dp, schedule, V, pp)`` by a cheap throughput estimate;
 3. per shape group: a bound check at the root with types and layers free (prunes the whole group),
    a greedy seed plan, then the branch and bound of each ranks-per-type structure with the threshold of
@@ -24,7 +25,7 @@ from ..backend import compiled
 from ..costmodel import Candidate, CostModel
 from ..errors import NoFeasiblePlanError
 from ..plan import format_gap
-from .bounds import fluid_cut, pipeline_bound
+from . import bounds as py_bounds
 from .counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES, PRUNED_BOUND,
                        PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH, PRUNED_RIDGE, SIM_CALLS)
 from .evaluate import greedy_split, plan_fits, simulate_plan, spread
@@ -101,6 +102,8 @@ class SearchRun:
         self.pure = use_pure_python(options)
         # the positional bound's assignment solver: the compiled one unless the search is pure
         self.assign = None
+        # the whole-group bounds: compiled from the same source unless the search is pure
+        self.bounds = py_bounds if self.pure else (compiled("bounds") or py_bounds)
         if not self.pure:
             self.assign = compiled("assignment").best_assignment
         self.space = SearchSpace(cm, options)
@@ -257,16 +260,17 @@ class SearchRun:
         live = None
         if memory if positional is None else positional:
             live = CostModel.peak_live(sg.schedule, sg.pp, g.micro_batches, sg.virtual_stages)
-        return pipeline_bound(self.space.table(g), counts, g.micro_batches, sg.pp, sg.virtual_stages,
-                              self.space.num_layers, memory=memory, live=live, schedule=sg.schedule,
-                              target=target, comm_model=self.options.comm_model, assign=self.assign,
-                              witness=witness)
+        return self.bounds.pipeline_bound(self.space.table(g), counts, g.micro_batches, sg.pp,
+                                          sg.virtual_stages, self.space.num_layers, memory=memory,
+                                          live=live, schedule=sg.schedule, target=target,
+                                          comm_model=self.options.comm_model, assign=self.assign,
+                                          witness=witness)
 
     # --- phases -----------------------------------------------------------------------------
 
     def warmup(self, sgs: list[ShapeGroup]) -> int:
         """Simulate random feasible plans (paper: 500) to seed the leaderboard."""
-        n = self.options.warmup_samples
+        n = self.options.warmup_count
         if n == 0 or not sgs:
             return 0
         rng = random.Random(self.options.seed)
@@ -375,8 +379,8 @@ class SearchRun:
     def fluid_cut(self, sg: ShapeGroup, tau: float) -> bool:
         """The shape-free bound of :func:`.bounds.fluid_cut` for a shape group."""
         g = sg.group
-        return fluid_cut(self.space.table(g), g.slots, g.micro_batches, sg.pp, sg.virtual_stages,
-                         self.space.num_layers, tau)
+        return self.bounds.fluid_cut(self.space.table(g), g.slots, g.micro_batches, sg.pp,
+                                     sg.virtual_stages, self.space.num_layers, tau)
 
     def root_splitter(self, sg: ShapeGroup, cheap: float | None = None):
         """The group's structure search, or None when the fluid cut or the root bound (types and
@@ -384,7 +388,11 @@ class SearchRun:
         threshold. The splitter of a group that survives is kept: the seed phase checks the group
         before its own turn comes."""
         tau = self.threshold(sg.key) * self.shrink
-        if self.fluid_cut(sg, tau) or (self.bound(sg, positional=False) if cheap is None else cheap) >= tau:
+        # the cheap bounds, then the per-position memory bound of the whole group (each type at most
+        # its slots): at frontier scale it cuts nearly every group that reaches it, before the shape's
+        # bound paths are built and before each structure's own positional bound
+        if (self.fluid_cut(sg, tau) or (self.bound(sg, positional=False) if cheap is None else cheap) >= tau
+                or self.bound(sg, target=tau) >= tau):
             self.close(tau)
             return None
         if self.out_of_time():          # building the shape's bound paths costs time at scale

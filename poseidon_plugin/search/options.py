@@ -11,6 +11,8 @@ from ..simulator.graph import COMM_MODELS
 from ..simulator.schedules import SCHEDULES
 
 MODES = ("default", "exact", "exhaustive")
+DEFAULT_WARMUP = 500
+"""Warm-up plans of ``default`` mode (the paper's 500)."""
 MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
 
 
@@ -69,8 +71,11 @@ class SearchOptions:
     Otherwise only the plan is proven (in ``exact`` mode) and the runners-up are the best plans of
     other keys met on the way."""
 
-    warmup_samples: int = 500
-    """Random feasible plans simulated first to seed the best time (paper §4.2.3)."""
+    warmup_samples: int | None = None
+    """Random feasible plans simulated first to seed the best time (paper §4.2.3); ``None``: the mode's
+    default, :data:`DEFAULT_WARMUP` in ``default`` mode and none in ``exact`` and ``exhaustive`` mode
+    (their seeds give the first plan, and a proof's time is not spent on random DAGs: see
+    :attr:`warmup_count`)."""
 
     seed: int = 0
     """Seed of the warm-up sampler (results do not depend on it, only the work done)."""
@@ -100,6 +105,17 @@ class SearchOptions:
 
     progress: Callable[[float, str], None] | None = field(default=None, compare=False)
     """Called now and then with (fraction done, message) -- the CLI draws a progress bar with it."""
+
+    @property
+    def warmup_count(self) -> int:
+        """The warm-up plans this search simulates: ``warmup_samples``, or the mode's default. Exact mode
+        draws none by default: on the public sweep (``bench_search.py --sweep``) the warm-up cost a third
+        of the median instance's time (random plans of the most promising groups, each shape's DAG
+        built for them) and changed no plan; its greedy, assignment and relaxation seeds set the
+        threshold (docs/SEARCH.md, "Warm-up")."""
+        if self.warmup_samples is not None:
+            return self.warmup_samples
+        return DEFAULT_WARMUP if self.mode == "default" else 0
 
     def __post_init__(self) -> None:
         validate_options(self)
@@ -144,7 +160,8 @@ def validate_options(o: SearchOptions) -> None:
             raise InputError(f"--min-pp {o.min_pipeline_stages} is larger than --max-pp "
                              f"{o.max_pipeline_stages}; allow at least one pipeline size")
     _ints("--top-k", (o.top_k,), 1, "an integer >= 1")
-    if isinstance(o.warmup_samples, bool) or not isinstance(o.warmup_samples, int) or o.warmup_samples < 0:
+    w = o.warmup_samples
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
         raise InputError(f"--warmup-samples {o.warmup_samples!r} is invalid: must be an integer >= 0")
     if isinstance(o.seed, bool) or not isinstance(o.seed, int):
         raise InputError(f"--seed {o.seed!r} is invalid: must be an integer")

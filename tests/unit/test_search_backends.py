@@ -137,6 +137,37 @@ def test_backends_give_the_same_structure_searches(seed):
 
 
 @needs_compiled
+@pytest.mark.parametrize("seed", range(0, 60, 3))
+def test_backends_give_the_same_group_bounds(seed):
+    """search/bounds.py compiled (``poseidon_plugin._core.bounds``, the engine's) and as it is: every shape
+    group's fluid cut and pipeline bound (without and with the per-position memory bound, the group's
+    and each structure's, up to a target and not), and each structure's relaxation witness, equal."""
+    from poseidon_plugin.search import bounds as py_bounds
+    from poseidon_plugin.search.engine import SearchRun
+
+    from .test_search_exact import random_problem
+    cm, schedules = random_problem(seed)
+    pure = SearchRun(cm, SearchOptions(mode="exact", schedules=schedules, pure_python=True))
+    fast = SearchRun(cm, SearchOptions(mode="exact", schedules=schedules))
+    assert pure.bounds is py_bounds and fast.bounds is not py_bounds
+    checked = 0
+    for sg in pure.space.shape_groups():
+        a = pure.bound(sg, memory=False)
+        assert a == fast.bound(sg, memory=False)
+        assert pure.bound(sg) == fast.bound(sg)
+        for tau in (a * 1.01, a * 1.5):
+            assert pure.fluid_cut(sg, tau) == fast.fluid_cut(sg, tau)
+            assert pure.bound(sg, target=tau) == fast.bound(sg, target=tau)
+        for vec in pure.space.count_vectors(sg):
+            wa, wb = [], []
+            assert pure.bound(sg, vec, witness=wa) == fast.bound(sg, vec, witness=wb)
+            assert wa == wb
+            assert pure.bound(sg, vec, target=a * 1.2) == fast.bound(sg, vec, target=a * 1.2)
+            checked += 1
+    assert checked > 0
+
+
+@needs_compiled
 def test_the_compiled_search_is_built_from_the_sources():
     """No hand-kept twin: the compiled modules are the linked pure-Python-mode sources, built."""
     from poseidon_plugin import _core
@@ -145,7 +176,7 @@ def test_the_compiled_search_is_built_from_the_sources():
     here = os.path.dirname(_core.__file__)
     sources = os.path.dirname(search_pkg.__file__)
     for name, source in (("_search", "splits.py"), ("structure_bounds", "structure_bounds.py"),
-                         ("assignment", "assignment.py")):
+                         ("assignment", "assignment.py"), ("bounds", "bounds.py")):
         link = os.path.join(here, name + ".py")
         assert os.path.realpath(link) == os.path.realpath(os.path.join(sources, source))
         assert compiled(name) is not None, name

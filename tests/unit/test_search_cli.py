@@ -34,6 +34,19 @@ def test_option_validation_messages(kwargs, match):
         SearchOptions(**kwargs)
 
 
+def test_the_warm_up_is_the_default_modes_unless_asked():
+    """500 random plans in default mode, none with --exact (its seeds give the first plan) and in
+    exhaustive mode; an explicit --warmup-samples holds in every mode, and is what the search reports."""
+    assert SearchOptions().warmup_count == 500
+    assert SearchOptions(mode="exact").warmup_count == 0
+    assert SearchOptions(mode="exhaustive").warmup_count == 0
+    assert SearchOptions(mode="exact", warmup_samples=7).warmup_count == 7
+    assert SearchOptions(mode="default", warmup_samples=0).warmup_count == 0
+    cm = tiny_cost_model()
+    assert search(cm, SearchOptions(mode="exact")).stats.warmup_samples == 0
+    assert search(cm, SearchOptions(mode="exact", warmup_samples=5)).stats.warmup_samples == 5
+
+
 def tiny_cost_model(**model):
     cluster = parse_cluster({"name": "two", "device_types": ["A2-2", "A2-4"], "links": "npu",
                              "nodes": [{"device_type": "A2-2", "count": 1, "devices_per_node": 2},

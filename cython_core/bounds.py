@@ -1,0 +1,1 @@
+../poseidon_plugin/search/bounds.py
