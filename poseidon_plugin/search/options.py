@@ -112,7 +112,7 @@ class SearchOptions:
         draws none by default: on the public sweep (``bench_search.py --sweep``) the warm-up cost a third
         of the median instance's time (random plans of the most promising groups, each shape's DAG
         built for them) and changed no plan; its greedy, assignment and relaxation seeds set the
-        threshold (docs/SEARCH.md, "Warm-up")."""
+        threshold (docs/SEARCH.md, "Warm-up and the group's positional bound")."""
         if self.warmup_samples is not None:
             return self.warmup_samples
         return DEFAULT_WARMUP if self.mode == "default" else 0
