@@ -102,7 +102,8 @@ def run_case(case: ClusterCase, *, quick: bool, iters: int, workdir: str, log) -
     cache = os.path.join(workdir, "profiles")
     saved = os.path.join(workdir, "poseidon-plan.json")
     log(f"[{case.name}] (a) poseidon-run searches ({case.ranks} ranks, {case.emulate}, {case.model})")
-    first = launch(case, iters=iters, cache_dir=cache, plan_file=None, save_plan=saved, timeout_s=FIRST_RUN_LIMIT_S)
+    first = launch(case, iters=iters, cache_dir=cache, plan_file=None, save_plan=saved,
+                   timeout_s=FIRST_RUN_LIMIT_S)
     if first.code != 0 or not os.path.exists(saved):
         return {"cluster": case.name, "error": f"poseidon-run exited {first.code}", "tail": first.tail}
     plan_a = Plan.load(saved)
@@ -197,8 +198,8 @@ def render(records: list[dict], wall_s: float) -> str:
         out.append("-" * len(head))
         for r in rec["rows"]:
             errors.append(abs(r["error"]))
-            flag = ("" if r["layers_as_planned"] else "  (killed at the run's time limit)" if r.get("code") == 124
-                    else "  (NOT as planned)")
+            flag = ("" if r["layers_as_planned"]
+                    else "  (killed at the run's time limit)" if r.get("code") == 124 else "  (NOT as planned)")
             out.append(f"{r['label']:<18}{r['plan'][:43]:<44}{r['predicted_ms']:>9.0f}{r['measured_ms']:>9.0f}"
                        f"{100 * r['error']:>+7.1f}{100 * r['spread']:>8.1f}{r['optimizer_ms']:>8.0f}"
                        f"{r['excess_per_step_ms']:>8.1f}{r.get('load', float('nan')):>6.1f}{flag}")

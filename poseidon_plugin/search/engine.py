@@ -385,8 +385,8 @@ class SearchRun:
     def root_splitter(self, sg: ShapeGroup, cheap: float | None = None):
         """The group's structure search, or None when the fluid cut, the pipeline bound (``cheap``: its
         value, when the caller has it), the group's positional bound or the root bound (types and
-        layers free) proves the group cannot beat its threshold. The splitter of a group that survives is kept: the seed phase checks the group
-        before its own turn comes."""
+        layers free) proves the group cannot beat its threshold. The splitter of a group that
+        survives is kept: the seed phase checks the group before its own turn comes."""
         tau = self.threshold(sg.key) * self.shrink
         # the cheap bounds, then the per-position memory bound of the whole group (each type at most
         # its slots): at frontier scale it cuts nearly every group that reaches it, before the shape's
