@@ -117,10 +117,23 @@ def job_model(case: ClusterCase) -> Any:
 
 
 def emulation_state(case: ClusterCase) -> emulation.EmulationState:
-    """Rank 0's deterministic emulation as poseidon-run builds it for ``case`` (same scale, same TP degrees)."""
+    """Rank 0's deterministic emulation as poseidon-run builds it for ``case`` (same scale, same TP degrees, the
+    host factor of this process's environment: :func:`pin_host_factor`)."""
     return emulation.deterministic_state(emulate=case.emulate, emulate_model=case.model, rank=0,
                                          world_size=case.ranks, num_layers=case.layers,
-                                         global_batch=case.global_batch, micro_batch_size=1, job_model=job_model(case))
+                                         global_batch=case.global_batch, micro_batch_size=1, job_model=job_model(case),
+                                         host_factor=emulation.parse_host_factor(
+                                             os.environ.get(emulation.HOST_FACTOR_ENV)))
+
+
+def pin_host_factor() -> float:
+    """Time this host once, as poseidon-run does (``launcher.host_factor_env``), and pin the factor in this
+    process's environment, so that every launch of the benchmark and its own :func:`emulation_state` use the
+    same; a factor already pinned is kept."""
+    from poseidon_plugin.runtime.launcher import host_factor_env
+
+    os.environ.update(host_factor_env(os.environ))
+    return emulation.parse_host_factor(os.environ[emulation.HOST_FACTOR_ENV])
 
 
 def scaled(case: ClusterCase, factor: float) -> ClusterCase:

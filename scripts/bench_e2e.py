@@ -42,8 +42,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 from _e2e_runs import (CLUSTERS, MEASURED_ITERS, MIN_ITERS, QUICK, WARMUP_ITERS, ClusterCase,  # noqa: E402
-                       candidate_of, cost_model, emulation_state, launch, plan_key, random_plans, scaled, uniform_plan,
-                       use_client)
+                       candidate_of, cost_model, emulation_state, launch, pin_host_factor, plan_key, random_plans,
+                       scaled, uniform_plan, use_client)
 from poseidon_plugin.plan import Plan  # noqa: E402
 from poseidon_plugin.target import plan_as_run  # noqa: E402
 
@@ -259,12 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         wanted = [w.strip() for w in args.only.split(",") if w.strip()]
         cases = [c for c in cases if any(w in c.name for w in wanted)]
+    host = pin_host_factor()  # before any SCALE: every launch and this process's emulation_state use one factor
     if args.scale_factor != 1.0:
         if not 0.0 < args.scale_factor < math.inf:
             parser.error(f"--scale-factor {args.scale_factor}: give a positive number")
         cases = [scaled(c, args.scale_factor) for c in cases]
     log = (lambda line: print(line, file=sys.stderr, flush=True))
-    log(f"client: {script}")
+    log(f"client: {script}; host factor {host:g} (emulation.harness.host_factor)")
     start = time.perf_counter()
     records = []
     for case in cases:

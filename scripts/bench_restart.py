@@ -129,7 +129,7 @@ def launch(args: list[str], env: dict[str, str], rdzv_id: str, fault: str | None
 def offline_hash(out: str, work: str) -> tuple[str, str]:
     """``poseidon plan`` for the surviving devices, with the profile the new attempt wrote and the cluster its
     emulation declares (devices and scaled links): its plan's hash."""
-    from poseidon_plugin.emulation.harness import deterministic_state
+    from poseidon_plugin.emulation.harness import HOST_FACTOR_ENV, deterministic_state, parse_host_factor
     from poseidon_plugin.runtime.job_flags import read_job
     from poseidon_plugin.runtime.job_spec import job_name, model_spec
 
@@ -138,7 +138,7 @@ def offline_hash(out: str, work: str) -> tuple[str, str]:
     model = model_spec(job, global_batch_size=64, name=job_name("scripts/pretrain_gpt.py", job))
     cluster = deterministic_state(emulate=OWN[0], emulate_model=MODEL, rank=0, world_size=NPROC[0],
                                   num_layers=job.num_layers, global_batch=64, micro_batch_size=job.micro_batch_size,
-                                  job_model=model).cluster
+                                  job_model=model, host_factor=parse_host_factor(os.environ[HOST_FACTOR_ENV])).cluster
     paths = {}
     for name, doc in (("model", model.to_dict()), ("cluster", cluster.to_dict())):
         paths[name] = os.path.join(work, f"{name}.json")
@@ -158,6 +158,9 @@ def offline_hash(out: str, work: str) -> tuple[str, str]:
 
 def main() -> int:
     work = tempfile.mkdtemp(prefix="poseidon-bench-restart-")
+    from poseidon_plugin.runtime.launcher import host_factor_env
+
+    os.environ.update(host_factor_env(os.environ))  # one factor for every agent and for offline_hash's emulation
     env = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=os.path.join(work, "xdg"),
                PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     ck = os.path.join(work, "ck")

@@ -24,6 +24,7 @@ model on the emulated devices, independent of what the CPU measures.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -123,31 +124,48 @@ def slowdown_factors(peak_tflops: Mapping[str, float]) -> dict[str, float]:
 # own flags still give the layer count, the batch and the tiny model that really runs; the preset gives the
 # hidden size, sequence length, vocabulary and dtype of the emulated one.
 #
-# The automatic SCALE must also leave each layer's deadline room for the tiny layer's real CPU work, which is
-# not small at TP > 1: megatron-core's tensor-parallel layer does two gloo all-reduces per pass, and on a
-# 2-core host a gloo all-reduce costs 0.4 ms of CPU per rank between 2 processes and 2 ms between 4 (threads
-# handing work over, measured with torch 2.13). When every rank computes at once (the steady 1F1B phase),
-# ranks / (RANKS_PER_CORE x cores) times HOST_LAYER_MS[tp] is what one layer's forward + backward really
-# takes; a deadline shorter than that is overrun by contention and the run drifts from the prediction
-# (measured: 8 ranks at TP 4 with the deadline 0.46x that cost ran 9-17 % over the plan with 8 % spread; 12
-# ranks at TP 2 at 0.91x ran 5-10 % over). So the automatic SCALE grows until every TP degree's shortest
-# deadline (fastest type, micro-batch 1) is HOST_FIT times that cost, but at most MAX_FIT_GROWTH times the
-# iteration target above; TP degrees that would need more are left out of the emulated job (not profiled,
-# so the search cannot pick them), and the job's log says which SCALE would include them. An explicit SCALE
-# is kept as given: every TP degree stays, and the log warns about those whose deadline is too short.
+# The automatic SCALE must also leave each layer's deadlines room for the tiny layer's real CPU work, which is
+# not small: megatron-core's Python around the layer, and at TP > 1 its gloo all-reduces (thread hand-offs on
+# a CPU). When every rank computes at once (the steady 1F1B phase), ranks / (RANKS_PER_CORE x cores) times
+# HOST_LAYER_MS[tp] is what one layer's forward and backward really take; a deadline shorter than that is
+# overrun by contention and the run drifts from the prediction (measured: 8 ranks at TP 4 with the deadline
+# 0.46x that cost ran 9-17 % over the plan with 8 % spread; 12 ranks at TP 2 at 0.91x ran 5-10 % over). The
+# forward and the backward are fitted each on its own: the forward does most of the real work (it builds the
+# graph) but gets a third of the emulated time, so it is the one that overruns first. So the automatic SCALE
+# grows until every TP degree's shortest forward and backward deadlines (fastest type, micro-batch 1) are
+# HOST_FIT times those costs, but at most MAX_FIT_GROWTH times the iteration target above; TP degrees that
+# would need more are left out of the emulated job (not profiled, so the search cannot pick them), and the
+# job's log says which SCALE would include them. An explicit SCALE is kept as given: every TP degree stays,
+# and the log warns about those whose deadlines are too short. The embedding and the output layer are not
+# fitted: the embedding's emulated time is about 0 at any SCALE, and both run once per micro-batch; the
+# profile measures what they really take, overruns included.
+#
+# HOST_LAYER_MS is one host's, on one day: the same 2-core machine type has run the same code 2-3x slower on
+# other days. So the launcher times a fixed pure-Python loop (:func:`host_loop_ms`) before any rank starts,
+# and the table is scaled by how much slower than HOST_LOOP_MS (the loop's time on the day of the table) this
+# host runs it: :func:`host_factor`, never below 1 (a faster host keeps the table: its deadlines have more
+# room), in half-octave steps so that one host keeps one SCALE, and its profile cache, from launch to launch.
+# Every rank of the job uses the largest factor of its agents (each agent times its own host).
 
 MODEL_FLAG = "--poseidon-emulate-model"
 AUTO_ITERATION_MS = 1500.0
 RANKS_PER_CORE = 2
-# Wall ms of one forward + backward of the tiny layer (the README job's: hidden 64, 4 heads, sequence 32,
-# micro-batch 1) with RANKS_PER_CORE ranks per core, per TP degree: measured by profiling 4 ranks on the
-# 2-core host at --poseidon-emulate-model llama3-8b:0.001 (deadlines about 0, so the profile is the CPU
-# cost alone). TP 8 is not measured (it needs 8 devices per node and 8 heads); HOST_LAYER_MS_PER_DOUBLING
-# extends the table beyond TP 4, an assumption.
-HOST_LAYER_MS = {1: 1.3, 2: 14.2, 4: 23.4}
+# Wall ms of the real work inside one forward and one backward deadline of the tiny layer (the README job's:
+# hidden 64, 4 heads, sequence 32, micro-batch 1) with RANKS_PER_CORE ranks per core, per TP degree: the median
+# over every layer pass of 4 ranks on the 2-core host training a plan kept at that TP (--poseidon-keep, 8
+# iterations, llama2-13b:2), timed from the pass's start to its hold (emulation/compute_patch.py). TP 8 is not
+# measured (it needs 8 devices per node and 8 heads); HOST_LAYER_MS_PER_DOUBLING extends the table beyond TP 4,
+# an assumption.
+HOST_LAYER_MS = {1: (7.3, 4.6), 2: (16.3, 10.8), 4: (27.4, 20.3)}
 HOST_LAYER_MS_PER_DOUBLING = 2.0
+# The fastest of HOST_LOOP_REPEATS runs of :func:`_host_loop`, wall ms, on the host and day of HOST_LAYER_MS.
+# That host ran it in 14-23 ms within the same minute (it alternates between two speeds); the slower, 22.0,
+# is the reference, so that both read as factor 1.
+HOST_LOOP_MS = 22.0
+HOST_LOOP_REPEATS = 5
+HOST_FACTOR_ENV = "POSEIDON_EMULATION_HOST_FACTOR"
 HOST_FIT = 1.5
-MAX_FIT_GROWTH = 2.0
+MAX_FIT_GROWTH = 3.0
 DEFAULT_LINKS = "npu"
 # Link families only the emulation offers (beside devices.yaml's): "npu-wan" is the npu family with the
 # device types' clusters joined by a 10 Gbps / 500 us WAN (our assumption), so cross-type transfers are slow.
@@ -246,15 +264,67 @@ def usable_cores(cores: int | None = None) -> int:
     return max(1, cores)
 
 
-def host_layer_ms(tp: int, ranks: int, cores: int | None = None) -> float:
-    """What one tiny layer's forward + backward at TP ``tp`` really takes on this host when ``ranks`` ranks
-    compute at once (HOST_LAYER_MS scaled by the ranks per core beyond RANKS_PER_CORE)."""
+def host_layer_ms(tp: int, ranks: int, cores: int | None = None, host_factor: float = 1.0) -> tuple[float, float]:
+    """``(forward, backward)`` ms of real work in one tiny layer's deadlines at TP ``tp`` on this host when
+    ``ranks`` ranks compute at once (HOST_LAYER_MS scaled by the ranks per core beyond RANKS_PER_CORE and by
+    ``host_factor``, :func:`host_factor`)."""
     known = max(t for t in HOST_LAYER_MS if t <= tp)
-    per_layer = HOST_LAYER_MS[known]
+    forward, backward = HOST_LAYER_MS[known]
+    grow = host_factor * max(1.0, ranks / (RANKS_PER_CORE * usable_cores(cores)))
     while known < tp:
         known *= 2
-        per_layer *= HOST_LAYER_MS_PER_DOUBLING
-    return per_layer * max(1.0, ranks / (RANKS_PER_CORE * usable_cores(cores)))
+        grow *= HOST_LAYER_MS_PER_DOUBLING
+    return forward * grow, backward * grow
+
+
+def _host_loop(n: int = 50_000) -> int:
+    """A fixed piece of interpreter work (integer arithmetic and a dict), what a rank's Python around the tiny
+    model is made of."""
+    table: dict[int, int] = {}
+    acc = 0
+    for i in range(n):
+        acc += i * 3 ^ (i >> 2)
+        table[i & 1023] = acc
+    return acc
+
+
+def host_loop_ms(clock: Callable[[], float] | None = None, repeats: int = HOST_LOOP_REPEATS) -> float:
+    """Wall ms of :func:`_host_loop` on this host, the fastest of ``repeats`` runs (``clock``: seconds,
+    default ``time.perf_counter``)."""
+    import time
+
+    clock = clock or time.perf_counter
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        start = clock()
+        _host_loop()
+        best = min(best, (clock() - start) * 1e3)
+    return best
+
+
+def host_factor(loop_ms: float) -> float:
+    """How many times slower than the host of HOST_LAYER_MS this one runs the tiny layer, from
+    :func:`host_loop_ms`: ``loop_ms / HOST_LOOP_MS`` rounded to the nearest half octave (1, 1.41, 2, 2.83,
+    ...), never below 1."""
+    if not loop_ms > HOST_LOOP_MS:
+        return 1.0
+    steps = round(2.0 * math.log2(loop_ms / HOST_LOOP_MS))
+    return float(f"{2.0 ** (steps / 2.0):.4g}") if steps > 0 else 1.0
+
+
+def parse_host_factor(text: str | None) -> float:
+    """:data:`HOST_FACTOR_ENV` as the ranks read it: 1 when unset; PoseidonError naming it when not a number
+    >= 1."""
+    if text is None or not text.strip():
+        return 1.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 1.0 <= value < float("inf"):
+        raise PoseidonError(f"{HOST_FACTOR_ENV}={text!r} is not a number >= 1 (how many times slower than the "
+                            f"emulation's reference host this one runs; unset it to let poseidon-run measure)")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -267,13 +337,17 @@ class HostFit:
     short: tuple[tuple[int, float], ...] = ()
     """``(TP, SCALE it needs)`` of the TP degrees whose deadline is under HOST_FIT x their CPU cost at
     ``scale``: left out when automatic, kept (and warned about) when the SCALE was given."""
+    host_factor: float = 1.0
+    """How many times slower than HOST_LAYER_MS's host this one runs (:func:`host_factor`), as fitted."""
 
 
 def fit_to_host(nodes: Sequence[EmulatedNode], model: Any, *, links: str, scale: float, automatic: bool,
-                tp_degrees: Mapping[str, Sequence[int]], cores: int | None = None) -> HostFit:
-    """Grow an automatic ``scale`` (at most MAX_FIT_GROWTH x) until each TP degree's shortest deadline is
-    HOST_FIT x :func:`host_layer_ms`; TP degrees needing more are left out. ``tp_degrees``: per device type
-    of ``nodes``, the TP degrees the job can use there. A given SCALE (``automatic`` false) stays."""
+                tp_degrees: Mapping[str, Sequence[int]], cores: int | None = None,
+                host_factor: float = 1.0) -> HostFit:
+    """Grow an automatic ``scale`` (at most MAX_FIT_GROWTH x) until each TP degree's shortest forward and
+    backward deadlines are HOST_FIT x :func:`host_layer_ms`'s; TP degrees needing more are left out.
+    ``tp_degrees``: per device type of ``nodes``, the TP degrees the job can use there. A given SCALE
+    (``automatic`` false) stays."""
     from poseidon_plugin.specs import analytic_entry, constants_for
 
     cluster = emulated_cluster(nodes, links=links)
@@ -281,19 +355,21 @@ def fit_to_host(nodes: Sequence[EmulatedNode], model: Any, *, links: str, scale:
     ranks = len(types_by_rank(nodes))
     needed: dict[int, float] = {}
     for tp in sorted({t for degrees in tp_degrees.values() for t in degrees}):
-        deadline = min(e.forward_ms + e.backward_ms for e in (
-            analytic_entry(cluster, model, name, tp, 1, constants)
-            for name, degrees in tp_degrees.items() if tp in degrees))
-        needed[tp] = HOST_FIT * host_layer_ms(tp, ranks, cores) / deadline
+        entries = [analytic_entry(cluster, model, name, tp, 1, constants)
+                   for name, degrees in tp_degrees.items() if tp in degrees]
+        forward, backward = host_layer_ms(tp, ranks, cores, host_factor)
+        needed[tp] = HOST_FIT * max(forward / min(e.forward_ms for e in entries),
+                                    backward / min(e.backward_ms for e in entries))
     if not automatic:
-        return HostFit(scale=scale, tp_limit=None,
+        return HostFit(scale=scale, tp_limit=None, host_factor=host_factor,
                        short=tuple((tp, need) for tp, need in needed.items() if need > scale))
     out, limit = scale, None
     for tp, need in needed.items():  # ascending TP: the CPU cost grows with it
         if need > MAX_FIT_GROWTH * scale:
-            return HostFit(scale=out, tp_limit=limit, short=tuple((t, n) for t, n in needed.items() if t >= tp))
+            return HostFit(scale=out, tp_limit=limit, host_factor=host_factor,
+                           short=tuple((t, n) for t, n in needed.items() if t >= tp))
         out, limit = max(out, need), tp
-    return HostFit(scale=out, tp_limit=None)
+    return HostFit(scale=out, tp_limit=None, host_factor=host_factor)
 
 
 def link_kind(a: tuple[int, str], b: tuple[int, str]) -> int:
@@ -388,9 +464,13 @@ class EmulationState:
         cores = usable_cores()
         flag = f"{MODEL_FLAG} {self.spec.preset}"
         notes = []
+        if self.fit.host_factor > 1.0:
+            notes.append(f"this host runs the ranks' CPU work {self.fit.host_factor:.3g}x slower than the host of "
+                         f"the emulation's CPU costs (poseidon-run timed it; {HOST_FACTOR_ENV} pins it): SCALE "
+                         f"{self.scale:.3g} gives each layer's deadlines room for it")
         for tp, need in self.fit.short:
-            why = (f"TP {tp}: on {cores} cores its collectives need SCALE >= {need:.3g} to keep each layer's "
-                   f"deadline (the tiny layer's CPU cost x{HOST_FIT:g}, every rank busy)")
+            why = (f"TP {tp}: on {cores} cores its layers need SCALE >= {need:.3g} to keep their deadlines (the "
+                   f"tiny layer's CPU cost x{HOST_FIT:g}, every rank busy)")
             if self.allows_tp(tp):
                 notes.append(f"{why}; at SCALE {self.scale:.3g} expect iterations above the prediction")
             else:
@@ -456,10 +536,11 @@ class EmulationState:
 
 def deterministic_state(*, emulate: str, emulate_model: str, rank: int, world_size: int, num_layers: int,
                         global_batch: int, micro_batch_size: int, job_model: Any = None,
-                        cores: int | None = None) -> EmulationState:
+                        cores: int | None = None, host_factor: float = 1.0) -> EmulationState:
     """Parse both options and build this rank's EmulationState (the scale resolved when automatic and fitted
-    to this host, :func:`fit_to_host`). ``job_model``: the ModelSpec of the job that really runs, whose TP
-    degrees are fitted (None: every power of two up to a node's devices)."""
+    to this host, :func:`fit_to_host`, ``host_factor`` times slower than HOST_LAYER_MS's). ``job_model``: the
+    ModelSpec of the job that really runs, whose TP degrees are fitted (None: every power of two up to a
+    node's devices)."""
     from poseidon_plugin.specs import device_presets, load_model, model_presets, valid_tp_degrees
 
     nodes = parse_emulate(emulate, device_presets())
@@ -474,7 +555,7 @@ def deterministic_state(*, emulate: str, emulate_model: str, rank: int, world_si
                       else tuple(2 ** k for k in range(cluster.devices_per_node(name).bit_length())))
                for name in cluster.type_names}
     fit = fit_to_host(nodes, model, links=spec.links, scale=scale, automatic=spec.scale is None,
-                      tp_degrees=degrees, cores=cores)
+                      tp_degrees=degrees, cores=cores, host_factor=host_factor)
     return EmulationState(nodes=nodes, model=model, spec=spec, scale=fit.scale, device_type=types_by_rank(nodes)[rank],
                           fit=fit)
 

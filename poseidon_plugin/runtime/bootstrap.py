@@ -186,6 +186,9 @@ class _Job:
     own_devices: str | None = None
     """``--poseidon-emulate`` when it names this agent's devices only (``elastic.agent_declares``); the job's
     are the union of the agents', known after inventory."""
+    host_factor: float = 1.0
+    """How many times slower than the emulation's reference host this agent's host runs (``poseidon-run``
+    timed it: ``emulation.harness.host_factor``); the job uses its agents' largest, agreed at inventory."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -207,6 +210,7 @@ def _run(argv: list[str], rank: int, log: Log) -> int | None:
     import torch.distributed as dist
 
     from poseidon_plugin.runtime import apply, job_flags, mindspeed
+    from poseidon_plugin.runtime.devices import HOST_FACTOR_ENV, parse_host_factor
 
     started = time.perf_counter()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -218,7 +222,8 @@ def _run(argv: list[str], rank: int, log: Log) -> int | None:
                local_rank=int(os.environ.get("LOCAL_RANK", "0")), world_size=world_size, flags=flags,
                global_batch=job_flags.effective_global_batch(flags, world_size), style=style,
                target=TargetRuntime.for_job(opts, flags, style, mindspeed.dp_multiple(argv[1:])),
-               own_devices=_own_devices(opts, world_size))
+               own_devices=_own_devices(opts, world_size),
+               host_factor=parse_host_factor(os.environ.get(HOST_FACTOR_ENV)))
     adaptor = _mindspeed_adaptor(job, log)  # before _device(): it imports megatron (CPU shim, emulation)
     emulated = _deterministic_emulation(job)
     devices = _device(job, emulated.cluster if emulated is not None else _declared_cluster(job), emulated)
@@ -304,10 +309,12 @@ def profile_digest(cluster: ClusterSpec, model: ModelSpec, profile: ProfileSpec)
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()[:12]
 
 
-def _deterministic_emulation(job: _Job, emulate: str | None = None) -> EmulationState | None:
+def _deterministic_emulation(job: _Job, emulate: str | None = None,
+                             host_factor: float | None = None) -> EmulationState | None:
     """``--poseidon-emulate-model``: this rank's EmulationState (emulation/harness.py) for the job's devices
-    ``emulate`` (default ``--poseidon-emulate``), or None. None too before inventory when each agent declares
-    its own devices: the emulation needs the job's, the agents' union (:func:`_union_of_agents`)."""
+    ``emulate`` (default ``--poseidon-emulate``) on a host ``host_factor`` times slower than the reference
+    (default this agent's), or None. None too before inventory when each agent declares its own devices: the
+    emulation needs the job's, the agents' union (:func:`_union_of_agents`)."""
     if not job.opts.emulate_model or (emulate is None and job.own_devices is not None):
         return None
     from poseidon_plugin.runtime.devices import deterministic_state
@@ -316,7 +323,7 @@ def _deterministic_emulation(job: _Job, emulate: str | None = None) -> Emulation
         emulate=emulate or job.opts.emulate, emulate_model=job.opts.emulate_model, rank=job.rank,
         world_size=job.world_size,
         num_layers=job.flags.num_layers, global_batch=job.global_batch, micro_batch_size=job.flags.micro_batch_size,
-        job_model=_job_model(job))
+        job_model=_job_model(job), host_factor=job.host_factor if host_factor is None else host_factor)
 
 
 def _job_model(job: _Job) -> ModelSpec:
@@ -356,10 +363,14 @@ def _inventory(job: _Job, devices: _Devices) -> tuple[World, _Devices]:
 
     # every agent must have been told the same: rank 0's agent is the reference
     everyone = all_gather_json(elastic.told(runtime_options.to_env(job.opts), job.script_args,
-                                            own_devices=job.own_devices), devices.device.torch_device)
+                                            own_devices=job.own_devices, host_factor=job.host_factor),
+                               devices.device.torch_device)
     elastic.check_agreement(everyone)
+    host_factor = elastic.slowest_host(everyone)
     if job.own_devices is not None:
-        devices = _union_of_agents(job, devices, elastic.union_of_agents(everyone))
+        devices = _union_of_agents(job, devices, elastic.union_of_agents(everyone), host_factor)
+    elif job.opts.emulate_model and host_factor != job.host_factor:  # another agent's host is slower
+        devices = _reinstall(devices, _deterministic_emulation(job, host_factor=host_factor))
     device, declared, entry = devices.device, devices.declared, devices.entry
     info = inventory.local_info(
         job.rank, job.local_rank, device,
@@ -371,12 +382,20 @@ def _inventory(job: _Job, devices: _Devices) -> tuple[World, _Devices]:
     return (inventory.world_from_declared(declared, world.ranks) if declared_world else world), devices
 
 
-def _union_of_agents(job: _Job, devices: _Devices, union: str) -> _Devices:
+def _reinstall(devices: _Devices, state: EmulationState) -> _Devices:
+    """``devices`` with the deterministic emulation ``state`` installed in place of the one built at start-up."""
+    from poseidon_plugin.runtime.devices import install_emulation
+
+    kept = install_emulation(devices.device, state)
+    return dataclasses.replace(devices, declared=state.cluster, emulated=kept or devices.emulated)
+
+
+def _union_of_agents(job: _Job, devices: _Devices, union: str, host_factor: float) -> _Devices:
     """The job's emulated cluster from every agent's own devices (``union``: theirs in rank order, gathered at
     inventory); this rank's compute stretched against the fastest type of the whole job (an agent alone knows
     only its own types), or, with ``--poseidon-emulate-model``, the deterministic emulation of the whole job
     built and installed here (its SCALE, links and TP fit depend on every device of the job)."""
-    from poseidon_plugin.runtime.devices import install_emulation, restretch
+    from poseidon_plugin.runtime.devices import restretch
     from poseidon_plugin.runtime.precheck import declared_cluster
 
     declared = declared_cluster(dataclasses.replace(job.opts, emulate=union), job.world_size)
@@ -385,9 +404,8 @@ def _union_of_agents(job: _Job, devices: _Devices, union: str) -> _Devices:
         raise PoseidonError(f"rank {job.rank} is a {devices.entry.device_type} of its agent's --poseidon-emulate but "
                             f"device {job.rank} of the agents' union {union!r} is a {entry.device_type}")
     if job.opts.emulate_model:  # every rank builds the same emulation from the same union, then installs its own
-        state = _deterministic_emulation(job, union)
-        kept = install_emulation(devices.device, state)
-        return dataclasses.replace(devices, declared=state.cluster, entry=entry, emulated=kept or devices.emulated)
+        return dataclasses.replace(_reinstall(devices, _deterministic_emulation(job, union, host_factor)),
+                                   entry=entry)
     restretch(devices.device, declared, entry.device_type)
     return dataclasses.replace(devices, declared=declared, entry=entry)
 

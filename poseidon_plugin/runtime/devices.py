@@ -28,14 +28,16 @@ import torch
 
 from poseidon_plugin.emulation import harness
 # the harness's names the bootstrap uses, through this interface (the harness module imports no torch)
-from poseidon_plugin.emulation.harness import EmulationState, declared_devices, deterministic_state, share_stamps
+from poseidon_plugin.emulation.harness import (HOST_FACTOR_ENV, EmulationState, declared_devices, deterministic_state,
+                                               parse_host_factor, share_stamps)
 from poseidon_plugin.errors import PoseidonError
 
 if TYPE_CHECKING:  # pragma: no cover
     from poseidon_plugin.specs import ClusterSpec
 
-__all__ = ["GIB", "Device", "CudaDevice", "NpuDevice", "EmulatedDevice", "EmulationState", "declared_devices",
-           "deterministic_state", "detect", "emulated", "install_emulation", "restretch", "share_stamps"]
+__all__ = ["GIB", "HOST_FACTOR_ENV", "Device", "CudaDevice", "NpuDevice", "EmulatedDevice", "EmulationState",
+           "declared_devices", "deterministic_state", "detect", "emulated", "install_emulation", "parse_host_factor",
+           "restretch", "share_stamps"]
 
 GIB = 1 << 30
 

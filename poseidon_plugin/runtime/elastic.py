@@ -166,13 +166,22 @@ def agent_declares(declared: int, world_size: int, local_world_size: int) -> boo
     return declared == local_world_size and declared != world_size
 
 
-def told(options_env: Mapping[str, str], script_args: list[str], *, own_devices: str | None = None) -> dict:
+def told(options_env: Mapping[str, str], script_args: list[str], *, own_devices: str | None = None,
+         host_factor: float = 1.0) -> dict:
     """What this rank was started with, comparable across agents: its agent, options and job flags;
-    ``own_devices``: this agent's own ``--poseidon-emulate`` (compared as :data:`PER_AGENT`)."""
+    ``own_devices``: this agent's own ``--poseidon-emulate`` (compared as :data:`PER_AGENT`); ``host_factor``:
+    how much slower than the emulation's reference its host runs (not compared: :func:`slowest_host`)."""
     options = dict(sorted(options_env.items()))
     if own_devices is not None:
         options[EMULATE_ENV] = PER_AGENT
-    return {"agent": agent(), "options": options, "args": list(script_args), "devices": own_devices}
+    return {"agent": agent(), "options": options, "args": list(script_args), "devices": own_devices,
+            "host_factor": float(host_factor)}
+
+
+def slowest_host(everyone: list[dict]) -> float:
+    """The host factor the whole job emulates with: its agents' largest (each agent times its own host, and
+    every rank must build the same emulation; the slowest host's deadlines are the ones to keep)."""
+    return max(float(doc.get("host_factor", 1.0)) for doc in everyone)
 
 
 def union_of_agents(everyone: list[dict]) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from poseidon_plugin.errors import PoseidonError
 from poseidon_plugin.runtime import options as runtime_options
@@ -43,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             torchrun.main(rest)
             return 0
         torchrun_args, env = prepare(opts, rest)
+        if opts.emulate_model:
+            env.update(host_factor_env(os.environ))
         from poseidon_plugin.runtime import elastic
 
         barrier_s = elastic.exit_barrier_timeout(os.environ)
@@ -53,6 +55,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.update(env)
     with elastic.exit_barrier(barrier_s), (_emulation_stamps() if opts.emulate_model else contextlib.nullcontext()):
         return launch(torchrun_args)
+
+
+def host_factor_env(environ: Mapping[str, str], measure: Callable[[], float] | None = None) -> dict[str, str]:
+    """The deterministic emulation's host factor for the ranks (``emulation.harness.host_factor``): timed
+    here once per launch, before any rank runs, so that every attempt of this agent (restarts) uses the same;
+    nothing when the user pinned it (checked: PoseidonError naming the variable). ``measure``: the loop's
+    wall ms (default ``harness.host_loop_ms``)."""
+    from poseidon_plugin.emulation import harness
+
+    if environ.get(harness.HOST_FACTOR_ENV, "").strip():
+        harness.parse_host_factor(environ[harness.HOST_FACTOR_ENV])
+        return {}
+    loop_ms = (measure or harness.host_loop_ms)()
+    factor = harness.host_factor(loop_ms)
+    if factor > 1.0:
+        print(f"poseidon-run: emulation: this host ran the reference loop in {loop_ms:.1f} ms "
+              f"({harness.HOST_LOOP_MS:g} ms on the host of the emulation's CPU costs): the ranks' CPU work counts "
+              f"{factor:g}x ({harness.HOST_FACTOR_ENV} pins it)", flush=True)
+    return {harness.HOST_FACTOR_ENV: f"{factor:g}"}
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ pytest.importorskip("megatron.core")
 from poseidon_plugin.emulation.harness import slowdown_factors  # noqa: E402
 from poseidon_plugin.runtime.options import RuntimeOptions  # noqa: E402
 from poseidon_plugin.runtime.precheck import declared_cluster  # noqa: E402
-from tests.dist.conftest import free_port  # noqa: E402
+from tests.dist.conftest import REFERENCE_HOST, free_port  # noqa: E402
 from tests.dist.test_launcher import JOB, REPO, SCRIPT  # noqa: E402
 from tests.dist.test_resume import LOSS_TOLERANCE, _with, iteration_losses  # noqa: E402
 
@@ -52,6 +52,7 @@ class Agent:
                     PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
         for key in [k for k in full if k.startswith("POSEIDON_") or k.startswith("TORCH_DISABLE_SHARE")]:
             del full[key]
+        full.update(REFERENCE_HOST)
         full.update(env or {})
         self.path = tmp_path / f"agent{index}.log"
         self.log = open(self.path, "w")
@@ -95,15 +96,21 @@ def finish_all(agents: list[Agent]) -> list[tuple[int, str]]:
             agent.kill()
 
 
-def launch(tmp_path, agents_args: list[list[str]], owns: list[str] = OWN, **kwargs) -> list[Agent]:
-    """Agent 0 (it hosts the rendezvous), then the others; agent i declares ``owns[i]``."""
+def launch(tmp_path, agents_args: list[list[str]], owns: list[str] = OWN, envs: list[dict[str, str]] | None = None,
+           **kwargs) -> list[Agent]:
+    """Agent 0 (it hosts the rendezvous), then the others; agent i declares ``owns[i]`` (and adds ``envs[i]`` to
+    its environment)."""
     port = free_port()
-    first = Agent(tmp_path, 0, f"127.0.0.1:{port}", agents_args[0], own=owns[0], **kwargs)
+
+    def agent(i: int, args: list[str]) -> Agent:
+        env = {**kwargs.get("env", {}), **(envs[i] if envs else {})}
+        return Agent(tmp_path, i, f"127.0.0.1:{port}", args, own=owns[i], **{**kwargs, "env": env})
+
+    first = agent(0, agents_args[0])
     try:
         if not wait_for_port(port, BOUND_S):
             pytest.fail(f"no agent listened on port {port}:\n{first.output()[-4000:]}")
-        return [first, *[Agent(tmp_path, i, f"127.0.0.1:{port}", args, own=owns[i], **kwargs)
-                         for i, args in enumerate(agents_args[1:], start=1)]]
+        return [first, *[agent(i, args) for i, args in enumerate(agents_args[1:], start=1)]]
     except BaseException:
         first.kill()
         raise
@@ -199,8 +206,9 @@ MODEL = "llama3-8b"
 EMULATED = [*JOB, "--poseidon-emulate-model", MODEL, "--poseidon-micro-batch-sizes", "1", "--poseidon-timeout", "90"]
 
 
-def _emulation_scale(emulate: str, world_size: int) -> float:
-    """The automatic SCALE of the whole job's deterministic emulation (every rank must build this one)."""
+def _emulation_scale(emulate: str, world_size: int, host_factor: float = 1.0) -> float:
+    """The automatic SCALE of the whole job's deterministic emulation (every rank must build this one) on a host
+    ``host_factor`` times slower than the reference."""
     from poseidon_plugin.emulation.harness import deterministic_state
     from poseidon_plugin.runtime.job_flags import effective_global_batch, read_job
     from poseidon_plugin.runtime.job_spec import job_name, model_spec
@@ -209,7 +217,8 @@ def _emulation_scale(emulate: str, world_size: int) -> float:
     gbs = effective_global_batch(flags, world_size)
     return deterministic_state(emulate=emulate, emulate_model=MODEL, rank=0, world_size=world_size,
                                num_layers=flags.num_layers, global_batch=gbs, micro_batch_size=flags.micro_batch_size,
-                               job_model=model_spec(flags, global_batch_size=gbs, name=job_name(SCRIPT, flags))).scale
+                               job_model=model_spec(flags, global_batch_size=gbs, name=job_name(SCRIPT, flags)),
+                               host_factor=host_factor).scale
 
 
 def _emulation_lines(output: str) -> dict[int, tuple[str, str]]:
@@ -218,17 +227,36 @@ def _emulation_lines(output: str) -> dict[int, tuple[str, str]]:
         rf"{MODEL} x(\S+) ", output, re.M)}
 
 
+SLOW_HOST = "POSEIDON_EMULATION_HOST_FACTOR"
+
+
 def test_agents_declaring_their_own_devices_emulate_the_whole_job_deterministically(tmp_path):
     """--poseidon-emulate-model with --poseidon-emulate given per agent failed before any process started (it
     needed the whole job's devices before the ranks met): each agent's list is now gathered at inventory and
-    every rank builds the emulation of the union (one SCALE, one cluster), then the job plans and trains."""
-    results = finish_all(launch(tmp_path, [EMULATED, EMULATED], nnodes="2", torchrun=["--rdzv-id", "emulated"]))
+    every rank builds the emulation of the union (one SCALE, one cluster), then the job plans and trains.
+    Agent 1's host runs 2x slower than agent 0's (poseidon-run's timing, pinned here): both emulate with it."""
+    results = finish_all(launch(tmp_path, [EMULATED, EMULATED], nnodes="2", torchrun=["--rdzv-id", "emulated"],
+                                envs=[{}, {SLOW_HOST: "2"}]))
     both = results[0][1] + results[1][1]
     assert [code for code, _ in results] == [0, 0], both[-6000:]
-    scale = f"{_emulation_scale(','.join(OWN), 2):.4g}"
+    scale = f"{_emulation_scale(','.join(OWN), 2, host_factor=2.0):.4g}"
+    assert scale != f"{_emulation_scale(','.join(OWN), 2):.4g}"  # the slower host's, not agent 0's
     assert _emulation_lines(both) == {0: ("A2-4", scale), 1: ("A2-2", scale)}, both[-6000:]
     assert len(re.findall(r"^poseidon: Poseidon plan:", both, re.M)) == 1, both[-6000:]  # one plan, rank 0's
     assert len(iteration_losses(both)) == 3, both[-6000:]
+
+
+def test_agents_on_hosts_of_different_speed_agree_on_the_slowest(tmp_path):
+    """Every agent declares the whole job's devices; each built its emulation from its own host's factor at
+    start-up, and at inventory the ranks of the faster host rebuild theirs with the slower host's (one SCALE)."""
+    whole = ",".join(OWN)
+    results = finish_all(launch(tmp_path, [[*EMULATED, "--poseidon-dry-run"]] * 2, owns=[whole, whole], nnodes="2",
+                                torchrun=["--rdzv-id", "emulated-hosts"], envs=[{SLOW_HOST: "2"}, {}]))
+    both = results[0][1] + results[1][1]
+    assert [code for code, _ in results] == [0, 0], both[-6000:]
+    scale = f"{_emulation_scale(whole, 2, host_factor=2.0):.4g}"
+    assert _emulation_lines(both) == {0: ("A2-4", scale), 1: ("A2-2", scale)}, both[-6000:]
+    assert re.search(r"^poseidon: emulation: this host runs the ranks' CPU work 2x slower", both, re.M), both[-6000:]
 
 
 def test_an_agent_leaves_a_deterministically_emulated_job_and_the_survivor_replans(tmp_path):

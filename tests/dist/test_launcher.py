@@ -25,6 +25,7 @@ from poseidon_plugin.runtime.placement import planned_layers  # noqa: E402
 from poseidon_plugin.runtime.job_spec import model_spec  # noqa: E402
 from poseidon_plugin.runtime.watch import ranges  # noqa: E402
 from poseidon_plugin.specs import load_profile, parse_cluster  # noqa: E402
+from tests.dist.conftest import REFERENCE_HOST  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = "scripts/pretrain_gpt.py"
@@ -40,6 +41,7 @@ def poseidon_run(args: list[str], tmp_path, env: dict[str, str] | None = None) -
                     PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     for key in [k for k in full_env if k.startswith("POSEIDON_")]:
         del full_env[key]
+    full_env.update(REFERENCE_HOST)
     full_env.update(env or {})
     proc = subprocess.run([sys.executable, "-m", "poseidon_plugin.runtime.launcher", *args], cwd=REPO,
                           env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -33,6 +33,7 @@ from poseidon_plugin.runtime.placement import planned_layers  # noqa: E402
 from poseidon_plugin.runtime.job_spec import model_spec  # noqa: E402
 from poseidon_plugin.runtime.watch import ranges  # noqa: E402
 from poseidon_plugin.specs import parse_cluster  # noqa: E402
+from tests.dist.conftest import REFERENCE_HOST  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MCORE012 = os.path.join(REPO, ".cache", "mcore012")
@@ -54,7 +55,7 @@ def poseidon_run(args: list[str], tmp_path, env: dict[str, str] | None = None) -
                 PYTHONPATH=os.pathsep.join([MCORE012, REPO]))
     for key in [k for k in full if k.startswith("POSEIDON_")]:
         del full[key]
-    env = {**full, **(env or {})}
+    env = {**full, **REFERENCE_HOST, **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "poseidon_plugin.runtime.launcher", *args], cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=LAUNCH_TIMEOUT_S)
     return proc.returncode, proc.stdout

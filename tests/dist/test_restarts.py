@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from tests.dist.conftest import free_port  # noqa: E402
+from tests.dist.conftest import REFERENCE_HOST, free_port  # noqa: E402
 from tests.dist.test_launcher import JOB, REPO, SCRIPT, emulated_plan, losses  # noqa: E402
 
 AGENTS_TIMEOUT_S = 300
@@ -32,6 +32,7 @@ def two_agents(tmp_path, rendezvous: list[str], script_args: list[list[str]], en
                 PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     for key in [k for k in base if k.startswith("POSEIDON_") or k.startswith("TORCH_DISABLE_SHARE")]:
         del base[key]
+    base.update(REFERENCE_HOST)
     base.update(env or {})
     procs, logs = [], []
     try:

@@ -155,6 +155,31 @@ def test_agents_declaring_their_own_devices_agree_on_the_rest(monkeypatch):
         elastic.check_agreement([mine, whole])
 
 
+def test_agents_on_hosts_of_different_speed_emulate_with_the_slowest(monkeypatch, capsys):
+    """Each agent's poseidon-run times its own host once (every attempt of that agent then uses the same
+    factor); the ranks of all agents agree on the largest without refusing the job."""
+    from poseidon_plugin.emulation import harness
+    from poseidon_plugin.runtime.launcher import host_factor_env
+
+    monkeypatch.delenv(harness.HOST_FACTOR_ENV, raising=False)
+    fast = host_factor_env({}, measure=lambda: 0.9 * harness.HOST_LOOP_MS)
+    assert fast == {harness.HOST_FACTOR_ENV: "1"} and capsys.readouterr().out == ""
+    slow = host_factor_env({}, measure=lambda: 2.2 * harness.HOST_LOOP_MS)
+    assert slow == {harness.HOST_FACTOR_ENV: "2"} and "counts 2x" in capsys.readouterr().out
+
+    def never():
+        raise AssertionError("a pinned factor is not measured")
+
+    assert host_factor_env({harness.HOST_FACTOR_ENV: "1.5"}, measure=never) == {}
+    with pytest.raises(PoseidonError, match=harness.HOST_FACTOR_ENV):
+        host_factor_env({harness.HOST_FACTOR_ENV: "quick"}, measure=never)
+    options = {"POSEIDON_EMULATE_MODEL": "llama2-13b"}
+    everyone = [elastic.told(options, ["--x"], host_factor=1.0), elastic.told(options, ["--x"], host_factor=2.0)]
+    elastic.check_agreement(everyone)  # not an option: agents may differ
+    assert elastic.slowest_host(everyone) == 2.0
+    assert elastic.slowest_host([{"agent": 0}]) == 1.0  # a rank that reports none: the reference host
+
+
 def test_test_faults_name_an_attempt_or_a_world_size():
     pytest.importorskip("torch")
     from poseidon_plugin.runtime.collectives import parse_fault
