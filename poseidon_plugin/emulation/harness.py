@@ -465,9 +465,10 @@ class EmulationState:
         flag = f"{MODEL_FLAG} {self.spec.preset}"
         notes = []
         if self.fit.host_factor > 1.0:
+            fitted = (f"SCALE {self.scale:.3g} gives each layer's deadlines room for it" if self.spec.scale is None
+                      else "the TP degrees below (if any) are short of time for it at the given SCALE")
             notes.append(f"this host runs the ranks' CPU work {self.fit.host_factor:.3g}x slower than the host of "
-                         f"the emulation's CPU costs (poseidon-run timed it; {HOST_FACTOR_ENV} pins it): SCALE "
-                         f"{self.scale:.3g} gives each layer's deadlines room for it")
+                         f"the emulation's CPU costs (poseidon-run timed it; {HOST_FACTOR_ENV} pins it): {fitted}")
         for tp, need in self.fit.short:
             why = (f"TP {tp}: on {cores} cores its layers need SCALE >= {need:.3g} to keep their deadlines (the "
                    f"tiny layer's CPU cost x{HOST_FIT:g}, every rank busy)")

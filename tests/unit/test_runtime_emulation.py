@@ -266,6 +266,10 @@ def test_a_given_scale_is_kept_and_short_deadlines_are_warned_about():
     assert state.scale == 0.25 and state.fit.tp_limit is None and state.allows_tp(4)
     assert {2, 4} <= {tp for tp, _need in state.fit.short}  # kept all the same, each warned about
     assert all("expect iterations above the prediction" in n for n in state.host_notes())
+    slow = _fitted("A2-2:4,A2-4:4", "llama3-8b:0.25", cores=2, gbs=16, layers=16, host_factor=2.0)
+    host, *short = slow.host_notes()
+    assert slow.scale == 0.25 and "2x slower" in host and "short of time for it at the given SCALE" in host
+    assert all("expect iterations above the prediction" in n for n in short)
 
 
 def test_tp_degrees_the_job_cannot_use_are_not_fitted():
