@@ -45,6 +45,7 @@ REPO = os.path.dirname(HERE)
 sys.path[:0] = [HERE, REPO]
 
 from _agents import kill_agent, wait_for_port  # noqa: E402
+from _e2e_runs import pin_host_factor  # noqa: E402
 
 TARGET_S = 2.0
 # agent i's own devices: the survivor (agent 0) keeps two, so its new plan has a placement and links to choose;
@@ -158,9 +159,7 @@ def offline_hash(out: str, work: str) -> tuple[str, str]:
 
 def main() -> int:
     work = tempfile.mkdtemp(prefix="poseidon-bench-restart-")
-    from poseidon_plugin.runtime.launcher import host_factor_env
-
-    os.environ.update(host_factor_env(os.environ))  # one factor for every agent and for offline_hash's emulation
+    pin_host_factor()  # one factor for every agent and for offline_hash's emulation
     env = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=os.path.join(work, "xdg"),
                PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     ck = os.path.join(work, "ck")

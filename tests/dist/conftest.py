@@ -27,13 +27,15 @@ from typing import Any
 
 import pytest
 
+from poseidon_plugin.emulation.harness import HOST_FACTOR_ENV
+
 # Seconds a rank may take to start (imports) and join the process group.
 STARTUP_TIMEOUT_S = 120.0
 # The launches of these tests emulate on the reference host (emulation.harness.host_factor 1): the emulation
 # they expect (deterministic_state, a plan's priced SCALE) is built in the test process with the reference's
 # costs, so a factor poseidon-run times on a busy test host must not change the ranks' SCALE. The launcher's
 # timing is tested on its own (tests/unit/test_runtime_elastic.py).
-REFERENCE_HOST = {"POSEIDON_EMULATION_HOST_FACTOR": "1"}
+REFERENCE_HOST = {HOST_FACTOR_ENV: "1"}
 
 
 def free_port() -> int:

@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from poseidon_plugin.emulation.harness import slowdown_factors  # noqa: E402
+from poseidon_plugin.emulation.harness import HOST_FACTOR_ENV, slowdown_factors  # noqa: E402
 from poseidon_plugin.runtime.options import RuntimeOptions  # noqa: E402
 from poseidon_plugin.runtime.precheck import declared_cluster  # noqa: E402
 from tests.dist.conftest import REFERENCE_HOST, free_port  # noqa: E402
@@ -227,7 +227,7 @@ def _emulation_lines(output: str) -> dict[int, tuple[str, str]]:
         rf"{MODEL} x(\S+) ", output, re.M)}
 
 
-SLOW_HOST = "POSEIDON_EMULATION_HOST_FACTOR"
+SLOW_HOST = HOST_FACTOR_ENV
 
 
 def test_agents_declaring_their_own_devices_emulate_the_whole_job_deterministically(tmp_path):
