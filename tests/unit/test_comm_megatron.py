@@ -287,3 +287,29 @@ def test_a_graph_build_leaves_the_garbage_collector_as_it_found_it(enabled):
         assert gc.isenabled() is enabled
     finally:
         (gc.enable if before else gc.disable)()
+
+
+@pytest.mark.parametrize("comm_model", ["dag", "megatron", "megatron-overlap"])
+@pytest.mark.parametrize("pure", [False, True])
+def test_a_graph_build_leaves_no_cyclic_garbage(comm_model, pure, monkeypatch):
+    """What a build allocates and does not keep is freed as it goes (reference counts), on both backends.
+    Compiled, a reference cycle through ``build_programs``' closure scope kept the whole build's state
+    alive until the collector walked it (8,467 objects here; ~850,000, 0.4 s, after a 1F1B build with
+    1,024 micro-batches)."""
+    import gc
+
+    from poseidon_plugin.backend import PURE_ENV
+    from poseidon_plugin.simulator.graph import build_graph
+
+    if pure:
+        monkeypatch.setenv(PURE_ENV, "1")
+    before = gc.isenabled()
+    gc.disable()
+    try:
+        gc.collect()
+        for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("gpipe", 1), ("eager-1f1b", 1)):
+            graph = build_graph(schedule, 4, 8, v, comm_model)
+            assert graph.n_nodes > 0
+            assert gc.collect() == 0, (schedule, comm_model)
+    finally:
+        (gc.enable if before else gc.disable)()
