@@ -15,6 +15,7 @@ import os
 import re
 
 from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
 
 try:
     from Cython.Build import cythonize
@@ -47,6 +48,30 @@ CPU_STACK = ["torch==2.13.0", "megatron-core==0.16.1", "psutil>=5.9"]
 MEGATRON_LM_IMPORTS = ["triton==3.9.0", "pydantic>=2", "tqdm>=4", "wrapt>=1.14", "six>=1.16", "regex>=2023",
                        "einops>=0.7"]
 
+
+
+class BuildExt(build_ext):
+    """The Cython core, then, for an editable or in-place build, the package's bytecode beside its sources.
+
+    A regular install byte-compiles the package into site-packages; an editable one runs the sources where
+    they are and leaves the bytecode to the first import, which writes none where ``PYTHONDONTWRITEBYTECODE``
+    is set (containers often set it, and the package is read-only in some): every ``poseidon`` and
+    ``poseidon-run`` process, and every rank, would then compile the package from source (~0.2 s a start on
+    a 2-core machine). A source edited later is recompiled on import as usual (the bytecode records the
+    source's size and time)."""
+
+    def run(self):
+        super().run()
+        if self.inplace or getattr(self, "editable_mode", False):
+            import compileall
+
+            # the linked folders (poseidon_plugin/patches, poseidon_plugin/_core) by their own names:
+            # compile_dir does not follow links, and their bytecode lands beside the linked sources
+            if not all([compileall.compile_dir(folder, quiet=1) for folder in ("poseidon_plugin", "patches",
+                                                                              "cython_core")]):
+                print("poseidon: some sources could not be byte-compiled; they are compiled on import instead")
+
+
 setup(
     name="poseidon-plugin",
     version=VERSION,
@@ -58,6 +83,7 @@ setup(
     package_data={"poseidon_plugin": ["specs/presets/*.yaml", "specs/presets/*.json"],
                   "poseidon_plugin._core": ["*.pxd", "*.pyx"]},
     ext_modules=cythonize(extensions, compiler_directives=DIRECTIVES, include_path=[HERE]),
+    cmdclass={"build_ext": BuildExt},
     install_requires=["PyYAML>=5.4"],
     extras_require={
         # the CPU stack the distributed tests and the CPU demo run on (pinned: see README)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import heapq
+import importlib
 import math
 import random
 import time
@@ -25,7 +26,6 @@ from ..backend import compiled
 from ..costmodel import Candidate, CostModel
 from ..errors import NoFeasiblePlanError
 from ..plan import format_gap
-from . import bounds as py_bounds
 from .counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES, PRUNED_BOUND,
                        PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH, PRUNED_RIDGE, SIM_CALLS)
 from .evaluate import greedy_split, plan_fits, simulate_plan, spread
@@ -36,7 +36,6 @@ from .seeds import assignment_seeds, relaxation_split
 from .shapes import ShapeCache, ShapeData
 from .space import SearchSpace, ShapeGroup
 from .split_result import SplitResult
-from .splits import SplitSearch as PySplitSearch
 
 INF = math.inf
 WARMUP_SHAPES = 16
@@ -56,6 +55,12 @@ PROBE_NODES = 20_000         # ... all of them together at most this many nodes:
                              # tau (a proof) they only add work, and then tau's search follows at once
 RESUME_MIN_S = 0.5           # once they are computed, the search goes on where it was cut if at least
                              # this much of the reserve is left (with the same share kept back again)
+
+
+def _pure_twin(name: str):
+    """The uncompiled source of a compiled search module (``splits``, ``bounds``), imported on first use:
+    a compiled search never needs it, and a fresh ``poseidon plan`` process would pay its import."""
+    return importlib.import_module(f"{__package__}.{name}")
 
 
 def use_pure_python(options: SearchOptions) -> bool:
@@ -103,7 +108,7 @@ class SearchRun:
         # the positional bound's assignment solver: the compiled one unless the search is pure
         self.assign = None
         # the whole-group bounds: compiled from the same source unless the search is pure
-        self.bounds = py_bounds if self.pure else (compiled("bounds") or py_bounds)
+        self.bounds = (None if self.pure else compiled("bounds")) or _pure_twin("bounds")
         if not self.pure:
             self.assign = compiled("assignment").best_assignment
         self.space = SearchSpace(cm, options)
@@ -151,7 +156,7 @@ class SearchRun:
         # the splitters keep the pipeline order where the ridge or block rules apply)
         backward = sg.virtual_stages == 1
         if self.pure:
-            return PySplitSearch(table, shape, self.space.num_layers, ridge=self.ridge,
+            return _pure_twin("splits").SplitSearch(table, shape, self.space.num_layers, ridge=self.ridge,
                                  blocks=self.blocks, type_class=cls, gap=self.gap, backward=backward)
         from poseidon_plugin._core._search import SplitSearch
         return SplitSearch(table, shape, self.space.num_layers, ridge=self.ridge, blocks=self.blocks,

@@ -68,3 +68,41 @@ def test_no_code_imports_the_generic_top_level_names():
                             else [])
                     offenders += [f"{path}:{node.lineno}: {m}" for m in mods if m.split(".")[0] in GENERIC]
     assert not offenders, offenders
+
+
+def test_an_editable_install_leaves_the_bytecode_beside_the_sources():
+    """``setup.py``'s build_ext byte-compiles the package where an editable install runs it, so a process
+    started under ``PYTHONDONTWRITEBYTECODE`` does not compile it from source on every start."""
+    import importlib.util
+
+    _installed()
+    import poseidon_plugin.search.engine as engine
+    import poseidon_plugin.patches.table as table
+
+    for module in (poseidon_plugin, engine, table):
+        if not module.__file__.startswith(REPO):
+            pytest.skip("installed from a wheel, not in editable mode (pip byte-compiles the wheel's files)")
+        assert os.path.exists(importlib.util.cache_from_source(module.__file__)), module.__name__
+
+
+def test_a_compiled_search_imports_no_pure_python_twin():
+    """The uncompiled sources of the compiled search (``splits``, ``structure_bounds``, ``bounds``...) load
+    only under ``POSEIDON_PURE_PYTHON``: a fresh ``poseidon plan`` process would pay their import."""
+    import subprocess
+    import sys
+
+    from poseidon_plugin.backend import PURE_ENV, compiled
+
+    if compiled("_search") is None:
+        pytest.fail("the compiled core is not built: run `pip install -e .` first")
+    twins = ["poseidon_plugin.search.splits", "poseidon_plugin.search.structure_bounds",
+             "poseidon_plugin.search.relaxation_bound", "poseidon_plugin.search.bounds"]
+    code = ("import sys; from poseidon_plugin.cli import main; "
+            "main(['plan', '--cluster', 'paper-setting-1', '--model', 'llama2-13b', '--exact', '--json', "
+            "'--no-progress']); "
+            f"print('loaded:', *[m for m in {twins!r} if m in sys.modules])")
+    env = {k: v for k, v in os.environ.items() if k != PURE_ENV}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "loaded:"
