@@ -49,16 +49,14 @@ MEGATRON_LM_IMPORTS = ["triton==3.9.0", "pydantic>=2", "tqdm>=4", "wrapt>=1.14",
                        "einops>=0.7"]
 
 
-
 class BuildExt(build_ext):
     """The Cython core, then, for an editable or in-place build, the package's bytecode beside its sources.
 
     A regular install byte-compiles the package into site-packages; an editable one runs the sources where
     they are and leaves the bytecode to the first import, which writes none where ``PYTHONDONTWRITEBYTECODE``
-    is set (containers often set it, and the package is read-only in some): every ``poseidon`` and
-    ``poseidon-run`` process, and every rank, would then compile the package from source (~0.2 s a start on
-    a 2-core machine). A source edited later is recompiled on import as usual (the bytecode records the
-    source's size and time)."""
+    is set (container images often set it): every ``poseidon`` and ``poseidon-run`` process, and every rank,
+    would then compile the package from source (~0.2 s a start on a 2-core machine). A source edited later
+    is recompiled on import as usual (the bytecode records the source's size and time)."""
 
     def run(self):
         super().run()

@@ -157,7 +157,8 @@ class SearchRun:
         backward = sg.virtual_stages == 1
         if self.pure:
             return _pure_twin("splits").SplitSearch(table, shape, self.space.num_layers, ridge=self.ridge,
-                                 blocks=self.blocks, type_class=cls, gap=self.gap, backward=backward)
+                                                    blocks=self.blocks, type_class=cls, gap=self.gap,
+                                                    backward=backward)
         from poseidon_plugin._core._search import SplitSearch
         return SplitSearch(table, shape, self.space.num_layers, ridge=self.ridge, blocks=self.blocks,
                            type_class=cls, gap=self.gap, backward=backward)
