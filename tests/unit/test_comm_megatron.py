@@ -290,8 +290,7 @@ def test_a_graph_build_leaves_the_garbage_collector_as_it_found_it(enabled):
 
 
 @pytest.mark.parametrize("comm_model", ["dag", "megatron", "megatron-overlap"])
-@pytest.mark.parametrize("pure", [False, True])
-def test_a_graph_build_leaves_no_cyclic_garbage(comm_model, pure, monkeypatch):
+def test_a_graph_build_leaves_no_cyclic_garbage(comm_model, pure_python, monkeypatch):
     """What a build allocates and does not keep is freed as it goes (reference counts), on both backends.
     Compiled, a reference cycle through ``build_programs``' closure scope kept the whole build's state
     alive until the collector walked it (8,467 objects here; ~850,000, 0.4 s, after a 1F1B build with
@@ -301,7 +300,7 @@ def test_a_graph_build_leaves_no_cyclic_garbage(comm_model, pure, monkeypatch):
     from poseidon_plugin.backend import PURE_ENV
     from poseidon_plugin.simulator.graph import build_graph
 
-    if pure:
+    if pure_python:
         monkeypatch.setenv(PURE_ENV, "1")
     before = gc.isenabled()
     gc.disable()
