@@ -58,6 +58,10 @@ cdef class StructureBounds:
     cdef inline bint _rank_mins(self, int r, int[::1] lb, int[::1] capt, double[::1] out) noexcept nogil
     cdef inline void _fill(self, int[::1] lb, int[::1] capt) noexcept nogil
     cdef inline double _send_lb(self, int r, double unknown_min) noexcept nogil
+    cdef inline double _send_into_lb(self, int u, int n) noexcept nogil
+    cdef inline double _same_type_into(self, int u, int n) noexcept nogil
+    @cython.locals(p='double[::1]', val='double', g='double')
+    cdef inline double _send_gain(self, int r, int x, int[::1] cnt) noexcept nogil
     cdef inline bint _propagate(self, int k, int left, int[::1] lb, int[::1] cap, int[::1] capt,
                          int[::1] parent_lb, int[::1] parent_cap, int[::1] parent_capt,
                          bint inherit) noexcept nogil

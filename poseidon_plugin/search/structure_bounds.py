@@ -221,7 +221,9 @@ class StructureBounds:
         t = self.types[r]
         u = self.types[n]
         if t < 0:
-            return unknown_min
+            if u < 0:
+                return unknown_min
+            return self._send_into_lb(u, n)
         i = t * self.stride + self.slot[r]
         if u >= 0:
             if t != u:
@@ -239,6 +241,64 @@ class StructureBounds:
         if other and self.send_cross_ms[t] < best:
             best = self.send_cross_ms[t]
         return 0.0 if best == INF else best
+
+    def _send_into_lb(self, u: int, n: int) -> float:
+        """Least transfer ms of a link from an undecided rank into decided rank ``n`` of type ``u``: a
+        sender of another remaining type pays its cross-type link, one of type ``u`` the link out of one
+        of its free slots (:meth:`_same_type_into`). Where the sender cannot be of type ``u`` the link is
+        a cross-type one: on the bound's longest path it weighs once per micro-batch when ``n`` is the
+        bottleneck."""
+        best = self._same_type_into(u, n)
+        for x in range(self.nt):
+            if x != u and self.remaining[x] > 0 and self.send_cross_ms[x] < best:
+                best = self.send_cross_ms[x]
+        return 0.0 if best == INF else best
+
+    def _same_type_into(self, u: int, n: int) -> float:
+        """Least transfer ms of a link into decided rank ``n`` of type ``u`` from an undecided rank that
+        takes type ``u`` too, out of one of its free slots: to the next slot, or the wrap to slot 0 when
+        ``n`` is rank 0 (INF when no slot of ``u`` is free)."""
+        best = INF
+        if self.remaining[u] > 0:
+            for j in range(self.used[u], self.hi[u]):
+                i = u * self.stride + j
+                if n == 0:
+                    if j > 0 and self.send_wrap_ms[i] < best:
+                        best = self.send_wrap_ms[i]
+                elif j + 1 < self.counts[u] and self.send_same_ms[i] < best:
+                    best = self.send_same_ms[i]
+        return best
+
+    def _send_gain(self, r: int, x: int, cnt) -> float:
+        """How much more than the fill's lower bounds the links between undecided rank ``r`` and its
+        decided neighbours cost along the path of ``cnt`` when ``r`` takes type ``x`` (a cross-type
+        link, or a same-type one)."""
+        pp, nv = self.pp, self.nv
+        p = self.params
+        g = 0.0
+        if pp == 1:
+            return g
+        if self.v > 1 or r < pp - 1:           # the link r -> r + 1 (-> 0: the wrap, interleaved only)
+            n = (r + 1) % pp
+            u = self.types[n]
+            e = 1 + 2 * nv + r
+            if u >= 0 and cnt[e] > 0:
+                val = self.send_cross_ms[x] if x != u else self._same_type_into(u, n)
+                if val < INF and val > p[e]:
+                    g += cnt[e] * (val - p[e])
+        if self.v > 1 or r > 0:                # the link r - 1 -> r
+            q = (r + pp - 1) % pp
+            t = self.types[q]
+            e = 1 + 2 * nv + q
+            if t >= 0 and cnt[e] > 0:
+                i = t * self.stride + self.slot[q]
+                if x != t:
+                    val = self.send_cross_ms[t]
+                else:
+                    val = self.send_wrap_ms[i] if r == 0 else self.send_same_ms[i]
+                if val > p[e]:
+                    g += cnt[e] * (val - p[e])
+        return g
 
     # --- propagation ----------------------------------------------------------------------------
 
@@ -829,6 +889,7 @@ class StructureBounds:
                     nb = cnt[1 + nv + r * v + c]
                     x += lb[vs] * (nf * (tm[o + MIN_FORWARD] - self.fill_forward[r])
                                    + nb * (tm[o + MIN_BACKWARD] - self.fill_backward[r]))
+                x += self._send_gain(r, t, cnt)
                 self.lb_gain[r * nt + t] = x
                 self.type_mean_gain[t] += x
                 self.type_gain_ranks[t] += 1

@@ -701,6 +701,46 @@ def test_joint_gain_cuts_nodes_the_separate_gain_keeps():
     assert _nodes_cut_by("_joint_gain", lambda *a: -math.inf) > 0
 
 
+def test_links_to_decided_ranks_cut_nodes_the_plain_link_bound_keeps():
+    """A link from an undecided rank into a decided one is priced by the types the sender can still
+    take (a cross-type link where the receiver's type has no rank left), and the gain charges each
+    remaining type its own link to its decided neighbours: each cuts nodes on random structures that the
+    search without it keeps, and the optimum stays the same."""
+    assert _nodes_cut_by("_send_into_lb", lambda u, n: 0.0) > 0
+    assert _nodes_cut_by("_send_gain", lambda r, x, cnt: 0.0) > 0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_links_to_decided_ranks_never_exceed_a_completion(seed):
+    """Ranks decided from the end at random depths: the fill's lower bound of the link from the last
+    undecided rank into the first decided one is at most that link in every completion, and the gain's
+    link terms per type are at most what a completion giving the rank that type pays on the path."""
+    case = _searched_structure(seed)
+    if case is None:
+        pytest.skip("no plan, or one rank")
+    plans, counts, pp, v, nt, rng, ss = case
+    nv = pp * v
+    for _ in range(6):
+        _t, types, layers = rng.choice(plans)
+        b = rng.randrange(1, pp)                    # ranks b.. decided, [0, b) undecided
+        left = _decide_from_end(ss, counts, types, layers, b, pp, v)
+        completions = [p for p in plans if all(p[1][r] == types[r] for r in range(b, pp))
+                       and all(p[2][c * pp + r] == layers[c * pp + r] for r in range(b, pp) for c in range(v))]
+        lb = [1] * nv
+        ss._fill(lb, [ss.num_layers] * (nv * nt))
+        link = ss.params[1 + 2 * nv + b - 1]
+        cnt = array("i", [0]) * len(ss.params)
+        cnt[1 + 2 * nv + b - 1] = 1
+        for _time, ctypes, clayers in completions:
+            exact = ss.bound_params(counts, ctypes, clayers, lb)
+            assert link <= exact[1 + 2 * nv + b - 1] + 1e-12
+            _decide_from_end(ss, counts, types, layers, b, pp, v)
+            ss._fill(lb, [ss.num_layers] * (nv * nt))
+            assert ss.params[1 + 2 * nv + b - 1] + ss._send_gain(b - 1, ctypes[b - 1], cnt) \
+                <= exact[1 + 2 * nv + b - 1] + 1e-12
+        assert left >= 0
+
+
 @pytest.mark.parametrize("comm_model", ["dag", "megatron", "megatron-overlap"])
 @pytest.mark.parametrize("schedule,pp,m,v", [("1f1b", 3, 5, 1), ("gpipe", 4, 3, 1), ("eager-1f1b", 2, 4, 1),
                                              ("interleaved-1f1b", 2, 4, 2), ("interleaved-1f1b", 3, 6, 2)])
