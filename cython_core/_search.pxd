@@ -5,7 +5,7 @@ from poseidon_plugin._core.relaxation_bound cimport RelaxationBound
 from poseidon_plugin._core.structure_bounds cimport chunk_layers
 
 cdef double INF, PATH_SLACK
-cdef int CLOCK_EVERY, N_MINS, N_TYPE_MINS, N_COUNTERS, LP_MAX, LP_MAX_OPTIONS, LP_MIN_UNDECIDED, LP_TRIAL, LP_MIN_CUTS
+cdef int CLOCK_EVERY, N_MINS, N_TYPE_MINS, N_COUNTERS, LP_MAX, LP_MAX_OPTIONS, LP_MIN_UNDECIDED, FRONT_FIRST, LP_TRIAL, LP_MIN_CUTS
 cdef int NODES, BOUND_EVALS, SIM_CALLS, PRUNED_BOUND, PRUNED_PATH, PRUNED_MEMORY, PRUNED_RIDGE
 cdef int PRUNED_ORDER, IMPROVED
 
@@ -16,7 +16,7 @@ cdef class SplitSearch(RelaxationBound):
     cdef inline int _reset(self, object counts) except -1
     cdef inline void _root_check(self) noexcept
     cdef inline int _type_allowed(self, int r, int t) noexcept nogil
-    @cython.locals(lb='int[::1]', cap='int[::1]', capt='int[::1]')
+    @cython.locals(lb='int[::1]', cap='int[::1]', capt='int[::1]', right=cython.bint)
     cdef inline void _node(self, int k, int left) noexcept
     cdef inline bint _child_lower_bounds(self, int a, int b, int rest, int s_cap, int[::1] lb, int[::1] cap,
                                   int[::1] out) noexcept nogil

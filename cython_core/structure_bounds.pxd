@@ -33,7 +33,7 @@ cdef class StructureBounds:
     # the bound paths
     cdef int[::1] coef_f, coef_b, coef_ar, term_ptr, term_idx, term_coef, path_owner
     # search state
-    cdef int[::1] counts, remaining, used, hi, types, slot, layers, last, down, capped
+    cdef int[::1] counts, remaining, used, hi, types, slot, layers, last, down, capped, node_a, node_b
     cdef int[::1] lbs, caps, capts, best_types, best_layers
     # scratch: the fill
     cdef double[::1] mins, type_mins, rank_min_costs, fill_forward, fill_backward, fill_allreduce

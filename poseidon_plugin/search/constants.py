@@ -24,6 +24,9 @@ LP_EPS = 1e-9               # the simplex's tolerance (the program's costs are s
 LP_MIN_UNDECIDED = 3        # nodes with fewer undecided ranks are left to the children's DAG bounds
 LP_TRIAL = 64               # a structure search keeps computing it after this many nodes only while it cuts
 LP_MIN_CUTS = 4             # ... at least one node in this many
+# ranks decided from the end (one-chunk shapes) start with this many ranks from the front: rank 0's
+# paths hold every other rank's layers twice and its own on every micro-batch (docs/SEARCH.md)
+FRONT_FIRST = 1
 CLOCK_EVERY = 1024          # nodes between two looks at the clock (time limit)
 
 # StructureBounds.mins: the smallest cost of each kind over the types an undecided rank may take
@@ -36,7 +39,7 @@ MIN_FORWARD, MIN_BACKWARD, MIN_EMBEDDING_FORWARD, MIN_EMBEDDING_BACKWARD, MIN_HE
 N_MINS = len(MIN_NAMES)
 N_TYPE_MINS = MIN_SEND      # the kinds a type has of its own (the transfers depend on the link)
 
-__all__ = ["CLOCK_EVERY", "FIT_SLACK", "INHERITED_ROUNDS", "LP_EPS", "LP_MAX", "LP_MAX_OPTIONS",
+__all__ = ["CLOCK_EVERY", "FIT_SLACK", "FRONT_FIRST", "INHERITED_ROUNDS", "LP_EPS", "LP_MAX", "LP_MAX_OPTIONS",
            "LP_MIN_CUTS", "LP_MIN_UNDECIDED", "LP_PIVOTS", "LP_TRIAL", "MIN_ALLREDUCE", "MIN_BACKWARD",
            "MIN_EMBEDDING_ALLREDUCE", "MIN_EMBEDDING_BACKWARD", "MIN_EMBEDDING_FORWARD", "MIN_FORWARD",
            "MIN_HEAD_ALLREDUCE", "MIN_HEAD_BACKWARD", "MIN_HEAD_FORWARD", "MIN_NAMES", "MIN_SEND",

@@ -2,7 +2,8 @@
 
 A structure fixes ``(tp, mbs, dp)`` (one :class:`~.tables.TypeTable`), the shape ``(schedule, pp, M, V)``
 (one :class:`~.shapes.ShapeData`) and how many pipeline ranks use each device type. The search then
-decides, rank by rank (in pipeline order, or from the last rank with ``backward``), each rank's device
+decides, rank by rank (in pipeline order, or with ``backward`` the first ``FRONT_FIRST`` ranks and then
+the others from the last one), each rank's device
 type and layers, and simulates every complete plan that can still beat the threshold ``tau``. With
 ``V`` chunks per rank, a rank's layers are spread over its chunks as evenly as possible, earlier
 chunks first (``chunk_layers``): virtual stage ``vs = chunk x pp + rank`` holds
@@ -33,8 +34,8 @@ import math
 import time
 from array import array
 
-from poseidon_plugin.search.constants import (CLOCK_EVERY, LP_MAX, LP_MAX_OPTIONS, LP_MIN_CUTS, LP_MIN_UNDECIDED,
-                                              LP_TRIAL, N_MINS, N_TYPE_MINS,
+from poseidon_plugin.search.constants import (CLOCK_EVERY, FRONT_FIRST, LP_MAX, LP_MAX_OPTIONS, LP_MIN_CUTS,
+                                              LP_MIN_UNDECIDED, LP_TRIAL, N_MINS, N_TYPE_MINS,
                                               PATH_SLACK)
 from poseidon_plugin.search.counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES,
                                              PRUNED_BOUND, PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH,
@@ -119,6 +120,8 @@ class SplitSearch(RelaxationBound):
         self.ctr = array("q", [0]) * N_COUNTERS
         self.best_types = int_buffer(pp)
         self.best_layers = int_buffer(nv)
+        self.node_a = int_buffer(pp + 1)   # per depth: the node's undecided ranks [node_a, node_b)
+        self.node_b = int_buffer(pp + 1)
         self.depth_nodes = array("q", [0]) * (pp + 1)   # nodes per depth of the last run (diagnostics)
         # the fill's scratch (StructureBounds._fill)
         self.mins = float_buffer(N_MINS)
@@ -279,6 +282,8 @@ class SplitSearch(RelaxationBound):
             self.capped[t] = 0
             total += counts[t]
         self.ub = self.pp
+        self.node_a[0] = 0
+        self.node_b[0] = self.pp
         for r in range(self.pp):
             self.types[r] = -1
             self.slot[r] = 0
@@ -378,9 +383,9 @@ class SplitSearch(RelaxationBound):
         return 0
 
     def _node(self, k: int, left: int) -> None:
-        """Decide the rank of depth ``k`` (type and layers) with ``left`` layers for the undecided ranks:
-        rank ``k`` of ``[k, pp)`` in pipeline order, or rank ``pp - 1 - k`` of ``[0, pp - k)`` from
-        the end (``backward``)."""
+        """Decide the rank of depth ``k`` (type and layers) with ``left`` layers for the undecided ranks
+        ``[node_a[k], node_b[k])``: the first of them in pipeline order, with ``backward`` the first while
+        it is one of the ``FRONT_FIRST`` front ranks, then the last."""
         nv, nt = self.nv, self.nt
         if self.aborted:
             return
@@ -390,14 +395,10 @@ class SplitSearch(RelaxationBound):
                 self.ctr[NODES] == self.max_nodes:
             self.aborted = True
             return
-        if self.backward:
-            r = self.pp - 1 - k
-            a = 0
-            b = self.pp - k
-        else:
-            r = k
-            a = k
-            b = self.pp
+        a = self.node_a[k]
+        b = self.node_b[k]
+        right = self.backward and not (a < FRONT_FIRST and b - a > 1)
+        r = b - 1 if right else a
         self.ub = b
         lb = self.lbs[k * nv:(k + 1) * nv]
         cap = self.caps[k * nv:(k + 1) * nv]
@@ -431,7 +432,7 @@ class SplitSearch(RelaxationBound):
                     self.ctr[why] += 1
                 continue
             self.types[r] = t
-            if self.backward:
+            if right:
                 self.hi[t] -= 1
                 self.slot[r] = self.hi[t]
             else:
@@ -441,7 +442,7 @@ class SplitSearch(RelaxationBound):
             self._children(k, r, a, b, left, t, lb, cap, capt)
             self.types[r] = -1
             self.remaining[t] += 1
-            if self.backward:
+            if right:
                 self.hi[t] += 1
             else:
                 self.used[t] -= 1
@@ -465,6 +466,8 @@ class SplitSearch(RelaxationBound):
         pp, v, nv = self.pp, self.v, self.nv
         ca = a + 1 if r == a else a
         cb = b if r == a else b - 1
+        self.node_a[k + 1] = ca
+        self.node_b[k + 1] = cb
         lo = v
         hi = self.num_layers
         for c in range(v):                 # chunk c of l layers is within [lb, cap] of its stage
