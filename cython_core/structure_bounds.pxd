@@ -15,7 +15,7 @@ cpdef int chunk_layers(int total, int chunk, int v) noexcept nogil
 cdef class StructureBounds:
     cdef DagKernel kernel
     cdef object table, shape
-    cdef int nt, pp, v, nv, stride, num_layers, n_paths, ub
+    cdef int nt, pp, v, nv, stride, num_layers, n_paths, ub, front
     cdef bint ridge, blocks, backward, exact_counts, have_best, aborted
     cdef double tau, shrink, best, deadline
     cdef long long max_nodes

@@ -2,8 +2,8 @@
 
 A structure fixes ``(tp, mbs, dp)`` (one :class:`~.tables.TypeTable`), the shape ``(schedule, pp, M, V)``
 (one :class:`~.shapes.ShapeData`) and how many pipeline ranks use each device type. The search then
-decides, rank by rank (in pipeline order, or with ``backward`` the first ``FRONT_FIRST`` ranks and then
-the others from the last one), each rank's device
+decides, rank by rank (in pipeline order, or with ``backward`` from the last one, rank 0 first where its
+memory holds the average rank's layers), each rank's device
 type and layers, and simulates every complete plan that can still beat the threshold ``tau``. With
 ``V`` chunks per rank, a rank's layers are spread over its chunks as evenly as possible, earlier
 chunks first (``chunk_layers``): virtual stage ``vs = chunk x pp + rank`` holds
@@ -73,6 +73,7 @@ class SplitSearch(RelaxationBound):
         nv = self.nv = pp * v
         self.stride = table.max_slots
         self.ub = pp                                     # the undecided ranks are [k, ub) at a node
+        self.front = 0                                   # from the end: the front ranks decided first (run)
         self.kernel = None                               # built on the first full search
         self.params = float_copy(shape.new_params())     # comm-model extras at their defaults
         # the type table (per type; per slot: t * stride + slot)
@@ -296,6 +297,18 @@ class SplitSearch(RelaxationBound):
         self.lp_calls = 0
         self.lp_cuts = 0
         self.exact_counts = total == self.pp
+        # from the end, rank 0 goes first where its memory holds at least the average rank's layers: then
+        # its paths (every other rank twice, itself on ~M - pp + 1 micro-batches) are the ones to close
+        # early; where memory keeps it below the average (frontier-scale 1F1B) its layers are nearly forced
+        # and the tail decides the bound (docs/SEARCH.md, "Branching order")
+        self.front = 0
+        if self.backward:
+            top = 0
+            for t in range(self.nt):
+                if counts[t] > 0 and self.cap_rank[t * self.pp] > top:
+                    top = self.cap_rank[t * self.pp]
+            if top * self.pp >= self.num_layers:
+                self.front = FRONT_FIRST
         return total
 
     def run(self, counts, tau: float, *, root_only: bool = False,
@@ -385,7 +398,7 @@ class SplitSearch(RelaxationBound):
     def _node(self, k: int, left: int) -> None:
         """Decide the rank of depth ``k`` (type and layers) with ``left`` layers for the undecided ranks
         ``[node_a[k], node_b[k])``: the first of them in pipeline order, with ``backward`` the first while
-        it is one of the ``FRONT_FIRST`` front ranks, then the last."""
+        it is one of the ``front`` ranks, then the last."""
         nv, nt = self.nv, self.nt
         if self.aborted:
             return
@@ -397,7 +410,7 @@ class SplitSearch(RelaxationBound):
             return
         a = self.node_a[k]
         b = self.node_b[k]
-        right = self.backward and not (a < FRONT_FIRST and b - a > 1)
+        right = self.backward and not (a < self.front and b - a > 1)
         r = b - 1 if right else a
         self.ub = b
         lb = self.lbs[k * nv:(k + 1) * nv]
