@@ -152,8 +152,9 @@ class SearchRun:
         g = sg.group
         table, shape = self.space.table(g), self.shape(sg)
         cls = self.space.type_classes(g)
-        # one chunk per rank: decide rank 0, then the others from the last one (docs/SEARCH.md,
-        # "Branching order"; the splitters keep the pipeline order where the ridge or block rules apply)
+        # one chunk per rank: decide the ranks from the last one, rank 0 first where its memory holds the
+        # average rank's layers (docs/SEARCH.md, "Branching order"; the splitters keep the pipeline order
+        # where the ridge or block rules apply)
         backward = sg.virtual_stages == 1
         if self.pure:
             return _pure_twin("splits").SplitSearch(table, shape, self.space.num_layers, ridge=self.ridge,

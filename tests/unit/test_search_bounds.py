@@ -699,13 +699,10 @@ def test_bounds_from_the_end_and_the_path_gain_never_exceed_a_completion(seed):
         assert val + gain <= best * (1 + 1e-9)
 
 
-def _nodes_cut_by(method: str, off) -> int:
-    """Nodes that the search's ``method`` cuts on the random structures (seeds 0-59, both branching
-    orders): searched with it and with ``off`` in its place, both find the optimum, and the search with
-    it visits a subset of the other's nodes (a cut subtree holds no plan below tau, so tau falls alike)."""
-    from poseidon_plugin.search import splits
-    cut = 0
-    for seed in range(60):
+def _searches_with_and_without(method: str, off, seeds):
+    """Per random structure of ``seeds`` and branching order: the search with its ``method`` and with
+    ``off`` in its place, as ``(optimum, with, without)`` results."""
+    for seed in seeds:
         case = _searched_structure(seed)
         if case is None:
             continue
@@ -718,10 +715,19 @@ def _nodes_cut_by(method: str, off) -> int:
                 if replaced:
                     setattr(search, method, off)
                 got.append(search.run(counts, math.inf))
-            on, without = got
-            assert on.time_ms == without.time_ms == min(p[0] for p in plans)
-            assert on.counters[splits.NODES] <= without.counters[splits.NODES]
-            cut += without.counters[splits.NODES] - on.counters[splits.NODES]
+            yield min(p[0] for p in plans), got[0], got[1]
+
+
+def _nodes_cut_by(method: str, off) -> int:
+    """Nodes that the search's ``method`` cuts on the random structures (seeds 0-59, both branching
+    orders): searched with it and with ``off`` in its place, both find the optimum, and the search with
+    it visits a subset of the other's nodes (a cut subtree holds no plan below tau, so tau falls alike)."""
+    from poseidon_plugin.search import splits
+    cut = 0
+    for best, on, without in _searches_with_and_without(method, off, range(60)):
+        assert on.time_ms == without.time_ms == best
+        assert on.counters[splits.NODES] <= without.counters[splits.NODES]
+        cut += without.counters[splits.NODES] - on.counters[splits.NODES]
     return cut
 
 
@@ -753,20 +759,10 @@ def _nodes_with_and_without(method: str, off, seeds) -> tuple[int, int]:
     structure: the gain is taken along the bound's own longest path, which a tighter fill can move.)"""
     from poseidon_plugin.search import splits
     totals = [0, 0]
-    for seed in seeds:
-        case = _searched_structure(seed)
-        if case is None:
-            continue
-        plans, counts, pp, v, nt, _rng, ss = case
-        for backward in (False, True):
-            for replaced in (False, True):
-                search = PySplitSearch(ss.table, ss.shape, ss.num_layers, ridge=False, blocks=False,
-                                       type_class=array("i", range(nt)), backward=backward)
-                if replaced:
-                    setattr(search, method, off)
-                got = search.run(counts, math.inf)
-                assert got.time_ms == min(p[0] for p in plans)
-                totals[replaced] += got.counters[splits.NODES]
+    for best, on, without in _searches_with_and_without(method, off, seeds):
+        assert on.time_ms == without.time_ms == best
+        totals[0] += on.counters[splits.NODES]
+        totals[1] += without.counters[splits.NODES]
     return totals[0], totals[1]
 
 
