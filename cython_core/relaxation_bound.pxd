@@ -4,13 +4,13 @@ cimport cython
 from poseidon_plugin._core.structure_bounds cimport StructureBounds, chunk_layers
 
 cdef double INF, NEG_F, LP_EPS
-cdef int LP_MAX, LP_MAX_OPTIONS, LP_PIVOTS, N_TYPE_MINS
+cdef int LP_DUAL_PIVOTS, LP_MAX, LP_MAX_OPTIONS, LP_PIVOTS, N_TYPE_MINS
 cdef int MIN_FORWARD, MIN_BACKWARD, MIN_EMBEDDING_FORWARD, MIN_EMBEDDING_BACKWARD, MIN_HEAD_FORWARD
 cdef int MIN_HEAD_BACKWARD, MIN_ALLREDUCE, MIN_EMBEDDING_ALLREDUCE, MIN_HEAD_ALLREDUCE
 
 cdef class RelaxationBound(StructureBounds):
     cdef int n_par
-    cdef int[::1] lp_free, lp_cnt, lp_basis, lp_lo, lp_hi, lp_arg, lp_new_t, lp_new_l
+    cdef int[::1] lp_free, lp_cnt, lp_basis, lp_nz, lp_lo, lp_hi, lp_arg, lp_new_t, lp_new_l
     cdef int[::1] lp_opt_r, lp_opt_t, lp_opt_l
     cdef double[::1] lp_base, lp_weight, lp_point, lp_rank, lp_lam, lp_tab, lp_obj
     cdef double lp_const
@@ -41,7 +41,8 @@ cdef class RelaxationBound(StructureBounds):
     @cython.locals(tab='double[::1]', obj='double[::1]', best=cython.double, x=cython.double, ratio=cython.double,
                    worst=cython.double, d=cython.double)
     cdef inline bint _lp_dual_simplex(self) noexcept nogil
-    @cython.locals(tab='double[::1]', obj='double[::1]', p=cython.double, f=cython.double)
+    @cython.locals(tab='double[::1]', obj='double[::1]', nz='int[::1]', p=cython.double, f=cython.double,
+                   x=cython.double, n=cython.int, e=cython.int, j=cython.int)
     cdef inline void _lp_pivot(self, int pr, int pc) noexcept nogil
     cdef inline void _lp_range(self, int r, int t, int[::1] lb, int[::1] cap, int[::1] capt) noexcept nogil
     @cython.locals(f=cython.double, bw=cython.double, total_ar=cython.double, tm='double[::1]')

@@ -31,10 +31,10 @@ from __future__ import annotations
 import math
 
 from poseidon_plugin.search.assignment import NEG_F
-from poseidon_plugin.search.constants import (LP_EPS, LP_MAX, LP_MAX_OPTIONS, LP_PIVOTS, MIN_ALLREDUCE,
-                                              MIN_BACKWARD, MIN_EMBEDDING_ALLREDUCE, MIN_EMBEDDING_BACKWARD,
-                                              MIN_EMBEDDING_FORWARD, MIN_FORWARD, MIN_HEAD_ALLREDUCE,
-                                              MIN_HEAD_BACKWARD, MIN_HEAD_FORWARD, N_TYPE_MINS)
+from poseidon_plugin.search.constants import (LP_DUAL_PIVOTS, LP_EPS, LP_MAX, LP_MAX_OPTIONS, LP_PIVOTS,
+                                              MIN_ALLREDUCE, MIN_BACKWARD, MIN_EMBEDDING_ALLREDUCE,
+                                              MIN_EMBEDDING_BACKWARD, MIN_EMBEDDING_FORWARD, MIN_FORWARD,
+                                              MIN_HEAD_ALLREDUCE, MIN_HEAD_BACKWARD, MIN_HEAD_FORWARD, N_TYPE_MINS)
 
 from .structure_bounds import StructureBounds, chunk_layers
 
@@ -312,11 +312,11 @@ class RelaxationBound(StructureBounds):
     def _lp_dual_simplex(self) -> bool:
         """Dual simplex on a dual-feasible ``lp_tab`` (a row appended): the most negative right-hand side
         leaves, the entering column by the least ratio of reduced cost to its (negative) entry; False
-        when infeasible or after ``LP_PIVOTS`` pivots."""
+        when infeasible or after ``LP_DUAL_PIVOTS`` pivots (degenerate pivots can cycle: docs/SEARCH.md)."""
         tab, obj = self.lp_tab, self.lp_obj
         w, m = self.lp_w, self.lp_m
         rhs = w - 1
-        for k in range(LP_PIVOTS):
+        for k in range(LP_DUAL_PIVOTS):
             pr = -1
             worst = -LP_EPS
             for i in range(m):
@@ -343,22 +343,31 @@ class RelaxationBound(StructureBounds):
         return False
 
     def _lp_pivot(self, pr: int, pc: int) -> None:
-        """One pivot of the tableau on row ``pr``, column ``pc`` (the objective row too)."""
-        tab, obj = self.lp_tab, self.lp_obj
+        """One pivot of the tableau on row ``pr``, column ``pc`` (the objective row too). The other rows
+        are updated on the pivot row's nonzero columns only (``lp_nz``): subtracting ``f * 0`` changes
+        no entry but the sign of a zero, so the tableau is the dense update's."""
+        tab, obj, nz = self.lp_tab, self.lp_obj, self.lp_nz
         w, m = self.lp_w, self.lp_m
         p = tab[pr * w + pc]
+        n = 0
         for j in range(w):
-            tab[pr * w + j] /= p
+            x = tab[pr * w + j] / p
+            tab[pr * w + j] = x
+            if x != 0.0:
+                nz[n] = j
+                n += 1
         for i in range(m):
             if i == pr:
                 continue
             f = tab[i * w + pc]
             if f != 0.0:
-                for j in range(w):
+                for e in range(n):
+                    j = nz[e]
                     tab[i * w + j] -= f * tab[pr * w + j]
         f = obj[pc]
         if f != 0.0:
-            for j in range(w):
+            for e in range(n):
+                j = nz[e]
                 obj[j] -= f * tab[pr * w + j]
         self.lp_basis[pr] = pc
 

@@ -230,6 +230,7 @@ class SplitSearch(RelaxationBound):
         width = LP_MAX_OPTIONS + 1 + LP_MAX + rows + 1
         self.lp_tab = float_buffer(rows * width)
         self.lp_obj = float_buffer(width)
+        self.lp_nz = int_buffer(width)
         self.lp_basis = int_buffer(rows)
         self.lp_ready = True
 

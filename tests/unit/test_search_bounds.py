@@ -870,3 +870,30 @@ def test_relaxation_bound_is_above_the_dag_bound_somewhere():
     """Not vacuous: on some random nodes the relaxation bound is above the node's own DAG bound."""
     assert sum(_relaxation_case(seed) or 0 for seed in range(40)) > 0
 
+
+
+@pytest.mark.parametrize("seed", range(5, 10))
+def test_the_pivot_updates_the_nonzero_columns_as_the_dense_update_would(seed):
+    """``_lp_pivot`` subtracts the pivot row on its nonzero columns only: the tableau and the objective
+    row are those of the dense update (zeros equal whatever their sign)."""
+    case = _searched_structure(seed)
+    assert case is not None, seed       # these seeds have plans (the search's scratch is what is used)
+    ss, rng = case[6], case[5]
+    ss._lp_alloc()
+    m, w = 7, 23
+    ss.lp_m, ss.lp_w = m, w
+    tab = [rng.choice((0.0, 0.0, rng.uniform(-3.0, 3.0))) for _ in range(m * w)]
+    obj = [rng.choice((0.0, rng.uniform(-3.0, 3.0))) for _ in range(w)]
+    pr, pc = rng.randrange(m), rng.randrange(w)
+    tab[pr * w + pc] = rng.uniform(0.5, 2.0)
+    for i, x in enumerate(tab):
+        ss.lp_tab[i] = x
+    for j, x in enumerate(obj):
+        ss.lp_obj[j] = x
+    row = [x / tab[pr * w + pc] for x in tab[pr * w:(pr + 1) * w]]
+    dense = [row[j] if i == pr else tab[i * w + j] - tab[i * w + pc] * row[j] for i in range(m) for j in range(w)]
+    dense_obj = [obj[j] - obj[pc] * row[j] for j in range(w)]
+    ss._lp_pivot(pr, pc)
+    assert list(ss.lp_tab[:m * w]) == dense
+    assert list(ss.lp_obj[:w]) == dense_obj
+    assert ss.lp_basis[pr] == pc
