@@ -11,6 +11,7 @@ cdef int PRUNED_ORDER, IMPROVED
 
 cdef class SplitSearch(RelaxationBound):
     cdef void _lp_alloc(self)
+    cdef void _load_paths(self, object paths)
     cdef inline double _memory_need(self, int t, int r, int layers) noexcept nogil
     cdef inline int _rank_cap(self, int t, int r) noexcept nogil
     cdef inline int _reset(self, object counts) except -1

@@ -294,6 +294,14 @@ def bound_paths(schedule: str, pp: int, micro_batches: int, virtual_stages: int,
         if det is not None:
             rows.append(det)
         owner.extend([r] * (len(rows) - len(owner)))
+    return _packed(rows, owner, pp, v)
+
+
+def _packed(rows: list[tuple[list[int], list[int], list[int], list[int]]], owner: array, pp: int,
+            v: int) -> BoundPaths:
+    """:class:`BoundPaths` of ``rows`` (per path: forward and backward multiplicities per virtual stage,
+    send and all-reduce multiplicities per rank) and their ``owner`` ranks."""
+    nv = pp * v
     flat = [array("i", list(chain.from_iterable(row[i] for row in rows))) for i in range(4)]
     # sparse form for the path's cost: (parameter index, multiplicity) in parameter order, gathered
     # at C speed (compress / filter): a frontier shape has ~300 paths of ~400 entries each
@@ -314,6 +322,53 @@ def bound_paths(schedule: str, pp: int, micro_batches: int, virtual_stages: int,
                       owner=owner)
 
 
+# rank_chain_paths: the weights of a balanced pipeline (every stage's forward and backward 30, a send 1, an
+# all-reduce 10), the owner rank's stages a third heavier, then twice as heavy
+CHAIN_STAGE_MS, CHAIN_SEND_MS, CHAIN_ALLREDUCE_MS = 30.0, 1.0, 10.0
+CHAIN_OWNER_FACTORS = (4.0 / 3.0, 2.0)
+
+
+def rank_chain_paths(kernel, template: array, pp: int, v: int) -> list[tuple[list[int], int]]:
+    """Concrete paths of the shape's DAG with their owners: per rank ``r``, the longest paths at the weights
+    ``CHAIN_*`` with rank ``r``'s stages ``CHAIN_OWNER_FACTORS`` times the others' (a small scattered offset
+    per weight, so that the longest path is the same on either kernel). Under the Megatron comm models a
+    rank's blocking p2p calls sit on its own chain between its ops, so these paths cross a link on each
+    micro-batch of the owner's steady state, where :func:`bound_paths`' rows (valid for every comm model)
+    count the transfers of micro-batch 0 only (docs/SEARCH.md). Rows as :func:`bound_paths`' ``rows``."""
+    nv = pp * v
+    out = []
+    for r in range(pp):
+        for factor in CHAIN_OWNER_FACTORS:
+            params = array("d", template)
+            for i in range(1, 1 + 2 * nv + 2 * pp):
+                params[i] = 1e-6 * ((i * 2654435761) % 1000003) / 1000003   # scattered, below a send
+            for q in range(pp):
+                params[1 + 2 * nv + q] += CHAIN_SEND_MS
+                params[1 + 2 * nv + pp + q] += CHAIN_ALLREDUCE_MS
+                for c in range(v):
+                    stage = CHAIN_STAGE_MS * (factor if q == r else 1.0)
+                    params[1 + q * v + c] += stage
+                    params[1 + nv + q * v + c] += stage
+            kernel.longest(params)
+            cnt = kernel.critical_counts(params)
+            cf, cb = [0] * nv, [0] * nv
+            for q in range(pp):
+                for c in range(v):
+                    cf[c * pp + q] = cnt[1 + q * v + c]
+                    cb[c * pp + q] = cnt[1 + nv + q * v + c]
+            # its owner: the rank with the most forwards and backwards on it (r, unless another rank's
+            # chain is longer at these weights)
+            own = max(range(pp), key=lambda q: (sum(cf[c * pp + q] + cb[c * pp + q] for c in range(v)), q == r))
+            out.append(((cf, cb, list(cnt[1 + 2 * nv:1 + 2 * nv + pp]),
+                         list(cnt[1 + 2 * nv + pp:1 + 2 * nv + 2 * pp])), own))
+    return out
+
+
+def _covered(row: tuple[list[int], ...], by: tuple[list[int], ...]) -> bool:
+    """Whether every multiplicity of path ``row`` is at most that of path ``by``."""
+    return all(x <= y for part, other in zip(row, by) for x, y in zip(part, other))
+
+
 class ShapeData:
     """Graph kernel, peak live units and bound paths of one ``(schedule, pp, M, V)`` under a comm model.
 
@@ -326,7 +381,7 @@ class ShapeData:
     """
 
     __slots__ = ("schedule", "pp", "micro_batches", "virtual_stages", "nv", "_kernel", "n_params",
-                 "live", "_paths", "pure_python", "comm_model", "_template")
+                 "live", "_paths", "_search_paths", "pure_python", "comm_model", "_template")
 
     def __init__(self, schedule: str, pp: int, micro_batches: int, virtual_stages: int,
                  pure_python: bool, comm_model: str = "dag", extras: Mapping[str, float] | None = None):
@@ -347,6 +402,7 @@ class ShapeData:
             self._template[layout.extra(name)] = (values or {}).get(name, default)
         self.live = array("i", peak_live_microbatches(schedule, pp, micro_batches, virtual_stages))
         self._paths = None
+        self._search_paths = None
 
     @property
     def paths(self) -> BoundPaths:
@@ -355,6 +411,29 @@ class ShapeData:
         if self._paths is None:
             self._paths = bound_paths(self.schedule, self.pp, self.micro_batches, self.virtual_stages)
         return self._paths
+
+    @property
+    def search_paths(self) -> BoundPaths:
+        """The tree search's bound paths: :attr:`paths`, and per rank its op chain with the transfers on it
+        (:func:`rank_chain_paths`; it needs the DAG, which a tree search builds anyway), each replacing the
+        rows of its owner that it covers (so a node prices about as many paths as before)."""
+        if self._search_paths is None:
+            base = self.paths
+            pp, v, nv = self.pp, self.virtual_stages, self.nv
+            rows = [(list(base.coef_f[q * nv:(q + 1) * nv]), list(base.coef_b[q * nv:(q + 1) * nv]),
+                     list(base.coef_s[q * pp:(q + 1) * pp]), list(base.coef_ar[q * pp:(q + 1) * pp]))
+                    for q in range(base.count)]
+            owner = list(base.owner)
+            for row, r in rank_chain_paths(self.kernel, self._template, pp, v):
+                if row in rows:
+                    continue
+                # a row of the same owner that crosses nothing more (every multiplicity at most this
+                # one's) costs at most this one's on any weights: it bounds nothing this one does not
+                keep = [q for q in range(len(rows)) if owner[q] != r or not _covered(rows[q], row)]
+                rows = [rows[q] for q in keep] + [row]
+                owner = [owner[q] for q in keep] + [r]
+            self._search_paths = _packed(rows, array("i", owner), pp, v)
+        return self._search_paths
 
     @property
     def kernel(self):

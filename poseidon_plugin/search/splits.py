@@ -95,15 +95,7 @@ class SplitSearch(RelaxationBound):
         self.send_wrap_ms = float_copy(table.send_wrap_ms)
         self.has_allreduce = int_copy(table.has_allreduce)
         self.type_class = int_copy(type_class)           # identical types share a class id
-        paths = shape.paths
-        self.n_paths = paths.count
-        self.coef_f = int_copy(paths.coef_f)
-        self.coef_b = int_copy(paths.coef_b)
-        self.coef_ar = int_copy(paths.coef_ar)
-        self.term_ptr = int_copy(paths.term_ptr)
-        self.term_idx = int_copy(paths.term_idx)
-        self.term_coef = int_copy(paths.term_coef)
-        self.path_owner = int_copy(paths.owner)
+        self._load_paths(shape.paths)    # the tree's first full search loads shape.search_paths (run)
         # search state
         self.counts = int_buffer(nt)
         self.remaining = int_buffer(nt)
@@ -206,6 +198,17 @@ class SplitSearch(RelaxationBound):
         for t in range(nt):
             for r in range(pp):
                 self.cap_rank[t * pp + r] = self._rank_cap(t, r)
+
+    def _load_paths(self, paths) -> None:
+        """The bound paths the bounds read (``BoundPaths``)."""
+        self.n_paths = paths.count
+        self.coef_f = int_copy(paths.coef_f)
+        self.coef_b = int_copy(paths.coef_b)
+        self.coef_ar = int_copy(paths.coef_ar)
+        self.term_ptr = int_copy(paths.term_ptr)
+        self.term_idx = int_copy(paths.term_idx)
+        self.term_coef = int_copy(paths.term_coef)
+        self.path_owner = int_copy(paths.owner)
 
     def _lp_alloc(self) -> None:
         """The relaxation bound's scratch: per parameter; per path row; the program's tableau."""
@@ -334,6 +337,7 @@ class SplitSearch(RelaxationBound):
         elif total == self.pp:
             if self.kernel is None:
                 self.kernel = self.shape.kernel
+                self._load_paths(self.shape.search_paths)
             self._node(0, self.num_layers)
         types = layers = ()
         if self.have_best:

@@ -131,6 +131,50 @@ def test_bound_paths_are_tight_on_uniform_pipelines(schedule, pp, m, v, send):
     assert len(paths.owner) == paths.count and set(paths.owner) == set(range(pp))
 
 
+def _path_costs(paths, p):
+    return [sum(paths.term_coef[e] * p[paths.term_idx[e]] for e in range(paths.term_ptr[q], paths.term_ptr[q + 1]))
+            for q in range(paths.count)]
+
+
+@pytest.mark.parametrize("comm_model", ["dag", "megatron", "megatron-overlap"])
+@pytest.mark.parametrize("schedule,pp,m,v", [("1f1b", 2, 4, 1), ("1f1b", 4, 9, 1), ("eager-1f1b", 4, 8, 1),
+                                             ("gpipe", 3, 6, 1), ("interleaved-1f1b", 4, 8, 2),
+                                             ("interleaved-1f1b", 3, 6, 2)])
+def test_the_tree_search_paths_are_dag_paths(comm_model, schedule, pp, m, v):
+    """``ShapeData.search_paths`` (the bound paths and each rank's chain with its transfers:
+    ``rank_chain_paths``) are paths of the comm model's DAG: on random weights none exceeds the longest
+    path, and each plain bound path costs at most one of them (a row is replaced only by one that covers
+    it); each owner is a rank."""
+    shape = ShapeData(schedule, pp, m, v, pure_python=True, comm_model=comm_model)
+    paths, plain = shape.search_paths, bound_paths(schedule, pp, m, v)
+    assert all(0 <= r < pp for r in paths.owner) and len(paths.owner) == paths.count
+    sim = Simulator(schedule, pp, m, v, comm_model)
+    rng = random.Random(pp * 100 + m + v)
+    nv = pp * v
+    for _ in range(15):
+        longest = sim.iteration_time([rng.uniform(0, 5) for _ in range(nv)], [rng.uniform(0, 9) for _ in range(nv)],
+                                     [rng.uniform(0, 2) for _ in range(pp)], [rng.uniform(0, 7) for _ in range(pp)])
+        costs = _path_costs(paths, sim.params)
+        assert max(costs) <= longest * (1 + 1e-12) + 1e-12
+        assert all(any(x <= y * (1 + 1e-12) + 1e-12 for y in costs) for x in _path_costs(plain, sim.params))
+
+
+def test_rank_chain_paths_hold_the_steady_state_transfers_of_megatron_1f1b():
+    """Under the Megatron comm model a 1F1B rank's blocking p2p calls sit between its own ops: on a
+    pipeline of identical stages with transfer costs a longest path picks up a transfer per micro-batch
+    (the plain bound paths, valid for every comm model, miss them: they stay strictly below), and a
+    search path is one; under ``dag`` the chains add no path."""
+    pp, m = 4, 8
+    sim = Simulator("1f1b", pp, m, 1, "megatron")
+    longest = sim.iteration_time([1.0] * pp, [2.0] * pp, [0.3] * pp, [0.5] * pp)
+    shape = ShapeData("1f1b", pp, m, 1, pure_python=True, comm_model="megatron")
+    plain = max(_path_costs(bound_paths("1f1b", pp, m, 1), sim.params))
+    assert plain < longest * (1 - 1e-3)
+    assert max(_path_costs(shape.search_paths, sim.params)) == pytest.approx(longest, rel=1e-12)
+    dag = ShapeData("1f1b", pp, m, 1, pure_python=True, comm_model="dag")
+    assert dag.search_paths.count == dag.paths.count
+
+
 @pytest.mark.parametrize("seed", range(80))
 def test_lower_bounds_never_exceed_any_completion(seed):
     """At random prefixes of random structures, with tau just above the best completion: the node is
