@@ -328,13 +328,14 @@ CHAIN_STAGE_MS, CHAIN_SEND_MS, CHAIN_ALLREDUCE_MS = 30.0, 1.0, 10.0
 CHAIN_OWNER_FACTORS = (4.0 / 3.0, 2.0)
 
 
-def rank_chain_paths(kernel, template: array, pp: int, v: int) -> list[tuple[list[int], int]]:
+def rank_chain_paths(kernel, template: array, pp: int, v: int) -> list[tuple[tuple[list[int], ...], int]]:
     """Concrete paths of the shape's DAG with their owners: per rank ``r``, the longest paths at the weights
     ``CHAIN_*`` with rank ``r``'s stages ``CHAIN_OWNER_FACTORS`` times the others' (a small scattered offset
     per weight, so that the longest path is the same on either kernel). Under the Megatron comm models a
     rank's blocking p2p calls sit on its own chain between its ops, so these paths cross a link on each
     micro-batch of the owner's steady state, where :func:`bound_paths`' rows (valid for every comm model)
-    count the transfers of micro-batch 0 only (docs/SEARCH.md). Rows as :func:`bound_paths`' ``rows``."""
+    count the transfers of micro-batch 0 only (docs/SEARCH.md). Each ``(row, owner)``, a row as
+    :func:`bound_paths`' ``rows``."""
     nv = pp * v
     out = []
     for r in range(pp):
