@@ -53,6 +53,11 @@ def accelerator_present() -> bool:
     return bool(accel is not None and accel.is_available())
 
 
+def active_mode() -> TorchFunctionMode | None:
+    """The shim's TorchFunctionMode while it is installed, else None."""
+    return _mode
+
+
 def installed() -> bool:
     """Whether the shim is currently installed in this process."""
     return TABLE.applied

@@ -162,3 +162,41 @@ def test_activation_recomputation_replays_the_forwards_dropout():
     finally:
         if installed_here:
             cpu_shim.uninstall()
+
+
+def test_a_recomputed_forward_allocates_on_the_cpu_as_the_forward_did():
+    """The replayed forward runs inside ``backward``: torch hands ``torch.autograd.backward`` to the shim's
+    TorchFunctionMode, whose handler runs it with the mode off, so the replay's ``device="cuda"`` (megatron-
+    core's ``get_default_causal_mask`` when no attention mask is given) reached CUDA ("Torch not compiled
+    with CUDA enabled"). The shim keeps its mode on for the autograd engine's Python code: the replay
+    allocates on the CPU, and the gradients equal those without recomputation."""
+    from megatron.core.tensor_parallel import random as mc_random
+
+    from poseidon_plugin.emulation import cpu_shim
+
+    installed_here = not cpu_shim.installed()
+    cpu_shim.install(force=True)
+    try:
+        mc_random.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
+        weight = torch.randn(8, 8, requires_grad=True)
+
+        def block(x: torch.Tensor) -> torch.Tensor:
+            mask = torch.triu(torch.ones(4, 8, device="cuda"), diagonal=1).bool()
+            return torch.tanh(x @ weight).masked_fill(mask, 0.0)
+
+        x = torch.randn(4, 8, requires_grad=True)
+        grads = []
+        for recompute in (False, True):
+            weight.grad = x.grad = None
+            out = mc_random.checkpoint(block, False, x) if recompute else block(x)
+            torch.autograd.backward((out * torch.arange(8.0)).sum())
+            grads.append((weight.grad.clone(), x.grad.clone()))
+            weight.grad = x.grad = None
+            out = mc_random.checkpoint(block, False, x) if recompute else block(x)
+            (out * torch.arange(8.0)).sum().backward()
+            grads.append((weight.grad.clone(), x.grad.clone()))
+        assert all(torch.equal(a, b) for g in grads[1:] for a, b in zip(grads[0], g))
+        assert cpu_shim.installed()
+    finally:
+        if installed_here:
+            cpu_shim.uninstall()
