@@ -8,6 +8,8 @@ emulation's backward-start mark returned ``output.view_as(output)``, which Megat
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -130,14 +132,7 @@ def test_activation_recomputation_replays_the_forwards_dropout():
     (``--recompute-granularity full``, ``--recompute-activations``); it read the CUDA generator a CPU rank does
     not have ("Torch not compiled with CUDA enabled"). Replayed on the CPU generator and the tracker, the
     recomputed dropout masks are the forward's: outputs and gradients equal the run without recomputation."""
-    from megatron.core.tensor_parallel import random as mc_random
-
-    from poseidon_plugin.emulation import cpu_shim
-
-    installed_here = not cpu_shim.installed()
-    cpu_shim.install(force=True)
-    try:
-        mc_random.model_parallel_cuda_manual_seed(1234, tp_rank=1, ep_rank=0, etp_rank=0)
+    with _seeded_shim(tp_rank=1) as mc_random:
         weight = torch.randn(8, 8, requires_grad=True)
 
         def block(x: torch.Tensor) -> torch.Tensor:
@@ -159,9 +154,6 @@ def test_activation_recomputation_replays_the_forwards_dropout():
         assert all(torch.equal(a, b) for a, b in zip(plain, replayed))
         plain_out = plain[0]
         assert (plain_out == 0).any()  # dropout did drop: the masks were really replayed
-    finally:
-        if installed_here:
-            cpu_shim.uninstall()
 
 
 def test_a_recomputed_forward_allocates_on_the_cpu_as_the_forward_did():
@@ -170,14 +162,7 @@ def test_a_recomputed_forward_allocates_on_the_cpu_as_the_forward_did():
     core's ``get_default_causal_mask`` when no attention mask is given) reached CUDA ("Torch not compiled
     with CUDA enabled"). The shim keeps its mode on for the autograd engine's Python code: the replay
     allocates on the CPU, and the gradients equal those without recomputation."""
-    from megatron.core.tensor_parallel import random as mc_random
-
-    from poseidon_plugin.emulation import cpu_shim
-
-    installed_here = not cpu_shim.installed()
-    cpu_shim.install(force=True)
-    try:
-        mc_random.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
+    with _seeded_shim(tp_rank=0) as mc_random:
         weight = torch.randn(8, 8, requires_grad=True)
 
         def block(x: torch.Tensor) -> torch.Tensor:
@@ -187,16 +172,27 @@ def test_a_recomputed_forward_allocates_on_the_cpu_as_the_forward_did():
         x = torch.randn(4, 8, requires_grad=True)
         grads = []
         for recompute in (False, True):
-            weight.grad = x.grad = None
-            out = mc_random.checkpoint(block, False, x) if recompute else block(x)
-            torch.autograd.backward((out * torch.arange(8.0)).sum())
-            grads.append((weight.grad.clone(), x.grad.clone()))
-            weight.grad = x.grad = None
-            out = mc_random.checkpoint(block, False, x) if recompute else block(x)
-            (out * torch.arange(8.0)).sum().backward()
-            grads.append((weight.grad.clone(), x.grad.clone()))
+            for backward in (torch.autograd.backward, torch.Tensor.backward):
+                weight.grad = x.grad = None
+                out = mc_random.checkpoint(block, False, x) if recompute else block(x)
+                backward((out * torch.arange(8.0)).sum())
+                grads.append((weight.grad.clone(), x.grad.clone()))
         assert all(torch.equal(a, b) for g in grads[1:] for a, b in zip(grads[0], g))
-        assert cpu_shim.installed()
+
+
+@contextlib.contextmanager
+def _seeded_shim(tp_rank: int):
+    """The CPU shim installed (and removed after, where this installed it), megatron-core's RNG seeded
+    for ``tp_rank``; yields ``megatron.core.tensor_parallel.random``."""
+    from megatron.core.tensor_parallel import random as mc_random
+
+    from poseidon_plugin.emulation import cpu_shim
+
+    installed_here = not cpu_shim.installed()
+    cpu_shim.install(force=True)
+    try:
+        mc_random.model_parallel_cuda_manual_seed(1234, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+        yield mc_random
     finally:
         if installed_here:
             cpu_shim.uninstall()
