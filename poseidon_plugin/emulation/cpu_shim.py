@@ -34,6 +34,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from poseidon_plugin.emulation.cpu_shim_patch import CORE_TABLE, MOE_TABLE, TABLE
+from poseidon_plugin.patches.table import Patch, PatchTable
 
 _CPU = torch.device("cpu")
 
@@ -53,9 +54,21 @@ def accelerator_present() -> bool:
     return bool(accel is not None and accel.is_available())
 
 
-def active_mode() -> TorchFunctionMode | None:
-    """The shim's TorchFunctionMode while it is installed, else None."""
-    return _mode
+def _engine_under_shim(original: Any):
+    def _engine_run_backward(*args: Any, **kwargs: Any) -> Any:
+        # torch hands backward() and grad() to a TorchFunctionMode, and the handler runs them with the mode
+        # off: the autograd engine's Python code (activation recomputation's replayed forward, hooks) would
+        # reach CUDA. The shim's mode stays on for it, as it is for the forward.
+        mode = _mode
+        if mode is None or mode in torch.overrides._get_current_function_mode_stack():
+            return original(*args, **kwargs)
+        with mode:
+            return original(*args, **kwargs)
+    return _engine_run_backward
+
+
+ENGINE_TABLE = PatchTable("cpu_shim_engine", (Patch(target="torch.autograd._engine_run_backward",
+                                                    make=_engine_under_shim),))
 
 
 def installed() -> bool:
@@ -79,7 +92,9 @@ def install(*, force: bool = False) -> bool:
         try:
             MOE_TABLE.apply()
             CORE_TABLE.apply()
+            ENGINE_TABLE.apply()
         except Exception:
+            CORE_TABLE.revert()
             MOE_TABLE.revert()
             TABLE.revert()
             raise
@@ -103,6 +118,7 @@ def uninstall() -> None:
                                    "on another thread); exit that mode first")
             _mode.__exit__(None, None, None)
             _mode = None
+        ENGINE_TABLE.revert()
         CORE_TABLE.revert()
         MOE_TABLE.revert()
         TABLE.revert()

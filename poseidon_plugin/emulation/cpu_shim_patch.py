@@ -107,20 +107,6 @@ def _current_device(original: Any):
     return current_device
 
 
-def _engine_under_shim(original: Any):
-    def _engine_run_backward(*args: Any, **kwargs: Any) -> Any:
-        # torch hands backward() and grad() to a TorchFunctionMode, and the handler runs them with the mode
-        # off: the autograd engine's Python code (activation recomputation's replayed forward, hooks) would
-        # reach CUDA. The shim's mode stays on for it, as it is for the forward.
-        from poseidon_plugin.emulation import cpu_shim
-        mode = cpu_shim.active_mode()
-        if mode is None or mode in torch.overrides._get_current_function_mode_stack():
-            return original(*args, **kwargs)
-        with mode:
-            return original(*args, **kwargs)
-    return _engine_run_backward
-
-
 def _no_op(original: Any):
     def no_op(*args: Any, **kwargs: Any) -> None:
         # synchronize after batch_isend_irecv (a CUDA race), set_device, empty_cache: nothing to do on CPU.
@@ -296,7 +282,6 @@ def _rows() -> tuple[Patch, ...]:
         Patch(target="torch.cuda.stream", make=_stream_context),
         Patch(target="torch.cuda.get_rng_state", make=_no_cuda_generator_state),
         Patch(target="torch.cuda.set_rng_state", make=_no_op),
-        Patch(target="torch.autograd._engine_run_backward", make=_engine_under_shim),
     ]
     return tuple(rows)
 
