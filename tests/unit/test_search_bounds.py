@@ -101,11 +101,8 @@ def test_bound_paths_are_dag_paths(schedule, pp, m, v):
         send = [rng.uniform(0, 2) for _ in range(pp)]
         ar = [rng.uniform(0, 7) for _ in range(pp)]
         longest = sim.iteration_time(fwd, bwd, send, ar)
-        p = sim.params
         best = 0.0
-        for q in range(paths.count):
-            cost = sum(paths.term_coef[e] * p[paths.term_idx[e]]
-                       for e in range(paths.term_ptr[q], paths.term_ptr[q + 1]))
+        for cost in _path_costs(paths, sim.params):
             assert cost <= longest * (1 + 1e-12) + 1e-12
             best = max(best, cost)
         assert best > 0.0
@@ -123,15 +120,13 @@ def test_bound_paths_are_tight_on_uniform_pipelines(schedule, pp, m, v, send):
     sim = Simulator(schedule, pp, m, v)
     nv = pp * v
     longest = sim.iteration_time([1.0] * nv, [2.0] * nv, [send] * pp, [0.5] * pp)
-    p = sim.params
-    best = max(sum(paths.term_coef[e] * p[paths.term_idx[e]]
-                   for e in range(paths.term_ptr[q], paths.term_ptr[q + 1]))
-               for q in range(paths.count))
+    best = max(_path_costs(paths, sim.params))
     assert best == pytest.approx(longest, rel=1e-12)
     assert len(paths.owner) == paths.count and set(paths.owner) == set(range(pp))
 
 
 def _path_costs(paths, p):
+    """Each bound path's cost at the parameter vector ``p``."""
     return [sum(paths.term_coef[e] * p[paths.term_idx[e]] for e in range(paths.term_ptr[q], paths.term_ptr[q + 1]))
             for q in range(paths.count)]
 
