@@ -151,7 +151,7 @@ def _deadline_forward(original, module, args: tuple, kwargs: dict, part: str, in
     forward_ms, backward_ms = _state["targets"](part, tp, int(tensor.shape[batch_dim]))
     start = time.perf_counter()
     clock = None
-    if backward_ms > 0 and tensor.requires_grad:
+    if backward_ms > 0 and tensor.requires_grad and torch.is_grad_enabled():
         clock = _Clock()
         seconds = backward_ms / 1e3
         args, kwargs = _replace(args, kwargs, where,
@@ -173,14 +173,17 @@ def _stretched(inputs: tuple[str, ...], part: str = "layer", batch_dim: int = 1)
                 # Elsewhere it hands the stage's output back as it is: wrapped, it would be a view, which
                 # Megatron-LM refuses to free after sending it (deallocate_pipeline_outputs)
                 return original(self, *args, **kwargs)
-            if _state.get("targets") is not None and torch.is_grad_enabled():
+            # a forward without autograd is held too: under activation recomputation (Megatron's checkpoint
+            # runs the layer under no_grad, then again inside its backward) and in evaluation it costs the
+            # device its forward all the same
+            if _state.get("targets") is not None:
                 return _deadline_forward(original, self, args, kwargs, part, inputs, batch_dim)
             stretch = _state["factor"] - 1.0
-            if stretch <= 0.0 or not torch.is_grad_enabled():
+            if stretch <= 0.0:
                 return original(self, *args, **kwargs)
             clock = _Clock()
             where, tensor = _first_tensor(args, kwargs, inputs)
-            if tensor is not None and tensor.requires_grad:
+            if tensor is not None and tensor.requires_grad and torch.is_grad_enabled():
                 hold = lambda start: _sleep(stretch * (time.perf_counter() - start))  # noqa: E731
                 args, kwargs = _replace(args, kwargs, where, _BackwardEnd.apply(tensor, clock, hold))
             start = time.perf_counter()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -515,7 +516,10 @@ class EmulationState:
         cand = Candidate(tp=plan.tp, pp=plan.pp, dp=plan.dp, mbs=plan.micro_batch_size, stage_types=stage_types,
                          layers=tuple(plan.layers), schedule=plan.schedule, virtual_stages=plan.virtual_stages,
                          devices=tuple(tuple(s.devices) for s in plan.stages), ep=plan.ep, etp=plan.etp)
-        cm = CostModel(self.cluster, job_model, profile)
+        # priced without recomputation: a recomputing layer runs its forward again inside its backward, and
+        # that replay is held to the forward's own deadline; the backward deadline is the plain layer's
+        plain = dataclasses.replace(job_model, recompute="none", recompute_method="", recompute_num_layers=0)
+        cm = CostModel(self.cluster, plain, profile)
         _f, _b, _s, allreduce = cm.stage_times(cand)
         stage = next(s.index for s in plan.stages if global_rank in s.ranks)
         self.sync_ms = allreduce[stage]

@@ -132,7 +132,7 @@ def test_activation_recomputation_replays_the_forwards_dropout():
     (``--recompute-granularity full``, ``--recompute-activations``); it read the CUDA generator a CPU rank does
     not have ("Torch not compiled with CUDA enabled"). Replayed on the CPU generator and the tracker, the
     recomputed dropout masks are the forward's: outputs and gradients equal the run without recomputation."""
-    with _seeded_shim(tp_rank=1) as mc_random:
+    with seeded_shim(tp_rank=1) as mc_random:
         weight = torch.randn(8, 8, requires_grad=True)
 
         def block(x: torch.Tensor) -> torch.Tensor:
@@ -162,7 +162,7 @@ def test_a_recomputed_forward_allocates_on_the_cpu_as_the_forward_did():
     core's ``get_default_causal_mask`` when no attention mask is given) reached CUDA ("Torch not compiled
     with CUDA enabled"). The shim keeps its mode on for the autograd engine's Python code: the replay
     allocates on the CPU, and the gradients equal those without recomputation."""
-    with _seeded_shim(tp_rank=0) as mc_random:
+    with seeded_shim(tp_rank=0) as mc_random:
         weight = torch.randn(8, 8, requires_grad=True)
 
         def block(x: torch.Tensor) -> torch.Tensor:
@@ -181,7 +181,7 @@ def test_a_recomputed_forward_allocates_on_the_cpu_as_the_forward_did():
 
 
 @contextlib.contextmanager
-def _seeded_shim(tp_rank: int):
+def seeded_shim(tp_rank: int):
     """The CPU shim installed (and removed after, where this installed it), megatron-core's RNG seeded
     for ``tp_rank``; yields ``megatron.core.tensor_parallel.random``."""
     from megatron.core.tensor_parallel import random as mc_random

@@ -92,6 +92,31 @@ def test_layer_keeps_its_forward_and_backward_deadlines(deadlines, clock):
     assert compute_patch.mode() == "deadline"
 
 
+def test_a_recomputed_layer_holds_its_forward_in_both_passes(deadlines, clock):
+    """megatron-core's activation checkpointing runs the layer under no_grad in the forward, then again inside
+    its backward: both forwards are held to the forward's deadline (a device runs both), the backward to its
+    own, as the cost model prices full recomputation (backward = forward + backward). The forward under
+    no_grad was not held: the emulated job ran a recomputing layer's forward in no time."""
+    from tests.dist.test_cpu_rng_and_hooks import seeded_shim
+
+    layer, forward = _wrapped()
+    with seeded_shim(tp_rank=0) as mc_random:
+        x = torch.randn(4, 3, 8, requires_grad=True)
+        start = clock.now
+        out = mc_random.checkpoint(lambda h: forward(layer, h)[0], False, x)
+        forward_s = clock.now - start
+        start = clock.now
+        out.sum().backward()
+        backward_s = clock.now - start
+    assert forward_s == pytest.approx(0.040)
+    assert backward_s == pytest.approx(0.040 + 0.080)
+    assert x.grad is not None and layer.linear.weight.grad is not None
+    with torch.no_grad():   # evaluation: the forward is held, no backward is marked
+        start = clock.now
+        forward(layer, hidden_states=x)
+        assert clock.now - start == pytest.approx(0.040)
+
+
 def test_head_of_a_stage_without_output_layer_is_not_held(deadlines):
     layer, forward = _wrapped(part="head", post_process=False)
     forward(layer, hidden_states=torch.randn(4, 1, 8, requires_grad=True))

@@ -309,6 +309,23 @@ def test_bind_plan_gives_the_cost_models_dp_sync_and_link_times():
     assert state.p2p_ms(99, 1) == 0.0  # not a rank of the plan
 
 
+def test_a_recomputing_job_keeps_the_plain_layer_deadlines():
+    """Under full recomputation the cost model prices a layer's backward with its forward again; the emulated
+    layer replays that forward itself (held to the forward's deadline inside the backward), so binding the
+    plan leaves the layer's deadlines the plain layer's. Added to the backward's deadline as well, the replay
+    was held twice: the README example with --recompute-granularity full ran 13 % over its prediction."""
+    import dataclasses
+
+    state = _state(emulate="A2-2:2,A2-4:2", rank=2)
+    cm, _cand, plan = _plan(state, stage_types=("A2-2", "A2-4"), layers=(5, 3), dp=2)
+    before = state.targets_ms("layer", 1, 1)
+    job = dataclasses.replace(_job_model(), recompute="full", recompute_method="uniform", recompute_num_layers=1)
+    state.bind_plan(plan, 2, job)
+    assert state.targets_ms("layer", 1, 1) == before
+    recomputing = CostModel(state.cluster, job, cm.profile).group("A2-4", 1, 1, 2)
+    assert recomputing.backward_ms == pytest.approx(before[0] + before[1])  # the plan's backward: both passes
+
+
 def test_link_kinds():
     assert emulation.link_kind((0, "A2-2"), (0, "A2-2")) == LINK_INTRA_NODE
     assert emulation.link_kind((0, "A2-2"), (1, "A2-2")) == LINK_INTER_NODE
