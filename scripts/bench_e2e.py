@@ -4,6 +4,7 @@
     python scripts/bench_e2e.py --quick    # one 4-rank cluster, 4 plans (under 5 minutes)
     python scripts/bench_e2e.py --only "wan,mem" --json
     python scripts/bench_e2e.py --client megatron-lm   # Megatron-LM's own pretrain_gpt.py, same clusters and plans
+    python scripts/bench_e2e.py --quick --recompute    # every job with full activation recomputation
 
 For each emulated cluster (``--poseidon-emulate`` + ``--poseidon-emulate-model``: layers, embedding, head,
 links and DP sync take the analytic times of a real model on the emulated devices, scaled; see
@@ -28,6 +29,7 @@ Targets are printed beside the numbers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import math
@@ -53,6 +55,7 @@ TARGET_FASTEST_WITHIN = 0.02
 TARGET_SPEARMAN = 0.8
 TARGET_SPEEDUP = 1.15
 SPEEDUP_WHEN_RATIO = 1.3
+RECOMPUTE_FLAGS = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -243,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale-factor", type=float, default=1.0,
                         help="run each cluster at this many times its automatic emulation SCALE (given explicitly): "
                              "for a host whose CPU cannot keep the automatic deadlines (see docs/FIDELITY.md)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="every job with full activation recomputation (" + " ".join(RECOMPUTE_FLAGS) + ")")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     parser.add_argument("--render", metavar="JSON", help="print the table of a saved --json output and exit")
     args = parser.parse_args(argv)
@@ -259,13 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         wanted = [w.strip() for w in args.only.split(",") if w.strip()]
         cases = [c for c in cases if any(w in c.name for w in wanted)]
+    if args.recompute:   # the job's flags: poseidon-run and this process's cost model both price it
+        cases = [dataclasses.replace(c, extra=(*c.extra, *RECOMPUTE_FLAGS)) for c in cases]
     host = pin_host_factor()  # before any SCALE: every launch and this process's emulation_state use one factor
     if args.scale_factor != 1.0:
         if not 0.0 < args.scale_factor < math.inf:
             parser.error(f"--scale-factor {args.scale_factor}: give a positive number")
         cases = [scaled(c, args.scale_factor) for c in cases]
     log = (lambda line: print(line, file=sys.stderr, flush=True))
-    log(f"client: {script}; host factor {host:g} (emulation.harness.host_factor)")
+    log(f"client: {script}; host factor {host:g} (emulation.harness.host_factor)"
+        + (f"; every job with {' '.join(RECOMPUTE_FLAGS)}" if args.recompute else ""))
     start = time.perf_counter()
     records = []
     for case in cases:
