@@ -109,8 +109,8 @@ class SearchRun:
             self.deadline -= BOUND_RESERVE * options.time_limit_s
         self.resumes = 0
         self.resume_at: dict[tuple, int] = {}   # a group the clock cut: its first structure not closed
-        # exact mode: nodes after which the first large tree stops for :meth:`look_ahead` (0: done, or
-        # default mode); the main loop's order and position, which the look-ahead goes on from
+        # exact mode: the first large tree is still to stop for :meth:`look_ahead` (False once it has, and
+        # in default mode); the main loop's order and position, which the look-ahead goes on from
         self.lookahead = options.mode == "exact"
         self.order: list[ShapeGroup] = []
         self.at = 0
@@ -523,11 +523,11 @@ class SearchRun:
         """Exact mode, once, when the first structure's tree passes LOOKAHEAD_AT nodes: the next
         LOOKAHEAD_GROUPS groups in the main loop's order that pass their root check, each structure
         searched with at most LOOKAHEAD_NODES nodes below the threshold (LOOKAHEAD_TOTAL in all); the
-        plans found are offered, the best polished. Only incumbents: each group is searched in full in its turn. The groups are
-        ranked by their greedy seeds and an estimate; a group ranked late may hold the optimum in a small
-        tree: on a random 128-device cluster of three types (llama3-70b, seq 4096) the seeds stopped at
-        70,706 ms, the groups ranked first searched 230,000 nodes below that, and the optimum, 67,292 ms,
-        lay in the 131st group's tree of 153 nodes."""
+        plans found are offered, the best polished. Only incumbents: each group is searched in full in
+        its turn. The groups are ranked by their greedy seeds and an estimate; a group ranked late may
+        hold the optimum in a small tree: on a random 128-device cluster of three types (llama3-70b, seq
+        4096) the seeds stopped at 70,706 ms, the groups ranked first searched 230,000 nodes below that,
+        and the optimum, 67,292 ms, lay in the 131st group's tree of 153 nodes."""
         spent = 0
         for sg in self.order[self.at + 1:self.at + 1 + LOOKAHEAD_GROUPS]:
             if spent >= LOOKAHEAD_TOTAL or self.out_of_time():
