@@ -27,8 +27,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from poseidon_plugin.errors import PoseidonError
@@ -518,7 +517,7 @@ class EmulationState:
                          devices=tuple(tuple(s.devices) for s in plan.stages), ep=plan.ep, etp=plan.etp)
         # priced without recomputation: a recomputing layer runs its forward again inside its backward, and
         # that replay is held to the forward's own deadline; the backward deadline is the plain layer's
-        plain = dataclasses.replace(job_model, recompute="none", recompute_method="", recompute_num_layers=0)
+        plain = replace(job_model, recompute="none", recompute_method="", recompute_num_layers=0)
         cm = CostModel(self.cluster, plain, profile)
         _f, _b, _s, allreduce = cm.stage_times(cand)
         stage = next(s.index for s in plan.stages if global_rank in s.ranks)
