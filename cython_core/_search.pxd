@@ -5,7 +5,8 @@ from poseidon_plugin._core.relaxation_bound cimport RelaxationBound
 from poseidon_plugin._core.structure_bounds cimport chunk_layers
 
 cdef double INF, PATH_SLACK
-cdef int CLOCK_EVERY, N_MINS, N_TYPE_MINS, N_COUNTERS, LP_MAX, LP_MAX_OPTIONS, LP_MIN_UNDECIDED, FRONT_FIRST, LP_TRIAL, LP_MIN_CUTS
+cdef int CLOCK_EVERY, N_MINS, N_TYPE_MINS, N_COUNTERS, LP_KEEP, LP_MAX, LP_MAX_OPTIONS, LP_MIN_UNDECIDED, FRONT_FIRST
+cdef int LP_TRIAL, LP_MIN_CUTS
 cdef int NODES, BOUND_EVALS, SIM_CALLS, PRUNED_BOUND, PRUNED_PATH, PRUNED_MEMORY, PRUNED_RIDGE
 cdef int PRUNED_ORDER, IMPROVED
 

@@ -4,14 +4,14 @@ cimport cython
 from poseidon_plugin._core.structure_bounds cimport StructureBounds, chunk_layers
 
 cdef double INF, NEG_F, LP_EPS
-cdef int LP_DUAL_PIVOTS, LP_MAX, LP_MAX_OPTIONS, LP_PIVOTS, N_TYPE_MINS
+cdef int LP_DUAL_PIVOTS, LP_KEEP, LP_MAX, LP_MAX_OPTIONS, LP_PIVOTS, N_TYPE_MINS
 cdef int MIN_FORWARD, MIN_BACKWARD, MIN_EMBEDDING_FORWARD, MIN_EMBEDDING_BACKWARD, MIN_HEAD_FORWARD
 cdef int MIN_HEAD_BACKWARD, MIN_ALLREDUCE, MIN_EMBEDDING_ALLREDUCE, MIN_HEAD_ALLREDUCE
 
 cdef class RelaxationBound(StructureBounds):
     cdef int n_par
     cdef int[::1] lp_free, lp_cnt, lp_basis, lp_nz, lp_lo, lp_hi, lp_arg, lp_new_t, lp_new_l
-    cdef int[::1] lp_opt_r, lp_opt_t, lp_opt_l
+    cdef int[::1] lp_opt_r, lp_opt_t, lp_opt_l, lp_pool, lp_kept, lp_pool_used
     cdef double[::1] lp_base, lp_weight, lp_point, lp_rank, lp_lam, lp_tab, lp_obj
     cdef double lp_const
     cdef long long lp_calls, lp_cuts
@@ -20,8 +20,8 @@ cdef class RelaxationBound(StructureBounds):
 
     @cython.locals(best=cython.double, scale=cython.double, mu=cython.double, total=cython.double,
                    x=cython.double, got=cython.double, value=cython.double, dag=cython.double,
-                   n_paths=cython.int, n_opt=cython.int)
-    cdef double _relaxation_bound(self, int a, int b, int left, int[::1] lb, int[::1] cap, int[::1] capt,
+                   n_paths=cython.int, n_opt=cython.int, n_lam=cython.int, q=cython.int)
+    cdef double _relaxation_bound(self, int k, int a, int b, int left, int[::1] lb, int[::1] cap, int[::1] capt,
                                   double need) noexcept
     @cython.locals(tab='double[::1]', obj='double[::1]', x=cython.double, n_opt=cython.int, n_types=cython.int)
     cdef bint _lp_build(self, int a, int b, int left, int n_paths, double scale) noexcept nogil
@@ -39,7 +39,7 @@ cdef class RelaxationBound(StructureBounds):
     @cython.locals(tab='double[::1]', obj='double[::1]', best=cython.double, x=cython.double, ratio=cython.double)
     cdef inline bint _lp_simplex(self) noexcept nogil
     @cython.locals(tab='double[::1]', obj='double[::1]', best=cython.double, x=cython.double, ratio=cython.double,
-                   worst=cython.double, d=cython.double)
+                   worst=cython.double, d=cython.double, piv=cython.double)
     cdef inline bint _lp_dual_simplex(self) noexcept nogil
     @cython.locals(tab='double[::1]', obj='double[::1]', nz='int[::1]', p=cython.double, f=cython.double,
                    x=cython.double, n=cython.int, e=cython.int, j=cython.int)
@@ -54,3 +54,7 @@ cdef class RelaxationBound(StructureBounds):
     @cython.locals(best=cython.double, x=cython.double, got=cython.double)
     cdef inline double _lp_oracle(self, int a, int b, double mu) noexcept nogil
     cdef inline void _lp_add_path(self, int q) noexcept nogil
+    @cython.locals(x=cython.double, top=cython.double, arg=cython.int, off=cython.int)
+    cdef inline int _lp_violated(self, int k, double value) noexcept nogil
+    @cython.locals(kept=cython.int, dst=cython.int)
+    cdef inline void _lp_keep(self, int k, int n) noexcept nogil

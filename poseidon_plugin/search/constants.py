@@ -18,6 +18,7 @@ PROPAGATION_ROUNDS = 3
 INHERITED_ROUNDS = 2
 # the relaxation bound (search/relaxation_bound.py): at most this many path rows per node ...
 LP_MAX = 24
+LP_KEEP = 12                # ... and this many kept for its children (its last duals' support), taken where violated
 LP_MAX_OPTIONS = 600        # ... and (rank, type, layers) options: a node with more is left to the other bounds
 LP_PIVOTS = 4000            # pivots per simplex run (Bland's rule: no cycling; a cap anyway)
 LP_DUAL_PIVOTS = 500        # ... and per dual simplex run (the rule can cycle on degenerate pivots)
@@ -40,8 +41,8 @@ MIN_FORWARD, MIN_BACKWARD, MIN_EMBEDDING_FORWARD, MIN_EMBEDDING_BACKWARD, MIN_HE
 N_MINS = len(MIN_NAMES)
 N_TYPE_MINS = MIN_SEND      # the kinds a type has of its own (the transfers depend on the link)
 
-__all__ = ["CLOCK_EVERY", "FIT_SLACK", "FRONT_FIRST", "INHERITED_ROUNDS", "LP_DUAL_PIVOTS", "LP_EPS", "LP_MAX",
-           "LP_MAX_OPTIONS", "LP_MIN_CUTS", "LP_MIN_UNDECIDED", "LP_PIVOTS", "LP_TRIAL", "MIN_ALLREDUCE",
+__all__ = ["CLOCK_EVERY", "FIT_SLACK", "FRONT_FIRST", "INHERITED_ROUNDS", "LP_DUAL_PIVOTS", "LP_EPS", "LP_KEEP",
+           "LP_MAX", "LP_MAX_OPTIONS", "LP_MIN_CUTS", "LP_MIN_UNDECIDED", "LP_PIVOTS", "LP_TRIAL", "MIN_ALLREDUCE",
            "MIN_BACKWARD", "MIN_EMBEDDING_ALLREDUCE", "MIN_EMBEDDING_BACKWARD", "MIN_EMBEDDING_FORWARD",
            "MIN_FORWARD", "MIN_HEAD_ALLREDUCE", "MIN_HEAD_BACKWARD", "MIN_HEAD_FORWARD", "MIN_NAMES", "MIN_SEND",
            "N_MINS", "N_TYPE_MINS", "PATH_SLACK", "PROPAGATION_ROUNDS"]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 
 from poseidon_plugin.search.assignment import NEG_F
-from poseidon_plugin.search.constants import (LP_DUAL_PIVOTS, LP_EPS, LP_MAX, LP_MAX_OPTIONS, LP_PIVOTS,
+from poseidon_plugin.search.constants import (LP_DUAL_PIVOTS, LP_EPS, LP_KEEP, LP_MAX, LP_MAX_OPTIONS, LP_PIVOTS,
                                               MIN_ALLREDUCE, MIN_BACKWARD, MIN_EMBEDDING_ALLREDUCE,
                                               MIN_EMBEDDING_BACKWARD, MIN_EMBEDDING_FORWARD, MIN_FORWARD,
                                               MIN_HEAD_ALLREDUCE, MIN_HEAD_BACKWARD, MIN_HEAD_FORWARD, N_TYPE_MINS)
@@ -46,10 +46,10 @@ class RelaxationBound(StructureBounds):
 
     # --- the bound ------------------------------------------------------------------------------
 
-    def _relaxation_bound(self, a: int, b: int, left: int, lb, cap, capt, need: float) -> float:
-        """A lower bound on every completion (below tau) of the node whose undecided ranks are ``[a, b)``
-        with ``left`` layers, ``lb``/``cap``/``capt`` its propagated bounds; it stops once the bound
-        reaches ``need``. ``-inf`` where it finds none (never a cut)."""
+    def _relaxation_bound(self, k: int, a: int, b: int, left: int, lb, cap, capt, need: float) -> float:
+        """A lower bound on every completion (below tau) of the node of depth ``k`` whose undecided ranks
+        are ``[a, b)`` with ``left`` layers, ``lb``/``cap``/``capt`` its propagated bounds; it stops once
+        the bound reaches ``need``. ``-inf`` where it finds none (never a cut)."""
         nt, npar, v = self.nt, self.n_par, self.v
         best = -INF
         self._fill(lb, capt)                  # decided ranks exact, sends at their lower bounds
@@ -66,6 +66,7 @@ class RelaxationBound(StructureBounds):
                 self._lp_range(r, t, lb, cap, capt)
                 if self.lp_lo[r * nt + t] >= 0:
                     n_opt += self.lp_hi[r * nt + t] - self.lp_lo[r * nt + t] + 1
+        self.lp_kept[k] = 0
         if n_opt > LP_MAX_OPTIONS:
             return best
         scale = self.tau if self.tau > 0.0 else 1.0
@@ -75,7 +76,10 @@ class RelaxationBound(StructureBounds):
         n_paths = 1
         if not self._lp_build(a, b, left, n_paths, scale):
             return best
-        for it in range(LP_MAX - n_paths + 1):
+        for q in range(LP_KEEP):
+            self.lp_pool_used[q] = 0
+        n_lam = 0
+        for it in range(LP_MAX):
             # the duals: lambda over the paths (their slacks' reduced costs), mu of the layer sum
             total = 0.0
             for q in range(n_paths):
@@ -88,6 +92,7 @@ class RelaxationBound(StructureBounds):
                 break
             for q in range(n_paths):
                 self.lp_lam[q] /= total
+            n_lam = n_paths
             mu = -self.lp_obj[self.lp_art0 + self.lp_layer_row] * scale
             self._lp_weights(n_paths)
             got = self._lp_oracle(a, b, mu)
@@ -96,19 +101,62 @@ class RelaxationBound(StructureBounds):
             value = self.lp_const + mu * left + got
             if value > best:
                 best = value
-            if best >= need:
+            if best >= need or n_paths >= LP_MAX:
                 break
-            # the DAG at the program's point: no bound of this kind reaches past it; its critical path is
-            # a new row where it is longer than the program thinks
             self._lp_point()
-            dag = self.kernel.longest_into(self.lp_point)
-            if dag < need or n_paths >= LP_MAX or dag <= self._lp_value() * scale * (1.0 + LP_EPS):
-                break
-            self._lp_add_path(n_paths)
+            q = self._lp_violated(k, self._lp_value() * scale * (1.0 + LP_EPS))
+            if q >= 0:
+                # a row the parent kept (any path of the DAG is a valid row at every node) that the
+                # program's point violates: the new row, without a DAG run
+                self.lp_pool_used[q] = 1
+                for i in range(npar):
+                    self.lp_cnt[n_paths * npar + i] = self.lp_pool[((k - 1) * LP_KEEP + q) * npar + i]
+            else:
+                # the DAG at the program's point: no bound of this kind reaches past it; its critical
+                # path is a new row where it is longer than the program thinks
+                dag = self.kernel.longest_into(self.lp_point)
+                if dag < need or dag <= self._lp_value() * scale * (1.0 + LP_EPS):
+                    break
+                self._lp_add_path(n_paths)
             if not self._lp_cut(n_paths, scale):
                 break
             n_paths += 1
+        self._lp_keep(k, n_lam)
         return best
+
+    def _lp_violated(self, k: int, value: float) -> int:
+        """The row kept at depth ``k - 1`` (the parent's binding rows, or those of a former sibling of the
+        parent where the parent solved no program), not yet added, whose cost at the program's point
+        (``lp_point``) exceeds ``value`` the most: its index, -1 where none does."""
+        npar = self.n_par
+        arg = -1
+        if k == 0:
+            return arg
+        top = value
+        for q in range(self.lp_kept[k - 1]):
+            if self.lp_pool_used[q]:
+                continue
+            off = ((k - 1) * LP_KEEP + q) * npar
+            x = 0.0
+            for i in range(npar):
+                x += self.lp_pool[off + i] * self.lp_point[i]
+            if x > top:
+                top = x
+                arg = q
+        return arg
+
+    def _lp_keep(self, k: int, n: int) -> None:
+        """Keep the rows of the last duals' support (``lambda > 0`` among the first ``n``) for the
+        children of depth ``k``, at most LP_KEEP."""
+        npar = self.n_par
+        kept = 0
+        dst = k * LP_KEEP * npar
+        for q in range(n):
+            if kept < LP_KEEP and self.lp_lam[q] > 0.0:
+                for i in range(npar):
+                    self.lp_pool[dst + kept * npar + i] = self.lp_cnt[q * npar + i]
+                kept += 1
+        self.lp_kept[k] = kept
 
     # --- the program ----------------------------------------------------------------------------
 
@@ -311,8 +359,9 @@ class RelaxationBound(StructureBounds):
 
     def _lp_dual_simplex(self) -> bool:
         """Dual simplex on a dual-feasible ``lp_tab`` (a row appended): the most negative right-hand side
-        leaves, the entering column by the least ratio of reduced cost to its (negative) entry; False
-        when infeasible or after ``LP_DUAL_PIVOTS`` pivots (degenerate pivots can cycle: docs/SEARCH.md)."""
+        leaves, the entering column by the least ratio of reduced cost to its (negative) entry, ties
+        (within ``LP_EPS``: the degenerate ratios of 0) to the entry largest in magnitude; False when
+        infeasible or after ``LP_DUAL_PIVOTS`` pivots (degenerate pivots can cycle: docs/SEARCH.md)."""
         tab, obj = self.lp_tab, self.lp_obj
         w, m = self.lp_w, self.lp_m
         rhs = w - 1
@@ -327,6 +376,7 @@ class RelaxationBound(StructureBounds):
                 return True
             pc = -1
             best = INF
+            piv = 0.0
             for j in range(self.lp_art0):
                 x = tab[pr * w + j]
                 if x < -LP_EPS:
@@ -334,8 +384,9 @@ class RelaxationBound(StructureBounds):
                     if d < 0.0:
                         d = 0.0
                     ratio = d / -x
-                    if ratio < best:
+                    if ratio < best - LP_EPS or (ratio <= best + LP_EPS and x < piv):
                         best = ratio
+                        piv = x
                         pc = j
             if pc < 0:
                 return False

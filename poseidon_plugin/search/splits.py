@@ -34,7 +34,7 @@ import math
 import time
 from array import array
 
-from poseidon_plugin.search.constants import (CLOCK_EVERY, FRONT_FIRST, LP_MAX, LP_MAX_OPTIONS, LP_MIN_CUTS,
+from poseidon_plugin.search.constants import (CLOCK_EVERY, FRONT_FIRST, LP_KEEP, LP_MAX, LP_MAX_OPTIONS, LP_MIN_CUTS,
                                               LP_MIN_UNDECIDED, LP_TRIAL, N_MINS, N_TYPE_MINS,
                                               PATH_SLACK)
 from poseidon_plugin.search.counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES,
@@ -221,6 +221,9 @@ class SplitSearch(RelaxationBound):
         self.lp_rank = float_buffer(npar)
         self.lp_cnt = int_buffer(LP_MAX * npar)
         self.lp_lam = float_buffer(LP_MAX)
+        self.lp_pool = int_buffer(pp * LP_KEEP * npar)
+        self.lp_kept = int_buffer(pp)
+        self.lp_pool_used = int_buffer(LP_KEEP)
         self.lp_lo = int_buffer(pp * nt)
         self.lp_hi = int_buffer(pp * nt)
         self.lp_arg = int_buffer(pp * nt)
@@ -300,6 +303,9 @@ class SplitSearch(RelaxationBound):
             self.depth_nodes[i] = 0
         self.lp_calls = 0
         self.lp_cuts = 0
+        if self.lp_ready:
+            for i in range(self.pp):
+                self.lp_kept[i] = 0
         self.exact_counts = total == self.pp
         # from the end, rank 0 goes first where its memory holds at least the average rank's layers: then
         # its paths (every other rank twice, itself on ~M - pp + 1 micro-batches) are the ones to close
@@ -439,7 +445,7 @@ class SplitSearch(RelaxationBound):
             if not self.lp_ready:
                 self._lp_alloc()
             self.lp_calls += 1
-            if self._relaxation_bound(a, b, left, lb, cap, capt, limit) >= limit:
+            if self._relaxation_bound(k, a, b, left, lb, cap, capt, limit) >= limit:
                 self.lp_cuts += 1
                 self.ctr[PRUNED_PATH] += 1
                 return

@@ -11,6 +11,7 @@ from array import array
 
 import pytest
 
+from poseidon_plugin.search.constants import LP_KEEP
 from poseidon_plugin.search.evaluate import plan_fits, simulate_plan, spread
 from poseidon_plugin.search.exhaustive import orders, rank_splits
 from poseidon_plugin.search.shapes import RankOps, ShapeData, bound_paths, first_backward
@@ -892,11 +893,41 @@ def _relaxation_case(seed: int) -> int | None:
         assert propagate(ss, a, left, lb, cap, capt)
         ss._fill(lb, capt)
         dag = ss.kernel.longest(ss.params)
+        k = pp - (b - a)                 # the node's depth: its parent's kept rows are those of k - 1
         for need in (ss.tau * (1 + 1e-9), best * 1.05, best * 2.0):
-            got = ss._relaxation_bound(a, b, left, lb, cap, capt, need)
+            if k > 0:
+                _plant_rows(ss, k - 1, rng)
+            got = ss._relaxation_bound(k, a, b, left, lb, cap, capt, need)
             assert got <= best * (1 + 1e-9) + 1e-9, (seed, need, got, best)
             above += got > dag * (1 + 1e-9)
+            _assert_kept_rows_are_paths(ss, k, rng)
     return above
+
+
+def _plant_rows(ss, k, rng):
+    """Rows kept at depth ``k`` as a parent would leave them, here any DAG paths: the critical paths of
+    the DAG at random parameters (the node inherits them after its own first row)."""
+    npar = ss.n_par
+    n = rng.randrange(LP_KEEP + 1)
+    for q in range(n):
+        params = array("d", [0.0] + [rng.uniform(0.0, 3.0) for _ in range(npar - 1)])
+        cnt = ss.kernel.critical_counts(params)
+        for i in range(npar):
+            ss.lp_pool[(k * LP_KEEP + q) * npar + i] = cnt[i]
+    ss.lp_kept[k] = n
+
+
+def _assert_kept_rows_are_paths(ss, k, rng):
+    """What a node keeps for its children are rows of its program: DAG paths (at any parameters no
+    longer than the longest path), at most LP_KEEP."""
+    npar = ss.n_par
+    assert 0 <= ss.lp_kept[k] <= LP_KEEP
+    params = array("d", [0.0] + [rng.uniform(0.0, 3.0) for _ in range(npar - 1)])
+    longest = ss.kernel.longest(params)
+    for q in range(ss.lp_kept[k]):
+        cnt = ss.lp_pool[(k * LP_KEEP + q) * npar:(k * LP_KEEP + q + 1) * npar]
+        assert any(cnt)
+        assert sum(c * x for c, x in zip(cnt, params)) <= longest * (1 + 1e-12)
 
 
 @pytest.mark.parametrize("seed", range(80))
@@ -908,6 +939,54 @@ def test_relaxation_bound_never_exceeds_a_completion(seed):
 def test_relaxation_bound_is_above_the_dag_bound_somewhere():
     """Not vacuous: on some random nodes the relaxation bound is above the node's own DAG bound."""
     assert sum(_relaxation_case(seed) or 0 for seed in range(40)) > 0
+
+
+def _inheritance_case(seed: int) -> int:
+    """A node's program takes the rows that bound its parent's program (``lambda > 0``, docs/SEARCH.md)
+    where its point violates them, before running the DAG: searching an interleaved structure at its
+    optimum, the result is the brute force's, and every row taken is one the parent kept, violated at the
+    program's point. Returns how many rows were taken."""
+    rng = random.Random(seed)
+    found = None
+    for trial in range(200):
+        table, shape, counts, num_layers = random_structure(5000 + 200 * seed + trial, pure=True)
+        if shape.virtual_stages > 1 and shape.pp >= 3:
+            plans = brute_force(table, shape, counts, num_layers)
+            if plans:
+                found = table, shape, counts, num_layers, plans
+                break
+    assert found is not None
+    table, shape, counts, num_layers, plans = found
+    best = min(p[0] for p in plans)
+    taken = []
+
+    class Watched(PySplitSearch):
+        def _lp_violated(self, k, value):
+            q = PySplitSearch._lp_violated(self, k, value)
+            if q >= 0:
+                npar = self.n_par
+                row = self.lp_pool[((k - 1) * LP_KEEP + q) * npar:((k - 1) * LP_KEEP + q + 1) * npar]
+                assert q < self.lp_kept[k - 1] and not self.lp_pool_used[q]
+                assert sum(c * x for c, x in zip(row, self.lp_point)) > value
+                taken.append(q)
+            return q
+
+    ss = Watched(table, shape, num_layers, ridge=False, blocks=False, type_class=array("i", range(len(counts))),
+                 backward=rng.random() < 0.5)
+    res = ss.run(counts, best * (1 + 1e-7))
+    assert res.time_ms == best
+    assert res.time_ms < math.inf
+    return len(taken)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_child_starts_from_rows_its_parent_kept(seed):
+    _inheritance_case(seed)
+
+
+def test_children_take_rows_their_parent_kept_somewhere():
+    """Not vacuous: some programs of those searches take rows their parent kept."""
+    assert sum(_inheritance_case(seed) for seed in range(12)) > 0
 
 
 
