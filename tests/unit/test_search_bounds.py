@@ -906,7 +906,7 @@ def _relaxation_case(seed: int) -> int | None:
 
 def _plant_rows(ss, k, rng):
     """Rows kept at depth ``k`` as a parent would leave them, here any DAG paths: the critical paths of
-    the DAG at random parameters (the node inherits them after its own first row)."""
+    the DAG at random parameters (the node takes those its program's point violates)."""
     npar = ss.n_par
     n = rng.randrange(LP_KEEP + 1)
     for q in range(n):
@@ -980,7 +980,7 @@ def _inheritance_case(seed: int) -> int:
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_a_child_starts_from_rows_its_parent_kept(seed):
+def test_a_child_takes_only_violated_rows_its_parent_kept(seed):
     _inheritance_case(seed)
 
 
@@ -988,6 +988,29 @@ def test_children_take_rows_their_parent_kept_somewhere():
     """Not vacuous: some programs of those searches take rows their parent kept."""
     assert sum(_inheritance_case(seed) for seed in range(12)) > 0
 
+
+
+def test_the_dual_simplex_breaks_degenerate_ties_to_the_largest_entry():
+    """Two entering columns at the ratio 0 (reduced costs 0, the degenerate case that cycles): the one
+    whose entry in the leaving row is the largest in magnitude enters, not the first."""
+    case = _searched_structure(5)
+    assert case is not None
+    ss = case[6]
+    ss._lp_alloc()
+    # rows: the appended cut (right-hand side -1) and a feasible row; columns 0-3, then the right-hand
+    # side (no artificial columns: lp_art0 = 4)
+    m, w = 2, 5
+    ss.lp_m, ss.lp_w, ss.lp_art0 = m, w, 4
+    tab = [-0.5, -2.0, 1.0, 0.0, -1.0,
+           0.0, 0.0, 0.0, 1.0, 1.0]
+    for i, x in enumerate(tab):
+        ss.lp_tab[i] = x
+    for j, x in enumerate([0.0, 0.0, 1.0, 0.0, 0.0]):
+        ss.lp_obj[j] = x
+    ss.lp_basis[0], ss.lp_basis[1] = 2, 3
+    assert ss._lp_dual_simplex()
+    assert ss.lp_basis[0] == 1
+    assert ss.lp_tab[w - 1] == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("seed", range(5, 10))
