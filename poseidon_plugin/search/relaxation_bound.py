@@ -18,8 +18,10 @@ used is its Lagrangian value at the program's duals ``lambda`` (paths) and ``mu`
 any ``lambda >= 0`` summing to 1 and any ``mu``, so the simplex's rounding never makes it invalid. Rows
 come from the DAG: the first is the critical path at the node's lower bounds; then the DAG is run at the
 program's solution (each undecided rank a mix of its options) and its critical path becomes a new row
-(dual simplex from the solved tableau). It stops once the bound reaches what cuts the node, once the
-DAG at the solution is below that (no bound of this kind reaches past it), or when no new row comes.
+(dual simplex from the solved tableau); before that DAG run, a row the parent's program kept (its last
+duals' support) that the solution violates is taken instead, with no run. It stops once the bound
+reaches what cuts the node, once the DAG at the solution is below that (no bound of this kind reaches
+past it), or when no new row comes.
 
 One source for both backends (Cython's pure-Python mode): typed by ``cython_core/relaxation_bound.pxd``,
 compiled as ``poseidon_plugin._core.relaxation_bound`` (the base class of the compiled ``SplitSearch``);
