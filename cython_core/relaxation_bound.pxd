@@ -55,6 +55,6 @@ cdef class RelaxationBound(StructureBounds):
     cdef inline double _lp_oracle(self, int a, int b, double mu) noexcept nogil
     cdef inline void _lp_add_path(self, int q) noexcept nogil
     @cython.locals(x=cython.double, top=cython.double, arg=cython.int, off=cython.int)
-    cdef inline int _lp_violated(self, int k, double value) noexcept nogil
+    cdef inline bint _lp_take_kept(self, int k, int q_new, double value) noexcept nogil
     @cython.locals(kept=cython.int, dst=cython.int)
     cdef inline void _lp_keep(self, int k, int n) noexcept nogil

@@ -106,14 +106,9 @@ class RelaxationBound(StructureBounds):
             if best >= need or n_paths >= LP_MAX:
                 break
             self._lp_point()
-            q = self._lp_violated(k, self._lp_value() * scale * (1.0 + LP_EPS))
-            if q >= 0:
-                # a row the parent kept (any path of the DAG is a valid row at every node) that the
-                # program's point violates: the new row, without a DAG run
-                self.lp_pool_used[q] = 1
-                for i in range(npar):
-                    self.lp_cnt[n_paths * npar + i] = self.lp_pool[((k - 1) * LP_KEEP + q) * npar + i]
-            else:
+            # a row the parent kept (any path of the DAG is a valid row at every node) that the program's
+            # point violates is the new row, without a DAG run
+            if not self._lp_take_kept(k, n_paths, self._lp_value() * scale * (1.0 + LP_EPS)):
                 # the DAG at the program's point: no bound of this kind reaches past it; its critical
                 # path is a new row where it is longer than the program thinks
                 dag = self.kernel.longest_into(self.lp_point)
@@ -126,14 +121,15 @@ class RelaxationBound(StructureBounds):
         self._lp_keep(k, n_lam)
         return best
 
-    def _lp_violated(self, k: int, value: float) -> int:
-        """The row kept at depth ``k - 1`` (the parent's binding rows, or those of a former sibling of the
-        parent where the parent solved no program), not yet added, whose cost at the program's point
-        (``lp_point``) exceeds ``value`` the most: its index, -1 where none does."""
+    def _lp_take_kept(self, k: int, q_new: int, value: float) -> bool:
+        """Of the rows kept at depth ``k - 1`` (the parent's binding rows, or those of a former sibling of
+        the parent where the parent solved no program) and not yet taken, the one whose cost at the
+        program's point (``lp_point``) exceeds ``value`` the most becomes path ``q_new``: whether one
+        does."""
         npar = self.n_par
-        arg = -1
         if k == 0:
-            return arg
+            return False
+        arg = -1
         top = value
         for q in range(self.lp_kept[k - 1]):
             if self.lp_pool_used[q]:
@@ -145,7 +141,13 @@ class RelaxationBound(StructureBounds):
             if x > top:
                 top = x
                 arg = q
-        return arg
+        if arg < 0:
+            return False
+        self.lp_pool_used[arg] = 1
+        off = ((k - 1) * LP_KEEP + arg) * npar
+        for i in range(npar):
+            self.lp_cnt[q_new * npar + i] = self.lp_pool[off + i]
+        return True
 
     def _lp_keep(self, k: int, n: int) -> None:
         """Keep the rows of the last duals' support (``lambda > 0`` among the first ``n``) for the

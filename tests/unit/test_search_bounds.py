@@ -961,15 +961,20 @@ def _inheritance_case(seed: int) -> int:
     taken = []
 
     class Watched(PySplitSearch):
-        def _lp_violated(self, k, value):
-            q = PySplitSearch._lp_violated(self, k, value)
-            if q >= 0:
-                npar = self.n_par
-                row = self.lp_pool[((k - 1) * LP_KEEP + q) * npar:((k - 1) * LP_KEEP + q + 1) * npar]
-                assert q < self.lp_kept[k - 1] and not self.lp_pool_used[q]
+        def _lp_take_kept(self, k, q_new, value):
+            npar = self.n_par
+            kept = [list(self.lp_pool[((k - 1) * LP_KEEP + q) * npar:((k - 1) * LP_KEEP + q + 1) * npar])
+                    for q in range(self.lp_kept[k - 1])] if k > 0 else []
+            used = list(self.lp_pool_used)
+            took = PySplitSearch._lp_take_kept(self, k, q_new, value)
+            if took:
+                row = list(self.lp_cnt[q_new * npar:(q_new + 1) * npar])
+                flipped = [q for q in range(LP_KEEP) if self.lp_pool_used[q] != used[q]]
+                assert len(flipped) == 1 and flipped[0] < len(kept) and not used[flipped[0]]
+                assert row == kept[flipped[0]]
                 assert sum(c * x for c, x in zip(row, self.lp_point)) > value
-                taken.append(q)
-            return q
+                taken.append(flipped[0])
+            return took
 
     ss = Watched(table, shape, num_layers, ridge=False, blocks=False, type_class=array("i", range(len(counts))),
                  backward=rng.random() < 0.5)
