@@ -23,7 +23,8 @@ cdef class RelaxationBound(StructureBounds):
                    n_paths=cython.int, n_opt=cython.int, n_lam=cython.int, q=cython.int)
     cdef double _relaxation_bound(self, int k, int a, int b, int left, int[::1] lb, int[::1] cap, int[::1] capt,
                                   double need) noexcept
-    @cython.locals(tab='double[::1]', obj='double[::1]', x=cython.double, n_opt=cython.int, n_types=cython.int)
+    @cython.locals(tab='double[::1]', obj='double[::1]', x=cython.double, n_opt=cython.int, n_types=cython.int,
+               hi=cython.int)
     cdef bint _lp_build(self, int a, int b, int left, int n_paths, double scale) noexcept nogil
     @cython.locals(tab='double[::1]', x=cython.double)
     cdef inline void _lp_path_row(self, int q, int off, double scale) noexcept nogil
@@ -36,7 +37,8 @@ cdef class RelaxationBound(StructureBounds):
     cdef inline double _lp_value(self) noexcept nogil
     @cython.locals(x=cython.double)
     cdef inline void _lp_point(self) noexcept nogil
-    @cython.locals(tab='double[::1]', obj='double[::1]', best=cython.double, x=cython.double, ratio=cython.double)
+    @cython.locals(tab='double[::1]', obj='double[::1]', best=cython.double, x=cython.double, ratio=cython.double,
+                   top=cython.double)
     cdef inline bint _lp_simplex(self) noexcept nogil
     @cython.locals(tab='double[::1]', obj='double[::1]', best=cython.double, x=cython.double, ratio=cython.double,
                    worst=cython.double, d=cython.double, piv=cython.double)

@@ -168,7 +168,10 @@ class RelaxationBound(StructureBounds):
         """The program of the node, solved (two phases): ``min T`` over ``theta[r, t, l] >= 0`` (rank ``r`` on
         type ``t`` with ``l`` layers; per rank summing to 1, per type to its remaining ranks, their layers
         to ``left``) with ``T >= cost_P(theta)`` for the first ``n_paths`` paths. Columns: the options, T,
-        a slack per path row (room for LP_MAX), an artificial per first row, the right-hand side."""
+        a slack per path row (room for LP_MAX), an artificial per first row, the right-hand side. The
+        options of a rank and type are the least and the greatest count of each residue mod ``V``: a count
+        between two of one residue is their mix (every parameter is affine in the layers within a residue,
+        ``chunk_layers``), so the program's value is the one over every count, with fewer columns."""
         nt, pp = self.nt, self.pp
         n_opt = 0
         for r in range(a, b):
@@ -176,7 +179,10 @@ class RelaxationBound(StructureBounds):
                 lo = self.lp_lo[r * nt + t]
                 if lo < 0:
                     continue
-                for l in range(lo, self.lp_hi[r * nt + t] + 1):
+                hi = self.lp_hi[r * nt + t]
+                for l in range(lo, hi + 1):
+                    if lo + self.v <= l <= hi - self.v:
+                        continue
                     self.lp_opt_r[n_opt] = r
                     self.lp_opt_t[n_opt] = t
                     self.lp_opt_l[n_opt] = l
@@ -333,17 +339,22 @@ class RelaxationBound(StructureBounds):
             self.lp_point[1 + 2 * nv + pp + r] += x * self.lp_rank[1 + 2 * nv + pp + r]
 
     def _lp_simplex(self) -> bool:
-        """Primal simplex on ``lp_tab`` / ``lp_obj`` to optimality, columns before the artificials entering,
-        by Bland's rule; False after ``LP_PIVOTS`` pivots (or unbounded)."""
+        """Primal simplex on ``lp_tab`` / ``lp_obj`` to optimality, columns before the artificials entering:
+        the most negative reduced cost enters (Dantzig's rule, far fewer pivots than Bland's), the least
+        ratio leaves (ties to the least basic index); after half of ``LP_PIVOTS`` pivots the first negative
+        column enters (Bland's rule: no cycling from there); False after ``LP_PIVOTS`` (or unbounded)."""
         tab, obj = self.lp_tab, self.lp_obj
         w, m = self.lp_w, self.lp_m
         rhs = w - 1
         for k in range(LP_PIVOTS):
             pc = -1
+            top = -LP_EPS
             for j in range(self.lp_art0):
-                if obj[j] < -LP_EPS:
+                if obj[j] < top:
                     pc = j
-                    break
+                    if k >= LP_PIVOTS // 2:
+                        break
+                    top = obj[j]
             if pc < 0:
                 return True
             pr = -1

@@ -1043,3 +1043,99 @@ def test_the_pivot_updates_the_nonzero_columns_as_the_dense_update_would(seed):
     assert list(ss.lp_tab[:m * w]) == dense
     assert list(ss.lp_obj[:w]) == dense_obj
     assert ss.lp_basis[pr] == pc
+
+
+def _options_case(seed: int) -> int:
+    """The program's columns (``RelaxationBound._lp_build``, docs/SEARCH.md) are, per rank and type, the
+    least and greatest layer counts of each residue mod V, and every count between them has the
+    parameters of a mix of its residue's two (the same point, layers and sums, so the same program
+    value): searching an interleaved structure at its optimum finds the brute force's. Returns how many
+    counts the programs left out."""
+    found = None
+    for trial in range(200):
+        table, shape, counts, num_layers = random_structure(7000 + 200 * seed + trial, pure=True)
+        if shape.virtual_stages > 1 and shape.pp >= 3:
+            plans = brute_force(table, shape, counts, num_layers)
+            if plans:
+                found = table, shape, counts, num_layers, plans
+                break
+    assert found is not None
+    table, shape, counts, num_layers, plans = found
+    best = min(p[0] for p in plans)
+    left_out = []
+
+    class Watched(PySplitSearch):
+        def _lp_build(self, a, b, left, n_paths, scale):
+            ok = PySplitSearch._lp_build(self, a, b, left, n_paths, scale)
+            nt, v, npar = self.nt, self.v, self.n_par
+            options = {(self.lp_opt_r[j], self.lp_opt_t[j], self.lp_opt_l[j]) for j in range(self.lp_n_opt)}
+            assert len(options) == self.lp_n_opt
+            for r in range(a, b):
+                for t in range(nt):
+                    lo, hi = self.lp_lo[r * nt + t], self.lp_hi[r * nt + t]
+                    if lo < 0:
+                        assert not any(o[0] == r and o[1] == t for o in options)
+                        continue
+                    for l in range(lo, hi + 1):
+                        ends = l < lo + v or l > hi - v
+                        assert ((r, t, l) in options) == ends, (r, t, l, lo, hi)
+                        if ends:
+                            continue
+                        down = lo + (l - lo) % v                  # its residue's least and greatest
+                        up = hi - (hi - l) % v
+                        got, p0, p1 = array("d", [0.0] * npar), array("d", [0.0] * npar), array("d", [0.0] * npar)
+                        self._lp_put_rank(got, 0, r, t, l)
+                        self._lp_put_rank(p0, 0, r, t, down)
+                        self._lp_put_rank(p1, 0, r, t, up)
+                        w = (l - down) / (up - down)
+                        for i in range(npar):
+                            assert got[i] == pytest.approx((1 - w) * p0[i] + w * p1[i], rel=1e-12, abs=1e-12)
+                        left_out.append((r, t, l))
+            return ok
+
+    ss = Watched(table, shape, num_layers, ridge=False, blocks=False, type_class=array("i", range(len(counts))))
+    res = ss.run(counts, best * (1 + 1e-7))
+    assert res.time_ms == best
+    return len(left_out)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_programs_options_are_the_extremes_of_each_residue(seed):
+    _options_case(seed)
+
+
+def test_the_programs_leave_counts_out_somewhere():
+    """Not vacuous: some programs of those searches leave counts out (a range wider than 2 V)."""
+    assert sum(_options_case(seed) for seed in range(8)) > 0
+
+
+def test_the_primal_simplex_enters_the_most_negative_column_then_falls_back_to_blands_rule(monkeypatch):
+    """``min -x0 - 3 x1`` with ``x0 + x1 + s = 4``: the most negative reduced cost (x1) enters and one pivot
+    is optimal; past half of LP_PIVOTS (here from the first pivot) the first negative column (x0)
+    enters instead, Bland's rule."""
+    from poseidon_plugin.search import relaxation_bound
+    case = _searched_structure(5)
+    assert case is not None
+    ss = case[6]
+    ss._lp_alloc()
+
+    def load():
+        m, w = 1, 4                     # columns x0, x1, s, then the right-hand side (lp_art0 = 3)
+        ss.lp_m, ss.lp_w, ss.lp_art0 = m, w, 3
+        for i, x in enumerate([1.0, 1.0, 1.0, 4.0]):
+            ss.lp_tab[i] = x
+        for j, x in enumerate([-1.0, -3.0, 0.0, 0.0]):
+            ss.lp_obj[j] = x
+        ss.lp_basis[0] = 2
+
+    pivots = []
+    monkeypatch.setattr(ss, "_lp_pivot", lambda pr, pc: (pivots.append(pc), PySplitSearch._lp_pivot(ss, pr, pc)))
+    load()
+    assert ss._lp_simplex()
+    assert pivots == [1]
+    assert ss.lp_basis[0] == 1 and ss.lp_tab[3] == 4.0
+    assert ss.lp_obj[3] == 12.0 and min(ss.lp_obj[:3]) >= 0.0
+    load()
+    monkeypatch.setattr(relaxation_bound, "LP_PIVOTS", 1)
+    assert not ss._lp_simplex()         # one pivot allowed, not yet optimal
+    assert pivots == [1, 0] and ss.lp_basis[0] == 0
