@@ -24,7 +24,7 @@ cdef class RelaxationBound(StructureBounds):
     cdef double _relaxation_bound(self, int k, int a, int b, int left, int[::1] lb, int[::1] cap, int[::1] capt,
                                   double need) noexcept
     @cython.locals(tab='double[::1]', obj='double[::1]', x=cython.double, n_opt=cython.int, n_types=cython.int,
-               hi=cython.int)
+                   hi=cython.int)
     cdef bint _lp_build(self, int a, int b, int left, int n_paths, double scale) noexcept nogil
     @cython.locals(tab='double[::1]', x=cython.double)
     cdef inline void _lp_path_row(self, int q, int off, double scale) noexcept nogil

@@ -941,23 +941,25 @@ def test_relaxation_bound_is_above_the_dag_bound_somewhere():
     assert sum(_relaxation_case(seed) or 0 for seed in range(40)) > 0
 
 
+def _interleaved_structure(first_seed: int):
+    """The first random structure from ``first_seed`` on that is interleaved, has at least 3 ranks and a
+    plan: ``(table, shape, counts, num_layers, best)``, ``best`` its optimum by brute force."""
+    for trial in range(200):
+        table, shape, counts, num_layers = random_structure(first_seed + trial, pure=True)
+        if shape.virtual_stages > 1 and shape.pp >= 3:
+            plans = brute_force(table, shape, counts, num_layers)
+            if plans:
+                return table, shape, counts, num_layers, min(p[0] for p in plans)
+    raise AssertionError(f"no interleaved structure with a plan from seed {first_seed}")
+
+
 def _inheritance_case(seed: int) -> int:
     """A node's program takes the rows that bound its parent's program (``lambda > 0``, docs/SEARCH.md)
     where its point violates them, before running the DAG: searching an interleaved structure at its
     optimum, the result is the brute force's, and every row taken is one the parent kept, violated at the
     program's point. Returns how many rows were taken."""
     rng = random.Random(seed)
-    found = None
-    for trial in range(200):
-        table, shape, counts, num_layers = random_structure(5000 + 200 * seed + trial, pure=True)
-        if shape.virtual_stages > 1 and shape.pp >= 3:
-            plans = brute_force(table, shape, counts, num_layers)
-            if plans:
-                found = table, shape, counts, num_layers, plans
-                break
-    assert found is not None
-    table, shape, counts, num_layers, plans = found
-    best = min(p[0] for p in plans)
+    table, shape, counts, num_layers, best = _interleaved_structure(5000 + 200 * seed)
     taken = []
 
     class Watched(PySplitSearch):
@@ -1051,17 +1053,7 @@ def _options_case(seed: int) -> int:
     parameters of a mix of its residue's two (the same point, layers and sums, so the same program
     value): searching an interleaved structure at its optimum finds the brute force's. Returns how many
     counts the programs left out."""
-    found = None
-    for trial in range(200):
-        table, shape, counts, num_layers = random_structure(7000 + 200 * seed + trial, pure=True)
-        if shape.virtual_stages > 1 and shape.pp >= 3:
-            plans = brute_force(table, shape, counts, num_layers)
-            if plans:
-                found = table, shape, counts, num_layers, plans
-                break
-    assert found is not None
-    table, shape, counts, num_layers, plans = found
-    best = min(p[0] for p in plans)
+    table, shape, counts, num_layers, best = _interleaved_structure(7000 + 200 * seed)
     left_out = []
 
     class Watched(PySplitSearch):
