@@ -22,6 +22,6 @@ cdef class SplitSearch(RelaxationBound):
     cdef inline void _node(self, int k, int left) noexcept
     cdef inline bint _child_lower_bounds(self, int a, int b, int rest, int s_cap, int[::1] lb, int[::1] cap,
                                   int[::1] out) noexcept nogil
-    @cython.locals(lb2='int[::1]')
+    @cython.locals(lb2='int[::1]', fix_lo=cython.int, fix_hi=cython.int, fix_off=cython.int)
     cdef inline void _children(self, int k, int r, int a, int b, int left, int t, int[::1] lb, int[::1] cap,
                         int[::1] capt) noexcept

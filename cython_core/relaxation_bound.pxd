@@ -3,7 +3,7 @@
 cimport cython
 from poseidon_plugin._core.structure_bounds cimport StructureBounds, chunk_layers
 
-cdef double INF, NEG_F, LP_EPS
+cdef double INF, NEG_F, LP_EPS, PATH_SLACK
 cdef int LP_DUAL_PIVOTS, LP_KEEP, LP_MAX, LP_MAX_OPTIONS, LP_PIVOTS, N_TYPE_MINS
 cdef int MIN_FORWARD, MIN_BACKWARD, MIN_EMBEDDING_FORWARD, MIN_EMBEDDING_BACKWARD, MIN_HEAD_FORWARD
 cdef int MIN_HEAD_BACKWARD, MIN_ALLREDUCE, MIN_EMBEDDING_ALLREDUCE, MIN_HEAD_ALLREDUCE
@@ -11,9 +11,11 @@ cdef int MIN_HEAD_BACKWARD, MIN_ALLREDUCE, MIN_EMBEDDING_ALLREDUCE, MIN_HEAD_ALL
 cdef class RelaxationBound(StructureBounds):
     cdef int n_par
     cdef int[::1] lp_free, lp_cnt, lp_basis, lp_nz, lp_lo, lp_hi, lp_arg, lp_new_t, lp_new_l
-    cdef int[::1] lp_opt_r, lp_opt_t, lp_opt_l, lp_pool, lp_kept, lp_pool_used
-    cdef double[::1] lp_base, lp_weight, lp_point, lp_rank, lp_lam, lp_tab, lp_obj
-    cdef double lp_const
+    cdef int[::1] lp_opt_r, lp_opt_t, lp_opt_l, lp_pool, lp_kept, lp_pool_used, lp_fixed, lp_fix_lo, lp_fix_hi
+    cdef double[::1] lp_base, lp_weight, lp_point, lp_rank, lp_lam, lp_tab, lp_obj, lp_best_w, lp_fix_val
+    cdef double[::1] lp_fix_min
+    cdef double lp_const, lp_best_mu, lp_best_c
+    cdef bint lp_have
     cdef long long lp_calls, lp_cuts
     cdef bint lp_ready
     cdef int lp_n_opt, lp_slack0, lp_art0, lp_w, lp_m, lp_layer_row
@@ -56,6 +58,10 @@ cdef class RelaxationBound(StructureBounds):
     @cython.locals(best=cython.double, x=cython.double, got=cython.double)
     cdef inline double _lp_oracle(self, int a, int b, double mu) noexcept nogil
     cdef inline void _lp_add_path(self, int q) noexcept nogil
+    @cython.locals(mu=cython.double, best=cython.double, x=cython.double, got=cython.double, n=cython.int,
+                   lo=cython.int, hi=cython.int, width=cython.int, limit=cython.double, low=cython.int,
+                   l_min=cython.int, l_max=cython.int, y=cython.int)
+    cdef void _lp_fix(self, int k, int r, int a, int b, int[::1] lb, int[::1] capt) noexcept nogil
     @cython.locals(x=cython.double, top=cython.double, arg=cython.int, off=cython.int)
     cdef inline bint _lp_take_kept(self, int k, int q_new, double value) noexcept nogil
     @cython.locals(kept=cython.int, dst=cython.int)

@@ -21,7 +21,9 @@ program's solution (each undecided rank a mix of its options) and its critical p
 (dual simplex from the solved tableau); before that DAG run, a row the parent's program kept (its last
 duals' support) that the solution violates is taken instead, with no run. It stops once the bound
 reaches what cuts the node, once the DAG at the solution is below that (no bound of this kind reaches
-past it), or when no new row comes.
+past it), or when no new row comes. Where it does not cut, its best duals bound each undecided rank's
+options (:meth:`_lp_fix`): the next rank's counts are cut before their DAG bounds, the other ranks'
+bounds tightened for the children.
 
 One source for both backends (Cython's pure-Python mode): typed by ``cython_core/relaxation_bound.pxd``,
 compiled as ``poseidon_plugin._core.relaxation_bound`` (the base class of the compiled ``SplitSearch``);
@@ -36,7 +38,8 @@ from poseidon_plugin.search.assignment import NEG_F
 from poseidon_plugin.search.constants import (LP_DUAL_PIVOTS, LP_EPS, LP_KEEP, LP_MAX, LP_MAX_OPTIONS, LP_PIVOTS,
                                               MIN_ALLREDUCE, MIN_BACKWARD, MIN_EMBEDDING_ALLREDUCE,
                                               MIN_EMBEDDING_BACKWARD, MIN_EMBEDDING_FORWARD, MIN_FORWARD,
-                                              MIN_HEAD_ALLREDUCE, MIN_HEAD_BACKWARD, MIN_HEAD_FORWARD, N_TYPE_MINS)
+                                              MIN_HEAD_ALLREDUCE, MIN_HEAD_BACKWARD, MIN_HEAD_FORWARD, N_TYPE_MINS,
+                                              PATH_SLACK)
 
 from .structure_bounds import StructureBounds, chunk_layers
 
@@ -54,6 +57,7 @@ class RelaxationBound(StructureBounds):
         the bound reaches ``need``. ``-inf`` where it finds none (never a cut)."""
         nt, npar, v = self.nt, self.n_par, self.v
         best = -INF
+        self.lp_have = False
         self._fill(lb, capt)                  # decided ranks exact, sends at their lower bounds
         for i in range(npar):
             self.lp_base[i] = self.params[i]
@@ -103,6 +107,12 @@ class RelaxationBound(StructureBounds):
             value = self.lp_const + mu * left + got
             if value > best:
                 best = value
+                # the best duals, for the children's bounds (_lp_fix)
+                self.lp_have = True
+                self.lp_best_mu = mu
+                self.lp_best_c = self.lp_const + mu * left
+                for i in range(npar):
+                    self.lp_best_w[i] = self.lp_weight[i]
             if best >= need or n_paths >= LP_MAX:
                 break
             self._lp_point()
@@ -120,6 +130,91 @@ class RelaxationBound(StructureBounds):
             n_paths += 1
         self._lp_keep(k, n_lam)
         return best
+
+    def _lp_fix(self, k: int, r: int, a: int, b: int, lb, capt) -> None:
+        """What the node's program (depth ``k``, undecided ranks ``[a, b)``; it did not cut) says of each
+        undecided rank's options: the Lagrangian value at its best duals with rank ``s`` fixed to type
+        ``t`` and ``l`` layers, the other ranks' inner minimum an assignment with ``t`` taken once. It is a
+        lower bound of every completion of the node that gives ``s`` that option, as valid as the node's.
+        For rank ``r`` (decided next) the values go to ``lp_fix_val`` (``lp_fix_lo`` / ``lp_fix_hi``: the
+        counts of each type held, ``-1``: none), where :meth:`_children` cuts a count before its DAG
+        bound; for the others, the least and greatest count below tau of each type tighten ``lb`` and
+        ``capt`` (every completion below tau keeps them; the node's children inherit them)."""
+        nt, pp, v = self.nt, self.pp, self.v
+        width = self.num_layers + 1
+        self.lp_fixed[k] = 0
+        if not self.lp_have:
+            return
+        mu = self.lp_best_mu
+        limit = self.tau * (1.0 + PATH_SLACK)
+        for i in range(self.n_par):
+            self.lp_weight[i] = self.lp_best_w[i]
+        for s in range(a, b):
+            for u in range(nt):
+                lo = self.lp_lo[s * nt + u]
+                best = INF
+                if lo >= 0:
+                    for l in range(lo, self.lp_hi[s * nt + u] + 1):
+                        x = self._lp_rank_cost(s, u, l) - mu * l
+                        if x < best:
+                            best = x
+                self.lp_fix_min[(s - a) * nt + u] = best
+        for s in range(a, b):
+            for u in range(nt):
+                for i in range(b - a):
+                    self.assign_value[u * pp + i] = NEG_F
+            n = 0
+            for s2 in range(a, b):
+                if s2 == s:
+                    continue
+                for u in range(nt):
+                    x = self.lp_fix_min[(s2 - a) * nt + u]
+                    if x < INF:
+                        self.assign_value[u * pp + n] = -x
+                n += 1
+            low = -1
+            for t in range(nt):
+                if s == r:
+                    self.lp_fix_lo[k * nt + t] = -1
+                lo = self.lp_lo[s * nt + t]
+                if lo < 0:
+                    continue
+                self.remaining[t] -= 1
+                got = self._assign(n)
+                self.remaining[t] += 1
+                if got == -INF:
+                    continue
+                hi = self.lp_hi[s * nt + t]
+                if s == r:
+                    self.lp_fix_lo[k * nt + t] = lo
+                    self.lp_fix_hi[k * nt + t] = hi
+                l_min = -1
+                l_max = -1
+                for l in range(lo, hi + 1):
+                    x = self.lp_best_c + self._lp_rank_cost(s, t, l) - mu * l - got
+                    if s == r:
+                        self.lp_fix_val[(k * nt + t) * width + l] = x
+                    if x < limit:
+                        if l_min < 0:
+                            l_min = l
+                        l_max = l
+                if l_min < 0:
+                    continue
+                if low < 0 or l_min < low:
+                    low = l_min
+                if s == r:
+                    continue
+                for c in range(v):
+                    i = (c * pp + s) * nt + t
+                    y = chunk_layers(l_max, c, v)
+                    if capt[i] > y:
+                        capt[i] = y
+            if s != r and low >= 0:
+                for c in range(v):
+                    y = chunk_layers(low, c, v)
+                    if lb[c * pp + s] < y:
+                        lb[c * pp + s] = y
+        self.lp_fixed[k] = 1
 
     def _lp_take_kept(self, k: int, q_new: int, value: float) -> bool:
         """Of the rows kept at depth ``k - 1`` (the parent's binding rows, or those of a former sibling of

@@ -224,6 +224,12 @@ class SplitSearch(RelaxationBound):
         self.lp_pool = int_buffer(pp * LP_KEEP * npar)
         self.lp_kept = int_buffer(pp)
         self.lp_pool_used = int_buffer(LP_KEEP)
+        self.lp_best_w = float_buffer(npar)
+        self.lp_fix_min = float_buffer(pp * nt)
+        self.lp_fixed = int_buffer(pp)
+        self.lp_fix_lo = int_buffer(pp * nt)
+        self.lp_fix_hi = int_buffer(pp * nt)
+        self.lp_fix_val = float_buffer(pp * nt * (self.num_layers + 1))
         self.lp_lo = int_buffer(pp * nt)
         self.lp_hi = int_buffer(pp * nt)
         self.lp_arg = int_buffer(pp * nt)
@@ -434,6 +440,8 @@ class SplitSearch(RelaxationBound):
                                  self.caps[(k - 1) * nv:k * nv], self.capts[(k - 1) * nv * nt:k * nv * nt], True)
         if not ok:
             return
+        if self.lp_ready:
+            self.lp_fixed[k] = 0
         if (self.v > 1 and self.tau < INF and self.exact_counts and b - a >= LP_MIN_UNDECIDED
                 and (self.lp_calls < LP_TRIAL or self.lp_cuts * LP_MIN_CUTS >= self.lp_calls)):
             # the relaxation bound (docs/SEARCH.md): every completion's DAG over fractional types and
@@ -449,6 +457,7 @@ class SplitSearch(RelaxationBound):
                 self.lp_cuts += 1
                 self.ctr[PRUNED_PATH] += 1
                 return
+            self._lp_fix(k, r, a, b, lb, capt)   # its options' bounds: the next rank's counts, the others' caps
         for t in range(nt):
             why = self._type_allowed(r, t)
             if why:
@@ -546,8 +555,21 @@ class SplitSearch(RelaxationBound):
                     s_cap += cap[vs]
         s_lb = self._lb_sum(ca, cb, lb)   # the later ranks' layers at lb (the gain's extra layers: the rest)
         lb2 = self.lbs[(k + 1) * nv:(k + 2) * nv]   # the child's lower bounds, scratch: its propagation overwrites them
+        # the node's program's bound with this rank fixed (_lp_fix): a count it puts at tau or above is cut
+        # before its DAG bound (this count only: not monotone in it)
+        fix_lo = -1
+        fix_hi = -1
+        fix_off = 0
+        if self.lp_ready and self.lp_fixed[k]:
+            fix_lo = self.lp_fix_lo[k * self.nt + t]
+            fix_hi = self.lp_fix_hi[k * self.nt + t]
+            fix_off = (k * self.nt + t) * (self.num_layers + 1)
         l = lo
         while l <= hi and not self.aborted:
+            if fix_lo <= l <= fix_hi and self.lp_fix_val[fix_off + l] >= self.tau * (1.0 + PATH_SLACK):
+                self.ctr[PRUNED_PATH] += 1
+                l += 1
+                continue
             for c in range(v):
                 self.layers[c * pp + r] = chunk_layers(l, c, v)
             if k < pp - 1 and self._child_lower_bounds(ca, cb, left - l, s_cap, lb, cap, lb2):

@@ -11,7 +11,7 @@ from array import array
 
 import pytest
 
-from poseidon_plugin.search.constants import LP_KEEP
+from poseidon_plugin.search.constants import LP_KEEP, PATH_SLACK
 from poseidon_plugin.search.evaluate import plan_fits, simulate_plan, spread
 from poseidon_plugin.search.exhaustive import orders, rank_splits
 from poseidon_plugin.search.shapes import RankOps, ShapeData, bound_paths, first_backward
@@ -901,7 +901,40 @@ def _relaxation_case(seed: int) -> int | None:
             assert got <= best * (1 + 1e-9) + 1e-9, (seed, need, got, best)
             above += got > dag * (1 + 1e-9)
             _assert_kept_rows_are_paths(ss, k, rng)
+            if got < need:
+                _assert_fixed_bounds_hold(ss, k, rng.randrange(a, b), a, b, completions, got, lb, cap, capt)
     return above
+
+
+FIXED = {"checked": 0, "stronger": 0, "tightened": 0}
+"""What :func:`_assert_fixed_bounds_hold` saw: children's bounds checked, and above their node's bound."""
+
+
+def _assert_fixed_bounds_hold(ss, k, r, a, b, completions, node_bound, lb, cap, capt):
+    """``_lp_fix``: the node's program with rank ``r`` fixed to a type and a layer count never exceeds the
+    best completion of the node that gives ``r`` that type and count; the bounds it tightens for the
+    other ranks keep every completion below tau."""
+    pp, v, nt = ss.pp, ss.v, ss.nt
+    lb2, capt2 = array("i", lb), array("i", capt)
+    ss._lp_fix(k, r, a, b, lb2, capt2)
+    if not ss.lp_fixed[k]:
+        return
+    below = [p for p in completions if p[0] < ss.tau * (1 + PATH_SLACK)]
+    assert below                        # tau is just above the best completion
+    _assert_within(below, [s for s in range(a, b) if s != r], pp, v, lb2, cap, capt2)
+    FIXED["tightened"] += lb2 != array("i", lb) or capt2 != array("i", capt)
+    width = ss.num_layers + 1
+    for t in range(nt):
+        lo, hi = ss.lp_fix_lo[k * nt + t], ss.lp_fix_hi[k * nt + t]
+        for l in range(lo, hi + 1) if lo >= 0 else ():
+            bound = ss.lp_fix_val[(k * nt + t) * width + l]
+            assert bound >= node_bound - 1e-9 * (1 + abs(node_bound))      # a restriction of the node's
+            times = [p[0] for p in completions
+                     if p[1][r] == t and sum(p[2][c * pp + r] for c in range(v)) == l]
+            if times:
+                assert bound <= min(times) * (1 + 1e-9) + 1e-9, (k, r, t, l, bound, min(times))
+                FIXED["checked"] += 1
+                FIXED["stronger"] += bound > node_bound * (1 + 1e-9)
 
 
 def _plant_rows(ss, k, rng):
@@ -934,6 +967,14 @@ def _assert_kept_rows_are_paths(ss, k, rng):
 def test_relaxation_bound_never_exceeds_a_completion(seed):
     if _relaxation_case(seed) is None:
         pytest.skip("no plan, or one rank")
+
+
+def test_the_fixed_bounds_are_above_their_nodes_bound_and_tighten_somewhere():
+    """Not vacuous: the bounds of fixed options from a node's program (``_lp_fix``) are checked against
+    completions, some are above the node's own bound, and some tighten the other ranks' bounds."""
+    for seed in range(80):
+        _relaxation_case(seed)
+    assert FIXED["checked"] > 0 and FIXED["stronger"] > 0 and FIXED["tightened"] > 0
 
 
 def test_relaxation_bound_is_above_the_dag_bound_somewhere():
