@@ -10,7 +10,7 @@ cdef int MIN_HEAD_BACKWARD, MIN_ALLREDUCE, MIN_EMBEDDING_ALLREDUCE, MIN_HEAD_ALL
 
 cdef class RelaxationBound(StructureBounds):
     cdef int n_par
-    cdef int[::1] lp_free, lp_cnt, lp_basis, lp_nz, lp_lo, lp_hi, lp_arg, lp_new_t, lp_new_l
+    cdef int[::1] lp_free, lp_cnt, lp_basis, lp_nz, lp_lo, lp_hi
     cdef int[::1] lp_opt_r, lp_opt_t, lp_opt_l, lp_pool, lp_kept, lp_pool_used, lp_fixed, lp_fix_lo, lp_fix_hi
     cdef double[::1] lp_base, lp_weight, lp_point, lp_rank, lp_lam, lp_tab, lp_obj, lp_best_w, lp_fix_val
     cdef double[::1] lp_fix_min
@@ -55,10 +55,12 @@ cdef class RelaxationBound(StructureBounds):
     cdef inline double _lp_rank_cost(self, int r, int t, int l) noexcept nogil
     @cython.locals(x=cython.double)
     cdef inline void _lp_weights(self, int n_paths) noexcept nogil
-    @cython.locals(best=cython.double, x=cython.double, got=cython.double)
+    @cython.locals(x=cython.double, got=cython.double)
     cdef inline double _lp_oracle(self, int a, int b, double mu) noexcept nogil
+    @cython.locals(best=cython.double, x=cython.double, lo=cython.int)
+    cdef inline double _lp_rank_min(self, int r, int t, double mu) noexcept nogil
     cdef inline void _lp_add_path(self, int q) noexcept nogil
-    @cython.locals(mu=cython.double, best=cython.double, x=cython.double, got=cython.double, n=cython.int,
+    @cython.locals(mu=cython.double, x=cython.double, got=cython.double, n=cython.int,
                    lo=cython.int, hi=cython.int, width=cython.int, limit=cython.double, low=cython.int,
                    l_min=cython.int, l_max=cython.int, y=cython.int)
     cdef void _lp_fix(self, int k, int r, int a, int b, int[::1] lb, int[::1] capt) noexcept nogil

@@ -107,12 +107,13 @@ class RelaxationBound(StructureBounds):
             value = self.lp_const + mu * left + got
             if value > best:
                 best = value
-                # the best duals, for the children's bounds (_lp_fix)
-                self.lp_have = True
-                self.lp_best_mu = mu
-                self.lp_best_c = self.lp_const + mu * left
-                for i in range(npar):
-                    self.lp_best_w[i] = self.lp_weight[i]
+                if best < need:
+                    # the best duals while the program has not cut, for its options' bounds (_lp_fix)
+                    self.lp_have = True
+                    self.lp_best_mu = mu
+                    self.lp_best_c = self.lp_const + mu * left
+                    for i in range(npar):
+                        self.lp_best_w[i] = self.lp_weight[i]
             if best >= need or n_paths >= LP_MAX:
                 break
             self._lp_point()
@@ -151,14 +152,7 @@ class RelaxationBound(StructureBounds):
             self.lp_weight[i] = self.lp_best_w[i]
         for s in range(a, b):
             for u in range(nt):
-                lo = self.lp_lo[s * nt + u]
-                best = INF
-                if lo >= 0:
-                    for l in range(lo, self.lp_hi[s * nt + u] + 1):
-                        x = self._lp_rank_cost(s, u, l) - mu * l
-                        if x < best:
-                            best = x
-                self.lp_fix_min[(s - a) * nt + u] = best
+                self.lp_fix_min[(s - a) * nt + u] = self._lp_rank_min(s, u, mu)
         for s in range(a, b):
             for u in range(nt):
                 for i in range(b - a):
@@ -616,8 +610,8 @@ class RelaxationBound(StructureBounds):
 
     def _lp_oracle(self, a: int, b: int, mu: float) -> float:
         """``min`` over the assignments of the remaining types to the ranks ``[a, b)`` (each type exactly
-        its remaining ranks) of ``sum_r min_l (weighted cost - mu l)``, each rank's ``l`` within its range:
-        the value (inf where no assignment exists), the types and layers in ``lp_new_t`` / ``lp_new_l``."""
+        its remaining ranks) of ``sum_r min_l (weighted cost - mu l)`` (:meth:`_lp_rank_min`), each rank's
+        ``l`` within its range: the value, inf where no assignment exists."""
         pp, nt = self.pp, self.nt
         n = b - a
         for t in range(nt):
@@ -625,26 +619,27 @@ class RelaxationBound(StructureBounds):
                 self.assign_value[t * pp + i] = NEG_F
         for r in range(a, b):
             for t in range(nt):
-                lo = self.lp_lo[r * nt + t]
-                if lo < 0:
-                    continue
-                best = INF
-                arg = lo
-                for l in range(lo, self.lp_hi[r * nt + t] + 1):
-                    x = self._lp_rank_cost(r, t, l) - mu * l
-                    if x < best:
-                        best = x
-                        arg = l
-                self.assign_value[t * pp + r - a] = -best
-                self.lp_arg[r * nt + t] = arg
+                x = self._lp_rank_min(r, t, mu)
+                if x < INF:
+                    self.assign_value[t * pp + r - a] = -x
         got = self._assign(n)
         if got == -INF:
             return INF
-        for i in range(n):
-            t = self.assign_owner[i]
-            self.lp_new_t[a + i] = t
-            self.lp_new_l[a + i] = self.lp_arg[(a + i) * nt + t]
         return -got
+
+    def _lp_rank_min(self, r: int, t: int, mu: float) -> float:
+        """``min_l`` of rank ``r``'s weighted cost on type ``t`` with ``l`` layers ``- mu l``, ``l`` within its
+        range (``lp_lo`` / ``lp_hi``); inf where the rank cannot take the type."""
+        nt = self.nt
+        lo = self.lp_lo[r * nt + t]
+        best = INF
+        if lo < 0:
+            return best
+        for l in range(lo, self.lp_hi[r * nt + t] + 1):
+            x = self._lp_rank_cost(r, t, l) - mu * l
+            if x < best:
+                best = x
+        return best
 
     def _lp_add_path(self, q: int) -> None:
         """Path ``q``: the critical path of the kernel's last run (its counts per parameter; the run was
