@@ -29,6 +29,7 @@ from ..plan import format_gap
 from .counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES, PRUNED_BOUND,
                        PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH, PRUNED_RIDGE, SIM_CALLS)
 from .evaluate import greedy_split, plan_fits, simulate_plan, spread
+from .evaluate import iterated_polish
 from .evaluate import polish as polish_plan
 from .leaderboard import Leaderboard
 from .options import SearchOptions, SearchResult, SearchStats, TimeLimitError
@@ -41,6 +42,11 @@ INF = math.inf
 WARMUP_SHAPES = 16
 SEED_SHAPES = 64
 POLISH_EVALS = 10_000         # neighbours one local search of a best plan tries, at most
+IMPROVE_AT = 8_192            # exact mode: a group's first interleaved tree past this many nodes stops for an
+                             # iterated local search from the group's best plan (SearchRun.improve), then
+                             # is searched again below the new threshold, without probes
+IMPROVE_EVALS = 40_000        # ... which simulates at most this many plans ...
+IMPROVE_PATIENCE = 8          # ... and stops after this many kicks in a row that found nothing better
 LAZY_BOUNDS = 32             # memory-aware group bounds computed per lower_bound() call, at most
                              # (the per-position form: up to ~0.15 s each at frontier scale) ...
 LAZY_S = 0.05                # ... and at most this many seconds of them
@@ -112,6 +118,7 @@ class SearchRun:
         # exact mode: the first large tree is still to stop for :meth:`look_ahead` (False once it has, and
         # in default mode); the main loop's order and position, which the look-ahead goes on from
         self.lookahead = options.mode == "exact"
+        self.improved: set[tuple] = set()     # groups whose best plan had its iterated local search
         self.order: list[ShapeGroup] = []
         self.at = 0
         self.node_budget = node_budget
@@ -390,6 +397,34 @@ class SearchRun:
             self.sim_calls += 1
             self.offer(sg, ms, types, layers)
 
+    def may_improve(self, sg: ShapeGroup) -> bool:
+        """Whether the group's next tree stops at IMPROVE_AT nodes for :meth:`improve`: exact mode, an
+        interleaved group, once."""
+        return self.options.mode == "exact" and sg.virtual_stages > 1 and sg.key not in self.improved
+
+    def improve(self, sg: ShapeGroup) -> None:
+        """Iterated local search (:func:`.evaluate.iterated_polish`) from the group's best plan; offers
+        what it finds. On interleaved trees a weak incumbent costs the most: paper Setting 6 at 288
+        NPUs (GBS 64, seq 1024) searched 417,511 of its tree's 505,242 nodes before it found the
+        optimum, which the kicks reach in ~37,000 simulated plans (~2 s). One-chunk groups are left
+        out: their trees' incumbents were near their optima where measured (their trees are large for
+        want of bound), and a frontier-scale plan costs milliseconds to simulate (docs/SEARCH.md)."""
+        self.improved.add(sg.key)
+        got = self.board.best.get(sg.key)
+        if got is None or self.out_of_time():
+            return
+        ms0, cand = got
+        types = [sg.group.names.index(name) for name in cand.stage_types]
+        pp, v = sg.pp, sg.virtual_stages
+        rank_layers = [sum(cand.layers[c * pp + r] for c in range(v)) for r in range(pp)]
+        shape = self.shape(sg)
+        ms, types, rank_layers, sims = iterated_polish(shape.new_params(), self.space.table(sg.group), shape, types,
+                                                       rank_layers, ms0, max_evals=IMPROVE_EVALS,
+                                                       patience=IMPROVE_PATIENCE, stop=self.out_of_time)
+        self.sim_calls += sims
+        if ms < ms0:
+            self.offer(sg, ms, types, spread(rank_layers, pp, v))
+
     def add(self, counters) -> None:
         for i, c in enumerate(counters):
             self.ctr[i] += c
@@ -478,21 +513,36 @@ class SearchRun:
                 self.close(tau)
                 continue
             bound = bounds[i]
-            cap = LOOKAHEAD_AT[sg.virtual_stages > 1] if self.lookahead else 0
-            res, bounds[i] = self.split(splitter, vec, tau, bound, cap=cap)
-            if res.aborted and self.stopped_for_look_ahead(res, cap):
-                # the first large tree: the groups after this one may hold a plan that cuts most of it
+            cut = False
+            probes = True
+            while True:
+                # the first large tree stops for the look-ahead, a group's first large interleaved tree
+                # for the local search from its best plan (:meth:`improve`); then it is searched again
+                cap = LOOKAHEAD_AT[sg.virtual_stages > 1] if self.lookahead else 0
+                if not cap and self.may_improve(sg):
+                    cap = IMPROVE_AT
+                res, bounds[i] = self.split(splitter, vec, tau, bound, cap=cap, probes=probes)
+                if not (res.aborted and self.stopped_at_cap(res, cap)):
+                    break
                 if res.time_ms < INF:
                     self.offer(sg, res.time_ms, res.types, res.layers)
-                self.look_ahead()
+                if self.lookahead:
+                    # the groups after this one may hold a plan that cuts most of the tree
+                    self.lookahead = False
+                    self.look_ahead()
+                else:
+                    self.improve(sg)
+                    probes = False
                 tau = self.threshold(key) * self.shrink
-                if bounds[i] >= tau:
-                    self.pruned_structures += 1
-                    self.close(tau)
-                    continue
+                cut = bounds[i] >= tau
+                if cut:
+                    break
                 # again from the bound it had: the stopped search's probes raised it, and the probes
                 # from the raised bound cost more nodes than they save (paper Setting 5, GBS 64)
-                res, bounds[i] = self.split(splitter, vec, tau, bound)
+            if cut:
+                self.pruned_structures += 1
+                self.close(tau)
+                continue
             if res.counters[NODES] <= 1 and res.counters[IMPROVED] == 0:
                 self.pruned_structures += 1
             if res.time_ms < INF:
@@ -509,15 +559,12 @@ class SearchRun:
             self.close(min(tau, res.time_ms * self.shrink))
         self.partial = INF
 
-    def stopped_for_look_ahead(self, res, cap: int) -> bool:
+    def stopped_at_cap(self, res, cap: int) -> bool:
         """Whether an aborted structure search stopped at its ``cap`` of nodes (not the clock, not a test's
-        node budget); the look-ahead then happens, once."""
+        node budget)."""
         if not (0 < cap <= res.counters[NODES]) or self.out_of_time():
             return False
-        if self.node_budget and res.counters[NODES] >= self.node_budget:
-            return False
-        self.lookahead = False
-        return True
+        return not (self.node_budget and res.counters[NODES] >= self.node_budget)
 
     def look_ahead(self) -> None:
         """Exact mode, once, when the first structure's tree passes LOOKAHEAD_AT nodes: the next
@@ -547,19 +594,21 @@ class SearchRun:
                         tau = self.threshold(sg.key) * self.shrink
         self.polish_best()
 
-    def split(self, splitter, vec, tau: float, bound: float, cap: int = 0):
+    def split(self, splitter, vec, tau: float, bound: float, cap: int = 0, probes: bool = True):
         """Search one structure's tree for its best plan below ``tau``: first below the thresholds
         :data:`PROBE_SHARES` of the way from its lower ``bound`` up to ``tau``, lowest first, then below
         ``tau`` itself. A threshold's search that finds a plan is the search below ``tau``: a plan better
         than the one found takes less than that threshold too, so it would have been found (and with no
         gap the first best plan in the tree's order is found, as below ``tau``). One that finds nothing
         raises the structure's bound to its threshold. ``cap``: at most this many nodes in all (aborted
-        past it). The result, and the bound."""
+        past it); ``probes=False``: below ``tau`` alone (an incumbent the local search could not better is
+        near the optimum, and thresholds below the optimum are proofs that only add nodes). The result,
+        and the bound."""
         budget = self.node_budget or 0
         if cap and (not budget or cap < budget):
             budget = cap
         total = [0] * N_COUNTERS
-        thresholds = [bound + (tau - bound) * f for f in PROBE_SHARES] if 0 < bound < tau else []
+        thresholds = [bound + (tau - bound) * f for f in PROBE_SHARES] if probes and 0 < bound < tau else []
         probe_left = PROBE_NODES
         for t in thresholds + [tau]:
             probe = t < tau and (not budget or probe_left < budget)
