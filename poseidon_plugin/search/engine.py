@@ -28,8 +28,7 @@ from ..errors import NoFeasiblePlanError
 from ..plan import format_gap
 from .counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES, PRUNED_BOUND,
                        PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH, PRUNED_RIDGE, SIM_CALLS)
-from .evaluate import greedy_split, plan_fits, simulate_plan, spread
-from .evaluate import iterated_polish
+from .evaluate import greedy_split, iterated_polish, plan_fits, simulate_plan, spread
 from .evaluate import polish as polish_plan
 from .leaderboard import Leaderboard
 from .options import SearchOptions, SearchResult, SearchStats, TimeLimitError
@@ -192,18 +191,21 @@ class SearchRun:
 
     def polish(self, sg: ShapeGroup) -> None:
         """Local search (:func:`.evaluate.polish`) from the group's best plan; offers what it finds."""
+        self._local_search(sg, polish_plan, max_evals=POLISH_EVALS)
+
+    def _local_search(self, sg: ShapeGroup, search: Callable, **limits) -> None:
+        """``search`` (a local search of :mod:`.evaluate`, with ``limits``) from the group's best plan;
+        offers what it finds."""
         got = self.board.best.get(sg.key)
         if got is None or self.out_of_time():
             return
         ms0, cand = got
         types = [sg.group.names.index(name) for name in cand.stage_types]
-        layers = cand.layers
         pp, v = sg.pp, sg.virtual_stages
-        rank_layers = [sum(layers[c * pp + r] for c in range(v)) for r in range(pp)]
+        rank_layers = [sum(cand.layers[c * pp + r] for c in range(v)) for r in range(pp)]
         shape = self.shape(sg)
-        ms, types, rank_layers, sims = polish_plan(shape.new_params(), self.space.table(sg.group), shape, types,
-                                                   rank_layers, ms0, max_evals=POLISH_EVALS,
-                                                   stop=self.out_of_time)
+        ms, types, rank_layers, sims = search(shape.new_params(), self.space.table(sg.group), shape, types,
+                                              rank_layers, ms0, stop=self.out_of_time, **limits)
         self.sim_calls += sims
         if ms < ms0:
             self.offer(sg, ms, types, spread(rank_layers, pp, v))
@@ -410,20 +412,7 @@ class SearchRun:
         out: their trees' incumbents were near their optima where measured (their trees are large for
         want of bound), and a frontier-scale plan costs milliseconds to simulate (docs/SEARCH.md)."""
         self.improved.add(sg.key)
-        got = self.board.best.get(sg.key)
-        if got is None or self.out_of_time():
-            return
-        ms0, cand = got
-        types = [sg.group.names.index(name) for name in cand.stage_types]
-        pp, v = sg.pp, sg.virtual_stages
-        rank_layers = [sum(cand.layers[c * pp + r] for c in range(v)) for r in range(pp)]
-        shape = self.shape(sg)
-        ms, types, rank_layers, sims = iterated_polish(shape.new_params(), self.space.table(sg.group), shape, types,
-                                                       rank_layers, ms0, max_evals=IMPROVE_EVALS,
-                                                       patience=IMPROVE_PATIENCE, stop=self.out_of_time)
-        self.sim_calls += sims
-        if ms < ms0:
-            self.offer(sg, ms, types, spread(rank_layers, pp, v))
+        self._local_search(sg, iterated_polish, max_evals=IMPROVE_EVALS, patience=IMPROVE_PATIENCE)
 
     def add(self, counters) -> None:
         for i, c in enumerate(counters):

@@ -12,8 +12,9 @@ from poseidon_plugin.search import engine
 from poseidon_plugin.search.engine import SearchRun
 from poseidon_plugin.search.evaluate import _moves
 
-from .test_search_anytime import _cut_once, optimum, run
+from .test_search_anytime import run
 from .test_search_exact import exact_and_exhaustive, random_problem
+from .test_search_lookahead import assert_a_budgeted_search_stays_valid, assert_a_cut_search_stays_valid
 
 SEEDS = range(40)
 
@@ -166,11 +167,7 @@ def test_default_mode_has_no_local_search(improve_early):
 def test_a_search_cut_near_its_local_search_stays_valid(improve_early, seed, fraction, pure_python):
     """Cut by the clock (before, inside or after a local search), resumed with what the reserve leaves: the
     lower bound never passes the optimum, and a search that completes proves it."""
-    _r, res, best = _cut_once(seed, pure_python, fraction)
-    if res.stats.complete:
-        assert res.stats.lower_bound_ms == best == res.plan.predicted_iteration_ms
-    else:
-        assert res.stats.gap == pytest.approx(res.plan.predicted_iteration_ms / res.stats.lower_bound_ms - 1)
+    assert_a_cut_search_stays_valid(seed, fraction, pure_python)
 
 
 @pytest.mark.parametrize("seed", range(0, 40, 4))
@@ -178,10 +175,4 @@ def test_a_search_cut_near_its_local_search_stays_valid(improve_early, seed, fra
 def test_a_node_budget_with_the_local_search(improve_early, seed, budget, pure_python):
     """A test's node budget, below the stop's cap or above it: the lower bound stays valid, and a complete
     search proves the optimum."""
-    cm, schedules = random_problem(seed)
-    best = optimum(cm, schedules).plan.predicted_iteration_ms
-    _r, res = run(cm, mode="exact", schedules=schedules, warmup_samples=4, pure_python=pure_python,
-                  node_budget=budget)
-    assert res.stats.lower_bound_ms <= best <= res.plan.predicted_iteration_ms
-    if res.stats.complete:
-        assert res.stats.lower_bound_ms == best
+    assert_a_budgeted_search_stays_valid(seed, budget, pure_python)

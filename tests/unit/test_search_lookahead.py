@@ -57,11 +57,7 @@ def test_the_look_ahead_finds_better_plans_somewhere(look_early):
 def test_a_search_cut_near_its_look_ahead_stays_valid(look_early, seed, fraction, pure_python):
     """Cut by the clock (before, inside or after the look-ahead), resumed with what the reserve leaves: the
     lower bound never passes the optimum, and a search that completes proves it."""
-    _r, res, best = _cut_once(seed, pure_python, fraction)
-    if res.stats.complete:
-        assert res.stats.lower_bound_ms == best == res.plan.predicted_iteration_ms
-    else:
-        assert res.stats.gap == pytest.approx(res.plan.predicted_iteration_ms / res.stats.lower_bound_ms - 1)
+    assert_a_cut_search_stays_valid(seed, fraction, pure_python)
 
 
 @pytest.mark.parametrize("seed", range(0, 40, 4))
@@ -69,6 +65,24 @@ def test_a_search_cut_near_its_look_ahead_stays_valid(look_early, seed, fraction
 def test_a_node_budget_with_the_look_ahead(look_early, seed, budget, pure_python):
     """A test's node budget, below the look-ahead's cap (no look-ahead) or above it: the lower bound stays
     valid, and a complete search proves the optimum."""
+    assert_a_budgeted_search_stays_valid(seed, budget, pure_python)
+    if budget < 2:
+        assert not look_early
+
+
+def assert_a_cut_search_stays_valid(seed: int, fraction: float, pure_python: bool) -> None:
+    """The search of random problem ``seed`` cut by the clock and resumed (``_cut_once``): a complete one
+    proves the optimum; otherwise its gap is the plan's over its lower bound."""
+    _r, res, best = _cut_once(seed, pure_python, fraction)
+    if res.stats.complete:
+        assert res.stats.lower_bound_ms == best == res.plan.predicted_iteration_ms
+    else:
+        assert res.stats.gap == pytest.approx(res.plan.predicted_iteration_ms / res.stats.lower_bound_ms - 1)
+
+
+def assert_a_budgeted_search_stays_valid(seed: int, budget: int, pure_python: bool) -> None:
+    """The search of random problem ``seed`` with a node budget: its lower bound stays below the optimum,
+    and a complete one proves it."""
     cm, schedules = random_problem(seed)
     best = optimum(cm, schedules).plan.predicted_iteration_ms
     _r, res = run(cm, mode="exact", schedules=schedules, warmup_samples=4, pure_python=pure_python,
@@ -76,8 +90,6 @@ def test_a_node_budget_with_the_look_ahead(look_early, seed, budget, pure_python
     assert res.stats.lower_bound_ms <= best <= res.plan.predicted_iteration_ms
     if res.stats.complete:
         assert res.stats.lower_bound_ms == best
-    if budget < 2:
-        assert not look_early
 
 
 def test_default_mode_does_not_look_ahead():
