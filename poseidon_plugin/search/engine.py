@@ -408,7 +408,7 @@ class SearchRun:
         """Iterated local search (:func:`.evaluate.iterated_polish`) from the group's best plan; offers
         what it finds. On interleaved trees a weak incumbent costs the most: paper Setting 6 at 288
         NPUs (GBS 64, seq 1024) searched 417,511 of its tree's 505,242 nodes before it found the
-        optimum, which the kicks reach in ~37,000 simulated plans (~2 s). One-chunk groups are left
+        optimum, which the kicks reach in ~37,000 simulated plans (~0.9 s). One-chunk groups are left
         out: their trees' incumbents were near their optima where measured (their trees are large for
         want of bound), and a frontier-scale plan costs milliseconds to simulate (docs/SEARCH.md)."""
         self.improved.add(sg.key)

@@ -27,18 +27,8 @@ def fill_plan(params, table: TypeTable, shape: ShapeData, types: Sequence[int],
     slots = slot_indices(types)
     for r in range(pp):
         t = types[r]
-        i = t * table.max_slots + slots[r]
-        table.put_rank_times(params, pp, v, r, layers, None, t, i)
-        n_r = (r + 1) % pp
-        if not link_carries_data(r, pp, v):
-            s = 0.0
-        elif types[n_r] != t:
-            s = table.send_cross_ms[t]
-        elif n_r == 0:
-            s = table.send_wrap_ms[i]
-        else:
-            s = table.send_same_ms[i]
-        params[send_index(pp, v, r)] = s
+        table.put_rank_times(params, pp, v, r, layers, None, t, t * table.max_slots + slots[r])
+        params[send_index(pp, v, r)] = _send_ms(table, pp, v, types, slots, r)
 
 
 def plan_fits(table: TypeTable, shape: ShapeData, types: Sequence[int], layers: Sequence[int]) -> bool:
@@ -56,6 +46,68 @@ def simulate_plan(params, table: TypeTable, shape: ShapeData, types: Sequence[in
     """Iteration ms of a complete plan (no memory check)."""
     fill_plan(params, table, shape, types, layers)
     return shape.kernel.longest(params)
+
+
+class PlanSimulator:
+    """Complete plans of one structure, given as types and layers per rank (chunks spread evenly), checked
+    against memory and simulated as :func:`plan_fits` and :func:`simulate_plan` do, with the same
+    results. The local searches' plans differ from the one before in a few ranks, so it writes only the
+    ranks whose type, slot or layers changed (and the links next to them) into ``params``, which it
+    owns from then on, and keeps each (type, rank, layers)'s memory check."""
+
+    def __init__(self, params, table: TypeTable, shape: ShapeData):
+        self.params, self.table, self.shape = params, table, shape
+        self.pp, self.v = shape.pp, shape.virtual_stages
+        self.fits_memo: dict[tuple[int, int, int], bool] = {}
+        self.last: list[tuple[int, int, int] | None] = [None] * self.pp   # (type, slot, layers) written
+        self.layers = [0] * (self.pp * self.v)
+
+    def fits(self, types: Sequence[int], rank_layers: Sequence[int]) -> bool:
+        """:func:`plan_fits` of the plan."""
+        memo, v = self.fits_memo, self.v
+        for r in range(self.pp):
+            key = (types[r], r, rank_layers[r])
+            ok = memo.get(key)
+            if ok is None:
+                n = rank_layers[r]
+                chunks = [n // v + (1 if c < n % v else 0) for c in range(v)]
+                ok = memo[key] = memory_need(types[r], r, chunks, self.table, self.shape) <= \
+                    self.table.usable_bytes[types[r]]
+            if not ok:
+                return False
+        return True
+
+    def simulate(self, types: Sequence[int], rank_layers: Sequence[int]) -> float:
+        """:func:`simulate_plan` of the plan."""
+        pp, v, table, params = self.pp, self.v, self.table, self.params
+        slots = slot_indices(types)
+        changed = [False] * pp
+        for r in range(pp):
+            now = (types[r], slots[r], rank_layers[r])
+            if now != self.last[r]:
+                self.last[r] = now
+                changed[r] = True
+                n = rank_layers[r]
+                for c in range(v):
+                    self.layers[c * pp + r] = n // v + (1 if c < n % v else 0)
+                table.put_rank_times(params, pp, v, r, self.layers, None, types[r],
+                                     types[r] * table.max_slots + slots[r])
+        for r in range(pp):
+            n_r = (r + 1) % pp
+            if changed[r] or changed[n_r]:
+                params[send_index(pp, v, r)] = _send_ms(table, pp, v, types, slots, r)
+        return self.shape.kernel.longest(params)
+
+
+def _send_ms(table: TypeTable, pp: int, v: int, types: Sequence[int], slots: Sequence[int], r: int) -> float:
+    """The transfer time of link ``r -> r + 1`` of a complete plan."""
+    t, n_r = types[r], (r + 1) % pp
+    if not link_carries_data(r, pp, v):
+        return 0.0
+    if types[n_r] != t:
+        return table.send_cross_ms[t]
+    i = t * table.max_slots + slots[r]
+    return table.send_wrap_ms[i] if n_r == 0 else table.send_same_ms[i]
 
 
 def rank_caps(table: TypeTable, shape: ShapeData, types: Sequence[int], num_layers: int) -> list[int]:
@@ -146,17 +198,18 @@ def _moves(types: list[int], lay: list[int], i: int, j: int, v: int, blocks: boo
 
 
 def polish(params, table: TypeTable, shape: ShapeData, types: Sequence[int], rank_layers: Sequence[int],
-           ms: float, *, max_evals: int, stop: Callable[[], bool] | None = None, blocks: bool = False
-           ) -> tuple[float, list[int], list[int], int]:
+           ms: float, *, max_evals: int, stop: Callable[[], bool] | None = None, blocks: bool = False,
+           sim: PlanSimulator | None = None) -> tuple[float, list[int], list[int], int]:
     """Local search from a complete plan of a structure (its ranks per type stay): first improvement
     over the moves of :func:`_moves`, sweep after sweep until a sweep improves nothing, at most
-    ``max_evals`` neighbours (``stop``, looked at every 64: the clock; ``blocks``: the block moves too).
-    Returns ``(ms, types, layers per rank, plans simulated)``. Its plans only offer incumbents: the
-    search stays exact.
+    ``max_evals`` neighbours (``stop``, looked at every 64: the clock; ``blocks``: the block moves too;
+    ``sim``: the :class:`PlanSimulator` of ``params`` to go on with). Returns ``(ms, types, layers per
+    rank, plans simulated)``. Its plans only offer incumbents: the search stays exact.
 
     On frontier-1024 (TP 8 PP 32 DP 4 1F1B) it takes the best seed from 273,697 to 272,884 ms in one
     sweep (~2,400 neighbours, ~0.5 s), where the tree search had reached 273,044 after 60 s."""
     pp, v = shape.pp, shape.virtual_stages
+    sim = sim or PlanSimulator(params, table, shape)
     types, lay = list(types), list(rank_layers)
     evals = sims = 0
     improved = True
@@ -170,10 +223,9 @@ def polish(params, table: TypeTable, shape: ShapeData, types: Sequence[int], ran
                     if evals >= max_evals or (stop is not None and evals % 64 == 0 and stop()):
                         return ms, types, lay, sims
                     evals += 1
-                    layers = spread(l2, pp, v)
-                    if not plan_fits(table, shape, t2, layers):
+                    if not sim.fits(t2, l2):
                         continue
-                    x = simulate_plan(params, table, shape, t2, layers)
+                    x = sim.simulate(t2, l2)
                     sims += 1
                     if x < ms:
                         ms, types, lay, improved = x, t2, l2, True
@@ -195,8 +247,9 @@ def iterated_polish(params, table: TypeTable, shape: ShapeData, types: Sequence[
     move, the optimum's ``2 0*2 1*3 0 2*9`` is 1.5 % faster), the kicks reach what one polish cannot."""
     pp, v = shape.pp, shape.virtual_stages
     rng = random.Random(seed)
+    sim = PlanSimulator(params, table, shape)
     best_ms, best_t, best_l, sims = polish(params, table, shape, types, rank_layers, ms, max_evals=max_evals,
-                                           stop=stop, blocks=True)
+                                           stop=stop, blocks=True, sim=sim)
     idle = 0
     while idle < patience and sims < max_evals and not (stop is not None and stop()):
         t2, l2 = best_t[:], best_l[:]
@@ -208,13 +261,12 @@ def iterated_polish(params, table: TypeTable, shape: ShapeData, types: Sequence[
             else:
                 t2[i], t2[j] = t2[j], t2[i]
                 l2[i], l2[j] = l2[j], l2[i]
-        layers = spread(l2, pp, v)
-        if not plan_fits(table, shape, t2, layers):
+        if not sim.fits(t2, l2):
             idle += 1
             continue
-        x = simulate_plan(params, table, shape, t2, layers)
+        x = sim.simulate(t2, l2)
         sims += 1
-        got = polish(params, table, shape, t2, l2, x, max_evals=max_evals - sims, stop=stop, blocks=True)
+        got = polish(params, table, shape, t2, l2, x, max_evals=max_evals - sims, stop=stop, blocks=True, sim=sim)
         sims += got[3]
         if got[0] < best_ms:
             best_ms, best_t, best_l = got[0], got[1], got[2]

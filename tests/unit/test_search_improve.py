@@ -57,6 +57,39 @@ def test_the_block_moves_place_a_run_of_one_type_elsewhere():
     assert ([1, 1, 0, 0, 2], [5, 6, 3, 4, 7]) in list(_moves(types, lay, 2, 0, 1, True))
 
 
+def test_the_plan_simulator_gives_the_full_fill_s_answers():
+    """PlanSimulator (one parameter vector, only changed ranks rewritten) against plan_fits and
+    simulate_plan on a fresh vector: random plans of every interleaved group's structure in a row (each
+    a few ranks away from the one before, as the local search's are, and some far), the same memory
+    verdicts and bit-identical times."""
+    import random
+
+    from poseidon_plugin.search.evaluate import PlanSimulator, plan_fits, simulate_plan, spread
+    rng = random.Random(5)
+    checked = fitting = 0
+    for r, sg, table, shape, types, rank_layers in _interleaved_starts():
+        pp, v = sg.pp, sg.virtual_stages
+        sim = PlanSimulator(shape.new_params(), table, shape)
+        t, lay = list(types), list(rank_layers)
+        for step in range(60):
+            for _ in range(1 if step % 10 else pp):        # mostly one move, now and then many
+                i, j = rng.randrange(pp), rng.randrange(pp)
+                if rng.random() < 0.5 and lay[i] > v:
+                    lay[i] -= 1
+                    lay[j] += 1
+                else:
+                    t[i], t[j] = t[j], t[i]
+                    lay[i], lay[j] = lay[j], lay[i]
+            layers = spread(lay, pp, v)
+            ok = plan_fits(table, shape, t, layers)
+            assert sim.fits(t, lay) == ok
+            checked += 1
+            if ok:
+                fitting += 1
+                assert sim.simulate(t, lay) == simulate_plan(shape.new_params(), table, shape, t, layers)
+    assert fitting > 100 and checked > fitting
+
+
 def test_iterated_polish_returns_a_fitting_plan_never_slower_and_the_same_each_run():
     """From the greedy seed of every interleaved group of Setting 6 at 288 NPUs: the plan keeps the ranks
     per type, places every layer with at least V per rank, fits memory, and its time is the cost model's
