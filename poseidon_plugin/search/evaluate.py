@@ -233,14 +233,28 @@ def polish(params, table: TypeTable, shape: ShapeData, types: Sequence[int], ran
     return ms, types, lay, sims
 
 
+def kick(rng: random.Random, types: list[int], rank_layers: list[int], v: int, moves: int) -> None:
+    """``moves`` random moves of a plan, in place: two ranks exchanged (types and layers), or (half the
+    time, where the rank keeps ``v``) one layer moved from a rank to another."""
+    pp = len(types)
+    for _ in range(moves):
+        i, j = rng.randrange(pp), rng.randrange(pp)
+        if rng.random() < 0.5 and rank_layers[i] > v:
+            rank_layers[i] -= 1
+            rank_layers[j] += 1
+        else:
+            types[i], types[j] = types[j], types[i]
+            rank_layers[i], rank_layers[j] = rank_layers[j], rank_layers[i]
+
+
 def iterated_polish(params, table: TypeTable, shape: ShapeData, types: Sequence[int], rank_layers: Sequence[int],
                     ms: float, *, max_evals: int, patience: int, seed: int = 0,
                     stop: Callable[[], bool] | None = None) -> tuple[float, list[int], list[int], int]:
     """Iterated local search from a complete plan: :func:`polish` with the block moves, then, while
-    fewer than ``patience`` kicks in a row improved nothing, a kick (KICK_MOVES random moves from the
-    best plan: two ranks exchanged, or one layer moved) polished again; at most ``max_evals`` plans
-    simulated in all. The kicks are seeded (``seed``): the same plans on every run and backend. Returns what
-    :func:`polish` does. Its plans only offer incumbents: the search stays exact.
+    fewer than ``patience`` kicks in a row improved nothing, a kick (:func:`kick`: KICK_MOVES random
+    moves from the best plan) polished again; at most ``max_evals`` plans simulated in all. The kicks
+    are seeded (``seed``): the same plans on every run and backend. Returns what :func:`polish` does.
+    Its plans only offer incumbents: the search stays exact.
 
     Where the best plans put the types in other runs than the incumbent (paper Setting 6 at 288 NPUs,
     GBS 64, seq 1024, TP 8 PP 16 V 2: the incumbent's ``2*8 0*3 2*2 1*3`` is a local optimum of every
@@ -253,14 +267,7 @@ def iterated_polish(params, table: TypeTable, shape: ShapeData, types: Sequence[
     idle = 0
     while idle < patience and sims < max_evals and not (stop is not None and stop()):
         t2, l2 = best_t[:], best_l[:]
-        for _ in range(KICK_MOVES):
-            i, j = rng.randrange(pp), rng.randrange(pp)
-            if rng.random() < 0.5 and l2[i] > v:
-                l2[i] -= 1
-                l2[j] += 1
-            else:
-                t2[i], t2[j] = t2[j], t2[i]
-                l2[i], l2[j] = l2[j], l2[i]
+        kick(rng, t2, l2, v, KICK_MOVES)
         if not sim.fits(t2, l2):
             idle += 1
             continue

@@ -64,7 +64,7 @@ def test_the_plan_simulator_gives_the_full_fill_s_answers():
     verdicts and bit-identical times."""
     import random
 
-    from poseidon_plugin.search.evaluate import PlanSimulator, plan_fits, simulate_plan, spread
+    from poseidon_plugin.search.evaluate import PlanSimulator, kick, plan_fits, simulate_plan, spread
     rng = random.Random(5)
     checked = fitting = 0
     for r, sg, table, shape, types, rank_layers in _interleaved_starts():
@@ -72,14 +72,7 @@ def test_the_plan_simulator_gives_the_full_fill_s_answers():
         sim = PlanSimulator(shape.new_params(), table, shape)
         t, lay = list(types), list(rank_layers)
         for step in range(60):
-            for _ in range(1 if step % 10 else pp):        # mostly one move, now and then many
-                i, j = rng.randrange(pp), rng.randrange(pp)
-                if rng.random() < 0.5 and lay[i] > v:
-                    lay[i] -= 1
-                    lay[j] += 1
-                else:
-                    t[i], t[j] = t[j], t[i]
-                    lay[i], lay[j] = lay[j], lay[i]
+            kick(rng, t, lay, v, 1 if step % 10 else pp)        # mostly one move, now and then many
             layers = spread(lay, pp, v)
             ok = plan_fits(table, shape, t, layers)
             assert sim.fits(t, lay) == ok
