@@ -69,10 +69,8 @@ class PlanSimulator:
             key = (types[r], r, rank_layers[r])
             ok = memo.get(key)
             if ok is None:
-                n = rank_layers[r]
-                chunks = [n // v + (1 if c < n % v else 0) for c in range(v)]
-                ok = memo[key] = memory_need(types[r], r, chunks, self.table, self.shape) <= \
-                    self.table.usable_bytes[types[r]]
+                ok = memo[key] = memory_need(types[r], r, even_chunks(rank_layers[r], v), self.table,
+                                             self.shape) <= self.table.usable_bytes[types[r]]
             if not ok:
                 return False
         return True
@@ -87,9 +85,8 @@ class PlanSimulator:
             if now != self.last[r]:
                 self.last[r] = now
                 changed[r] = True
-                n = rank_layers[r]
-                for c in range(v):
-                    self.layers[c * pp + r] = n // v + (1 if c < n % v else 0)
+                for c, n in enumerate(even_chunks(rank_layers[r], v)):
+                    self.layers[c * pp + r] = n
                 table.put_rank_times(params, pp, v, r, self.layers, None, types[r],
                                      types[r] * table.max_slots + slots[r])
         for r in range(pp):
@@ -119,8 +116,7 @@ def rank_caps(table: TypeTable, shape: ShapeData, types: Sequence[int], num_laye
         lo, hi = 0, num_layers
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            chunks = [mid // v + (1 if c < mid % v else 0) for c in range(v)]
-            if memory_need(t, r, chunks, table, shape) > table.usable_bytes[t]:
+            if memory_need(t, r, even_chunks(mid, v), table, shape) > table.usable_bytes[t]:
                 hi = mid - 1
             else:
                 lo = mid
@@ -128,12 +124,17 @@ def rank_caps(table: TypeTable, shape: ShapeData, types: Sequence[int], num_laye
     return caps
 
 
+def even_chunks(n: int, v: int) -> list[int]:
+    """``n`` layers over ``v`` chunks, as even as possible, the early chunks first."""
+    return [n // v + (1 if c < n % v else 0) for c in range(v)]
+
+
 def spread(rank_layers: Sequence[int], pp: int, v: int) -> list[int]:
     """Layers per virtual stage from layers per rank (chunks as even as possible, early chunks first)."""
     out = [0] * (pp * v)
     for r, n in enumerate(rank_layers):
-        for c in range(v):
-            out[c * pp + r] = n // v + (1 if c < n % v else 0)
+        for c, x in enumerate(even_chunks(n, v)):
+            out[c * pp + r] = x
     return out
 
 
@@ -259,7 +260,7 @@ def iterated_polish(params, table: TypeTable, shape: ShapeData, types: Sequence[
     Where the best plans put the types in other runs than the incumbent (paper Setting 6 at 288 NPUs,
     GBS 64, seq 1024, TP 8 PP 16 V 2: the incumbent's ``2*8 0*3 2*2 1*3`` is a local optimum of every
     move, the optimum's ``2 0*2 1*3 0 2*9`` is 1.5 % faster), the kicks reach what one polish cannot."""
-    pp, v = shape.pp, shape.virtual_stages
+    v = shape.virtual_stages
     rng = random.Random(seed)
     sim = PlanSimulator(params, table, shape)
     best_ms, best_t, best_l, sims = polish(params, table, shape, types, rank_layers, ms, max_evals=max_evals,
