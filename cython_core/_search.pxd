@@ -17,6 +17,7 @@ cdef class SplitSearch(RelaxationBound):
     cdef inline int _rank_cap(self, int t, int r) noexcept nogil
     cdef inline int _reset(self, object counts) except -1
     cdef inline void _root_check(self) noexcept
+    cdef void _stop(self, int k) noexcept
     cdef inline int _type_allowed(self, int r, int t) noexcept nogil
     @cython.locals(lb='int[::1]', cap='int[::1]', capt='int[::1]', right=cython.bint)
     cdef inline void _node(self, int k, int left) noexcept

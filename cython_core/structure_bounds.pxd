@@ -35,6 +35,11 @@ cdef class StructureBounds:
     # search state
     cdef int[::1] counts, remaining, used, hi, types, slot, layers, last, down, capped, node_a, node_b
     cdef int[::1] lbs, caps, capts, best_types, best_layers
+    # the walk's path, and the stopped run's path to resume from
+    cdef int[::1] path_t, path_l, resume_t, resume_l, resume_counts
+    cdef int resume_depth
+    cdef double resume_tau
+    cdef bint resuming
     # scratch: the fill
     cdef double[::1] mins, type_mins, rank_min_costs, fill_forward, fill_backward, fill_allreduce
     # scratch: the path bounds

@@ -504,13 +504,17 @@ class SearchRun:
             bound = bounds[i]
             cut = False
             probes = True
+            resume = False
             while True:
                 # the first large tree stops for the look-ahead, a group's first large interleaved tree
                 # for the local search from its best plan (:meth:`improve`); then it is searched again
                 cap = LOOKAHEAD_AT[sg.virtual_stages > 1] if self.lookahead else 0
                 if not cap and self.may_improve(sg):
+                    # below tau itself, to be resumed after the local search (a probe's stopped walk is
+                    # below a lower threshold: searched again from the start)
                     cap = IMPROVE_AT
-                res, bounds[i] = self.split(splitter, vec, tau, bound, cap=cap, probes=probes)
+                    probes = False
+                res, bounds[i] = self.split(splitter, vec, tau, bound, cap=cap, probes=probes, resume=resume)
                 if not (res.aborted and self.stopped_at_cap(res, cap)):
                     break
                 if res.time_ms < INF:
@@ -521,7 +525,7 @@ class SearchRun:
                     self.look_ahead()
                 else:
                     self.improve(sg)
-                    probes = False
+                    resume = True        # where the stopped walk was: the tree before it is searched
                 tau = self.threshold(key) * self.shrink
                 cut = bounds[i] >= tau
                 if cut:
@@ -583,7 +587,8 @@ class SearchRun:
                         tau = self.threshold(sg.key) * self.shrink
         self.polish_best()
 
-    def split(self, splitter, vec, tau: float, bound: float, cap: int = 0, probes: bool = True):
+    def split(self, splitter, vec, tau: float, bound: float, cap: int = 0, probes: bool = True,
+              resume: bool = False):
         """Search one structure's tree for its best plan below ``tau``: first below the thresholds
         :data:`PROBE_SHARES` of the way from its lower ``bound`` up to ``tau``, lowest first, then below
         ``tau`` itself. A threshold's search that finds a plan is the search below ``tau``: a plan better
@@ -603,7 +608,8 @@ class SearchRun:
             probe = t < tau and (not budget or probe_left < budget)
             if t < tau and probe_left <= 0:
                 continue
-            res = splitter.run(vec, t, deadline=self.split_deadline, max_nodes=probe_left if probe else budget)
+            res = splitter.run(vec, t, deadline=self.split_deadline, max_nodes=probe_left if probe else budget,
+                               resume=resume and t == tau)
             for j in range(N_COUNTERS):
                 total[j] += res.counters[j]
             if t < tau:
@@ -623,7 +629,7 @@ class SearchRun:
                     break
         self.add(total)
         return SplitResult(time_ms=res.time_ms, types=res.types, layers=res.layers, counters=tuple(total),
-                           aborted=res.aborted), bound
+                           aborted=res.aborted, resumed=res.resumed), bound
 
     def open_structures_bound(self, sg: ShapeGroup, vectors, bounds: list[float], strong: list[bool],
                               start: int) -> float:

@@ -14,6 +14,7 @@ class SplitResult:
     layers: tuple[int, ...]        # layers per virtual stage, empty when none
     counters: tuple[int, ...]      # COUNTER_NAMES
     aborted: bool = False          # stopped by the deadline: not proven optimal
+    resumed: bool = False          # started where the last run of its counts stopped (SplitSearch.run)
 
 
 __all__ = ["SplitResult"]

@@ -116,6 +116,16 @@ class SplitSearch(RelaxationBound):
         self.node_a = int_buffer(pp + 1)   # per depth: the node's undecided ranks [node_a, node_b)
         self.node_b = int_buffer(pp + 1)
         self.depth_nodes = array("q", [0]) * (pp + 1)   # nodes per depth of the last run (diagnostics)
+        # the walk's path (per depth: the type and layers of the child being searched) and, where a run
+        # stopped at its node budget or deadline, its path then, to resume from (run(resume=True))
+        self.path_t = int_buffer(pp)
+        self.path_l = int_buffer(pp)
+        self.resume_t = int_buffer(pp)
+        self.resume_l = int_buffer(pp)
+        self.resume_counts = int_buffer(nt)
+        self.resume_depth = -1
+        self.resume_tau = 0.0
+        self.resuming = False
         # the fill's scratch (StructureBounds._fill)
         self.mins = float_buffer(N_MINS)
         self.type_mins = float_buffer(nt * N_TYPE_MINS)
@@ -325,14 +335,18 @@ class SplitSearch(RelaxationBound):
         return total
 
     def run(self, counts, tau: float, *, root_only: bool = False,
-            deadline: float = INF, max_nodes: int = 0) -> SplitResult:
+            deadline: float = INF, max_nodes: int = 0, resume: bool = False) -> SplitResult:
         """Best plan with time ``< tau`` for ``counts`` ranks per type (``root_only``: bound check only).
 
         ``deadline`` (``time.monotonic()`` seconds) or ``max_nodes`` (> 0: a node budget, the same in
         both backends) stops the search early: ``aborted`` is then set and the result is the best
-        found so far.
+        found so far. ``resume``: where the last run of these counts stopped that way at a threshold
+        ``>= tau``, this one starts where it stopped (:meth:`can_resume`): the tree before its path was
+        searched below a threshold at least this one, so only the rest is searched (``resumed`` is set).
         """
+        resumed = resume and self.can_resume(counts, tau)
         total = self._reset(counts)
+        self.resuming = resumed
         self.tau = tau
         self.best = INF
         self.have_best = False
@@ -348,12 +362,39 @@ class SplitSearch(RelaxationBound):
                 self.kernel = self.shape.kernel
                 self._load_paths(self.shape.search_paths)
             self._node(0, self.num_layers)
+        self.resuming = False
+        if not self.aborted and not root_only:
+            self.resume_depth = -1
         types = layers = ()
         if self.have_best:
             types = tuple([self.best_types[i] for i in range(self.pp)])
             layers = tuple([self.best_layers[i] for i in range(self.nv)])
         return SplitResult(time_ms=self.best, types=types, layers=layers,
-                           counters=tuple([self.ctr[i] for i in range(N_COUNTERS)]), aborted=self.aborted)
+                           counters=tuple([self.ctr[i] for i in range(N_COUNTERS)]), aborted=self.aborted,
+                           resumed=resumed)
+
+    def can_resume(self, counts, tau: float) -> bool:
+        """Whether the last run stopped early on ``counts`` at a threshold ``>= tau``: every plan below
+        ``tau`` in the tree before its path was found (and the better ones lowered the threshold) or cut."""
+        if self.resume_depth < 0 or tau > self.resume_tau:
+            return False
+        for t in range(self.nt):
+            if counts[t] != self.resume_counts[t]:
+                return False
+        return True
+
+    def _stop(self, k: int) -> None:
+        """Stop the walk at the node of depth ``k`` (not yet searched) and keep its path for a resumed run;
+        a resumed run that stops before it reaches its old path's node keeps that path (it is further)."""
+        self.aborted = True
+        if not self.resuming:
+            for j in range(k):
+                self.resume_t[j] = self.path_t[j]
+                self.resume_l[j] = self.path_l[j]
+            for t in range(self.nt):
+                self.resume_counts[t] = self.counts[t]
+            self.resume_depth = k
+        self.resume_tau = self.tau
 
     def depth_profile(self) -> list[int]:
         """Nodes per depth of the last :meth:`run` (depth ``k``: ``k`` ranks decided)."""
@@ -420,8 +461,10 @@ class SplitSearch(RelaxationBound):
         self.depth_nodes[k] += 1
         if (self.ctr[NODES] % CLOCK_EVERY == 0 and time.monotonic() > self.deadline) or \
                 self.ctr[NODES] == self.max_nodes:
-            self.aborted = True
+            self._stop(k)
             return
+        if self.resuming and k == self.resume_depth:
+            self.resuming = False           # the node the stopped run had not searched: in full
         a = self.node_a[k]
         b = self.node_b[k]
         right = self.backward and not (a < self.front and b - a > 1)
@@ -456,6 +499,11 @@ class SplitSearch(RelaxationBound):
                 return
             self._lp_fix(k, r, a, b, lb, capt)   # its options' bounds: the next rank's counts, the others' caps
         for t in range(nt):
+            if self.resuming:               # the types before the stopped run's were searched
+                if t < self.resume_t[k]:
+                    continue
+                if t > self.resume_t[k]:
+                    self.resuming = False
             why = self._type_allowed(r, t)
             if why:
                 if why > 0:
@@ -562,7 +610,15 @@ class SplitSearch(RelaxationBound):
             fix_hi = self.lp_fix_hi[k * self.nt + t]
             fix_off = (k * self.nt + t) * (self.num_layers + 1)
         l = lo
+        if self.resuming:                   # the counts before the stopped run's were searched
+            if self.resume_l[k] > hi:
+                self.resuming = False
+                return
+            if self.resume_l[k] > lo:
+                l = self.resume_l[k]
         while l <= hi and not self.aborted:
+            if self.resuming and l > self.resume_l[k]:
+                self.resuming = False
             if fix_lo <= l <= fix_hi and self.lp_fix_val[fix_off + l] >= self.tau * (1.0 + PATH_SLACK):
                 self.ctr[PRUNED_PATH] += 1
                 l += 1
@@ -609,6 +665,8 @@ class SplitSearch(RelaxationBound):
                 self.last[t] = l
                 self.down[t] = 1 if (down or (last > 0 and l < last)) else 0
                 self.capped[t] = 1 if l == mem else 0
+                self.path_t[k] = t
+                self.path_l[k] = l
                 self._node(k + 1, left - l)
                 self.last[t] = last
                 self.down[t] = down

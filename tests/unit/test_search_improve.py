@@ -1,10 +1,14 @@
 """The iterated local search (search/evaluate.py ``iterated_polish``) and where the exact search uses it:
 a group's first interleaved tree past ``IMPROVE_AT`` nodes stops, the group's best plan is improved, and the
-tree is searched again below the new threshold (``SearchRun.improve``, docs/SEARCH.md).
+tree's walk resumes where it stopped, below the new threshold (``SearchRun.improve``, ``SplitSearch.run``'s
+``resume``; docs/SEARCH.md).
 
 The small problems of the suite rarely need 8,192 nodes (nor the look-ahead's 256, which comes first), so
-the engine tests stop the trees after 2: the answers must stay those of the exhaustive reference.
+the engine tests stop the trees after 2 (the random problems, whose trees below their seeds are one node or
+two, after 1): the answers must stay those of the exhaustive reference.
 """
+
+import math
 
 import pytest
 
@@ -112,43 +116,60 @@ def test_iterated_polish_returns_a_fitting_plan_never_slower_and_the_same_each_r
     assert tried > 5 and beyond > 0
 
 
+RESUMED = []      # improve_early: the node counts of each structure search that resumed a stopped walk
+
+
 @pytest.fixture
 def improve_early(monkeypatch):
     """IMPROVE_AT = 2 nodes (and LOOKAHEAD_AT: the first large tree stops for the look-ahead first); yields a
-    list with one ``(run, group key, group's best before, after)`` per local search."""
+    list with one ``(run, group key, group's best before, after)`` per local search, and fills
+    :data:`RESUMED`."""
     monkeypatch.setattr(engine, "IMPROVE_AT", 2)
     monkeypatch.setattr(engine, "LOOKAHEAD_AT", (2, 2))
     seen = []
     original = SearchRun.improve
+    split = SearchRun.split
+    RESUMED.clear()
 
     def counted(self, sg):
         before = self.board.best_ms(sg.key)
         original(self, sg)
         seen.append((self, sg.key, before, self.board.best_ms(sg.key)))
 
+    def split_counted(self, *args, **kw):
+        res, bound = split(self, *args, **kw)
+        if res.resumed:
+            RESUMED.append(res.counters[0])
+        return res, bound
+
     monkeypatch.setattr(SearchRun, "improve", counted)
+    monkeypatch.setattr(SearchRun, "split", split_counted)
     return seen
 
 
-def test_the_local_search_keeps_the_exact_optimum(improve_early, pure_python):
-    """Exact = exhaustive (best and runner-up) with every interleaved group's first tree stopped at 2 nodes
-    for the local search and searched again without probes; it did happen."""
+def test_the_local_search_keeps_the_exact_optimum(improve_early, pure_python, monkeypatch):
+    """Exact = exhaustive (best and runner-up) with every interleaved group's first tree stopped at its root
+    for the local search and resumed; it did happen."""
+    monkeypatch.setattr(engine, "IMPROVE_AT", 1)
+    monkeypatch.setattr(engine, "LOOKAHEAD_AT", (1, 1))
     for seed in SEEDS:
         cm, schedules = random_problem(seed)
         exact_and_exhaustive(cm, dict(schedules=schedules, top_k=2, warmup_samples=0, pure_python=pure_python))
-    assert improve_early
+    assert improve_early and RESUMED
 
 
 def test_a_local_search_that_finds_nothing_leaves_the_tree_searched(improve_early, monkeypatch):
-    """With a local search that returns its start, the stopped trees are searched again to their end: exact
+    """With a local search that returns its start, the stopped trees are searched on to their end: exact
     = exhaustive still (on these small problems; the Setting 6 test below is where a dropped tree loses
     the optimum)."""
+    monkeypatch.setattr(engine, "IMPROVE_AT", 1)
+    monkeypatch.setattr(engine, "LOOKAHEAD_AT", (1, 1))
     monkeypatch.setattr(engine, "iterated_polish",
                         lambda params, table, shape, types, layers, ms, **kw: (ms, list(types), list(layers), 0))
     for seed in SEEDS:
         cm, schedules = random_problem(seed)
         exact_and_exhaustive(cm, dict(schedules=schedules, top_k=2, warmup_samples=0))
-    assert improve_early
+    assert improve_early and RESUMED
 
 
 def test_the_local_search_finds_better_plans_and_the_same_optimum(improve_early, pure_python, monkeypatch):
@@ -163,6 +184,7 @@ def test_the_local_search_finds_better_plans_and_the_same_optimum(improve_early,
                 pure_python=pure_python)
     r, res = run(cm, **opts)
     assert res.stats.complete
+    assert any(n > 1 for n in RESUMED)          # walks resumed past their root
     keys = [key for who, key, _b, _a in improve_early if who is r]
     assert keys and len(keys) == len(set(keys)) and set(keys) == r.improved
     assert all(key[5] > 1 for key in keys)          # (tp, pp, dp, mbs, schedule, V)
@@ -202,3 +224,72 @@ def test_a_node_budget_with_the_local_search(improve_early, seed, budget, pure_p
     """A test's node budget, below the stop's cap or above it: the lower bound stays valid, and a complete
     search proves the optimum."""
     assert_a_budgeted_search_stays_valid(seed, budget, pure_python)
+
+
+def _setting_6_96_trees(pure_python: bool, top: int = 3000, want=lambda sg: True):
+    """``(group, splitter, counts, full run at tau = inf)`` of paper Setting 6 at 96 NPUs up to PP 8 (one-chunk
+    and interleaved shapes; the groups ``want`` accepts) whose whole tree takes 50 to ``top`` nodes."""
+    from poseidon_plugin.costmodel import CostModel
+    from poseidon_plugin.search import SearchOptions
+    from poseidon_plugin.specs import load_cluster, load_model
+    cm = CostModel(load_cluster("paper-setting-6-96"), load_model("llama3-70b"), micro_batch_sizes=(1,))
+    r = SearchRun(cm, SearchOptions(mode="exact", max_pipeline_stages=8, warmup_samples=0,
+                                    schedules=("1f1b", "interleaved-1f1b"), pure_python=pure_python))
+    for sg in r.space.shape_groups():
+        sp = r.splitter(sg)
+        for vec in r.space.count_vectors(sg):
+            if not want(sg):
+                break
+            full = sp.run(vec, math.inf, max_nodes=top + 1)
+            if 50 <= full.counters[0] <= top and not full.aborted:
+                yield sg, sp, vec, full
+
+
+def test_a_stopped_tree_resumes_where_it_stopped(pure_python):
+    """A walk stopped by its node budget and resumed (again and again, each below the best plan found so
+    far) finds the plan one whole walk finds, and never starts over: a resumed run takes fewer nodes than
+    a whole walk, and with the stop's, at most the whole walk's plus the path walked again (one-chunk
+    shapes: the resumed path's nodes see the lower threshold; interleaved ones also restart their
+    relaxation's trial); a run that cannot resume (other counts, a threshold above the stopped one's)
+    walks the tree afresh."""
+    seen = {1: 0, 2: 0}
+    # the pure-Python twin: two trees of each kind
+    want = (lambda sg: seen[sg.virtual_stages] < 2) if pure_python else (lambda sg: True)
+    for sg, sp, vec, full in _setting_6_96_trees(pure_python, 300 if pure_python else 3000, want):
+        n = full.counters[0]
+        for budget in ((n // 4, n // 2) if pure_python else (sg.pp + 1, n // 3, n // 2)):
+            tau, best, plan, runs, resume = math.inf, math.inf, None, 0, False
+            while True:
+                res = sp.run(vec, tau, max_nodes=budget, resume=resume)
+                assert res.resumed == resume
+                runs += 1
+                if res.time_ms < best:
+                    best, plan, tau = res.time_ms, (res.types, res.layers), res.time_ms
+                if not res.aborted:
+                    break
+                resume = True
+                assert runs <= n
+            assert best == full.time_ms and plan == (full.types, full.layers)
+            assert runs > 1
+        stop = sp.run(vec, math.inf, max_nodes=n // 2)
+        assert stop.aborted
+        tau = min(stop.time_ms, math.inf)
+        if tau < math.inf:
+            # a threshold above the stopped run's last: it cannot resume
+            again = sp.run(vec, tau * 1.5, resume=True)
+            assert not again.resumed
+            stop = sp.run(vec, math.inf, max_nodes=n // 2)
+        rest = sp.run(vec, tau, resume=True)
+        assert rest.resumed and not rest.aborted
+        assert min(stop.time_ms, rest.time_ms) == full.time_ms
+        assert rest.counters[0] < n
+        if sg.virtual_stages == 1:
+            assert stop.counters[0] + rest.counters[0] <= n + sg.pp + 1
+        seen[sg.virtual_stages] += 1
+        # other counts: the stopped walk is not theirs
+        sp.run(vec, math.inf, max_nodes=n // 2)
+        other = [c for c in (tuple(x + (i == j) - (i == k) for i, x in enumerate(vec))
+                             for j in range(len(vec)) for k in range(len(vec)) if j != k) if min(c) >= 0]
+        fresh = sp.run(other[0], math.inf, resume=True)
+        assert not fresh.resumed
+    assert seen[1] and seen[2]

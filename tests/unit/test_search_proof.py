@@ -116,7 +116,7 @@ class _Splitter:
     def __init__(self, best: float):
         self.best, self.taus = best, []
 
-    def run(self, vec, tau, *, deadline, max_nodes):
+    def run(self, vec, tau, *, deadline, max_nodes, resume=False):
         from poseidon_plugin.search.counters import N_COUNTERS, NODES
         from poseidon_plugin.search.split_result import SplitResult
         self.taus.append(tau)
@@ -153,7 +153,7 @@ def test_split_probes_cut_by_their_node_budget_leave_tau_its_search():
     from poseidon_plugin.search.split_result import SplitResult
 
     class Costly(_Splitter):
-        def run(self, vec, tau, *, deadline, max_nodes):
+        def run(self, vec, tau, *, deadline, max_nodes, resume=False):
             self.taus.append((tau, max_nodes))
             counters = [0] * N_COUNTERS
             counters[NODES] = max_nodes or 10
