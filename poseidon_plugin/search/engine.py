@@ -508,6 +508,7 @@ class SearchRun:
             while True:
                 # the first large tree stops for the look-ahead, a group's first large interleaved tree
                 # for the local search from its best plan (:meth:`improve`); then it is searched again
+                # (after the local search, from where its walk stopped)
                 cap = LOOKAHEAD_AT[sg.virtual_stages > 1] if self.lookahead else 0
                 if not cap and self.may_improve(sg):
                     # below tau itself, to be resumed after the local search (a probe's stopped walk is
