@@ -3,7 +3,7 @@
 cimport cython
 from poseidon_plugin._core.structure_bounds cimport StructureBounds, chunk_layers
 
-cdef double INF, NEG_F, LP_EPS, PATH_SLACK
+cdef double INF, NEG_F, LP_EPS, LP_PRICE_SLACK, PATH_SLACK
 cdef int LP_DUAL_PIVOTS, LP_KEEP, LP_MAX, LP_MAX_OPTIONS, LP_PIVOTS, N_TYPE_MINS
 cdef int MIN_FORWARD, MIN_BACKWARD, MIN_EMBEDDING_FORWARD, MIN_EMBEDDING_BACKWARD, MIN_HEAD_FORWARD
 cdef int MIN_HEAD_BACKWARD, MIN_ALLREDUCE, MIN_EMBEDDING_ALLREDUCE, MIN_HEAD_ALLREDUCE
@@ -15,14 +15,14 @@ cdef class RelaxationBound(StructureBounds):
     cdef double[::1] lp_base, lp_weight, lp_point, lp_rank, lp_lam, lp_tab, lp_obj, lp_best_w, lp_fix_val
     cdef double[::1] lp_fix_min
     cdef double lp_const, lp_best_mu, lp_best_c
-    cdef bint lp_have
+    cdef bint lp_have, lp_no_assignment
     cdef long long lp_calls, lp_cuts
     cdef bint lp_ready
     cdef int lp_n_opt, lp_slack0, lp_art0, lp_w, lp_m, lp_layer_row
 
     @cython.locals(best=cython.double, scale=cython.double, mu=cython.double, total=cython.double,
                    x=cython.double, got=cython.double, value=cython.double, dag=cython.double,
-                   n_paths=cython.int, n_opt=cython.int, n_lam=cython.int, q=cython.int)
+                   n_paths=cython.int, n_opt=cython.int, n_lam=cython.int, q=cython.int, priced=cython.bint)
     cdef double _relaxation_bound(self, int k, int a, int b, int left, int[::1] lb, int[::1] cap, int[::1] capt,
                                   double need) noexcept
     @cython.locals(tab='double[::1]', obj='double[::1]', x=cython.double, n_opt=cython.int, n_types=cython.int,
@@ -55,6 +55,8 @@ cdef class RelaxationBound(StructureBounds):
     cdef inline double _lp_rank_cost(self, int r, int t, int l) noexcept nogil
     @cython.locals(x=cython.double)
     cdef inline void _lp_weights(self, int n_paths) noexcept nogil
+    @cython.locals(got=cython.double, value=cython.double)
+    cdef double _lp_price(self, int a, int b, int left, double mu, int n, double best, double need) noexcept nogil
     @cython.locals(x=cython.double, got=cython.double)
     cdef inline double _lp_oracle(self, int a, int b, double mu) noexcept nogil
     @cython.locals(best=cython.double, x=cython.double, lo=cython.int)

@@ -40,6 +40,7 @@ cdef class StructureBounds:
     cdef int resume_depth
     cdef double resume_tau
     cdef bint resuming
+    cdef bint gain_path
     # scratch: the fill
     cdef double[::1] mins, type_mins, rank_min_costs, fill_forward, fill_backward, fill_allreduce
     # scratch: the path bounds

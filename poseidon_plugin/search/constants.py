@@ -23,6 +23,7 @@ LP_MAX_OPTIONS = 600        # ... and (rank, type, layers) options: a node with 
 LP_PIVOTS = 4000            # pivots per simplex run (Dantzig's rule, Bland's after half: no cycling; a cap anyway)
 LP_DUAL_PIVOTS = 500        # ... and per dual simplex run (the rule can cycle on degenerate pivots)
 LP_EPS = 1e-9               # the simplex's tolerance (the program's costs are scaled by tau: ~1)
+LP_PRICE_SLACK = 1e-6      # the Lagrangian is priced where the program's value is within this share of a cut
 LP_MIN_UNDECIDED = 3        # nodes with fewer undecided ranks are left to the children's DAG bounds
 LP_TRIAL = 64               # a structure search keeps computing it after this many nodes only while it cuts
 LP_MIN_CUTS = 4             # ... at least one node in this many
@@ -42,7 +43,7 @@ N_MINS = len(MIN_NAMES)
 N_TYPE_MINS = MIN_SEND      # the kinds a type has of its own (the transfers depend on the link)
 
 __all__ = ["CLOCK_EVERY", "FIT_SLACK", "FRONT_FIRST", "INHERITED_ROUNDS", "LP_DUAL_PIVOTS", "LP_EPS", "LP_KEEP",
-           "LP_MAX", "LP_MAX_OPTIONS", "LP_MIN_CUTS", "LP_MIN_UNDECIDED", "LP_PIVOTS", "LP_TRIAL", "MIN_ALLREDUCE",
-           "MIN_BACKWARD", "MIN_EMBEDDING_ALLREDUCE", "MIN_EMBEDDING_BACKWARD", "MIN_EMBEDDING_FORWARD",
-           "MIN_FORWARD", "MIN_HEAD_ALLREDUCE", "MIN_HEAD_BACKWARD", "MIN_HEAD_FORWARD", "MIN_NAMES", "MIN_SEND",
-           "N_MINS", "N_TYPE_MINS", "PATH_SLACK", "PROPAGATION_ROUNDS"]
+           "LP_MAX", "LP_MAX_OPTIONS", "LP_MIN_CUTS", "LP_MIN_UNDECIDED", "LP_PIVOTS", "LP_PRICE_SLACK", "LP_TRIAL",
+           "MIN_ALLREDUCE", "MIN_BACKWARD", "MIN_EMBEDDING_ALLREDUCE", "MIN_EMBEDDING_BACKWARD",
+           "MIN_EMBEDDING_FORWARD", "MIN_FORWARD", "MIN_HEAD_ALLREDUCE", "MIN_HEAD_BACKWARD", "MIN_HEAD_FORWARD",
+           "MIN_NAMES", "MIN_SEND", "N_MINS", "N_TYPE_MINS", "PATH_SLACK", "PROPAGATION_ROUNDS"]

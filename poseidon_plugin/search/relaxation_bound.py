@@ -36,6 +36,7 @@ import math
 
 from poseidon_plugin.search.assignment import NEG_F
 from poseidon_plugin.search.constants import (LP_DUAL_PIVOTS, LP_EPS, LP_KEEP, LP_MAX, LP_MAX_OPTIONS, LP_PIVOTS,
+                                              LP_PRICE_SLACK,
                                               MIN_ALLREDUCE, MIN_BACKWARD, MIN_EMBEDDING_ALLREDUCE,
                                               MIN_EMBEDDING_BACKWARD, MIN_EMBEDDING_FORWARD, MIN_FORWARD,
                                               MIN_HEAD_ALLREDUCE, MIN_HEAD_BACKWARD, MIN_HEAD_FORWARD, N_TYPE_MINS,
@@ -76,9 +77,15 @@ class RelaxationBound(StructureBounds):
         if n_opt > LP_MAX_OPTIONS:
             return best
         scale = self.tau if self.tau > 0.0 else 1.0
-        # the first row: the critical path of the DAG at the lower bounds (the node's own DAG bound)
-        self.kernel.longest_into(self.params)
-        self._lp_add_path(0)
+        # the first row: the critical path of the DAG bound the parent took of this child (the gain's,
+        # :meth:`_count_gain`: any path of the DAG is a valid row), else the DAG's at the lower bounds
+        if k > 0 and self.gain_path:
+            for i in range(npar):
+                self.lp_cnt[i] = self.path_counts[i]
+        else:
+            self.kernel.longest_into(self.params)
+            self._lp_add_path(0)
+        self.gain_path = False
         n_paths = 1
         if not self._lp_build(a, b, left, n_paths, scale):
             return best
@@ -100,22 +107,14 @@ class RelaxationBound(StructureBounds):
                 self.lp_lam[q] /= total
             n_lam = n_paths
             mu = -self.lp_obj[self.lp_art0 + self.lp_layer_row] * scale
-            self._lp_weights(n_paths)
-            got = self._lp_oracle(a, b, mu)
-            if got == INF:
-                break
-            value = self.lp_const + mu * left + got
-            if value > best:
-                best = value
-                if best < need:
-                    # the best duals while the program has not cut, for its options' bounds (_lp_fix)
-                    self.lp_have = True
-                    self.lp_best_mu = mu
-                    self.lp_best_c = self.lp_const + mu * left
-                    for i in range(npar):
-                        self.lp_best_w[i] = self.lp_weight[i]
-            if best >= need or n_paths >= LP_MAX:
-                break
+            # the Lagrangian value is at most the program's (equal at its duals, up to rounding): it is
+            # priced where the program reaches what cuts, and at the last duals (for _lp_fix)
+            priced = False
+            if n_paths >= LP_MAX or self._lp_value() * scale >= need * (1.0 - LP_PRICE_SLACK):
+                best = self._lp_price(a, b, left, mu, n_paths, best, need)
+                priced = True
+                if self.lp_no_assignment or best >= need or n_paths >= LP_MAX:
+                    break
             self._lp_point()
             # a row the parent kept (any path of the DAG is a valid row at every node) that the program's
             # point violates is the new row, without a DAG run
@@ -124,12 +123,37 @@ class RelaxationBound(StructureBounds):
                 # path is a new row where it is longer than the program thinks
                 dag = self.kernel.longest_into(self.lp_point)
                 if dag < need or dag <= self._lp_value() * scale * (1.0 + LP_EPS):
+                    if not priced:
+                        best = self._lp_price(a, b, left, mu, n_paths, best, need)
                     break
                 self._lp_add_path(n_paths)
             if not self._lp_cut(n_paths, scale):
+                if not priced:          # the duals before the row (lp_lam and the first n_lam rows are kept)
+                    best = self._lp_price(a, b, left, mu, n_lam, best, need)
                 break
             n_paths += 1
         self._lp_keep(k, n_lam)
+        return best
+
+    def _lp_price(self, a: int, b: int, left: int, mu: float, n: int, best: float, need: float) -> float:
+        """The Lagrangian value at the duals ``lp_lam`` (over the first ``n`` paths) and ``mu``: the larger of
+        it and ``best``; the duals of a better value below ``need`` are kept for :meth:`_lp_fix`.
+        ``lp_no_assignment``: no assignment of the types exists (no value)."""
+        self._lp_weights(n)
+        got = self._lp_oracle(a, b, mu)
+        self.lp_no_assignment = got == INF
+        if got == INF:
+            return best
+        value = self.lp_const + mu * left + got
+        if value > best:
+            best = value
+            if best < need:
+                # the best duals while the program has not cut, for its options' bounds (_lp_fix)
+                self.lp_have = True
+                self.lp_best_mu = mu
+                self.lp_best_c = self.lp_const + mu * left
+                for i in range(self.n_par):
+                    self.lp_best_w[i] = self.lp_weight[i]
         return best
 
     def _lp_fix(self, k: int, r: int, a: int, b: int, lb, capt) -> None:

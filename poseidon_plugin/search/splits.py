@@ -179,6 +179,7 @@ class SplitSearch(RelaxationBound):
         self.gain_room = int_buffer(nv * nt)
         self.gain_mu = float_buffer(nv * nt)
         self.gain_slack = 0
+        self.gain_path = False      # path_counts holds a path of the DAG (the last gain's)
         self.assign_value = float_buffer(nt * pp)
         self.assign_capacity = int_buffer(nt * pp)
         self.assign_owner = int_buffer(pp)
@@ -190,6 +191,7 @@ class SplitSearch(RelaxationBound):
         # searches (root checks, one-chunk shapes) never need it
         self.n_par = shape.n_params
         self.lp_ready = False
+        self.lp_no_assignment = False
         self.lp_const = 0.0
         self.lp_n_opt = self.lp_slack0 = self.lp_art0 = self.lp_w = self.lp_m = 0
         self.lp_layer_row = 0

@@ -867,6 +867,7 @@ class StructureBounds:
         cnt = self.path_counts
         tm = self.type_mins
         self.kernel.critical_into(self.params, cnt)
+        self.gain_path = True
         for t in range(nt):
             self.type_mean_gain[t] = 0.0
             self.type_gain_ranks[t] = 0
