@@ -16,7 +16,7 @@ cdef class StructureBounds:
     cdef DagKernel kernel
     cdef object table, shape
     cdef int nt, pp, v, nv, stride, num_layers, n_paths, ub, front
-    cdef bint ridge, blocks, backward, exact_counts, have_best, aborted
+    cdef bint ridge, blocks, backward, alternate, exact_counts, have_best, aborted
     cdef double tau, shrink, best, deadline
     cdef long long max_nodes
     cdef long long[::1] ctr, depth_nodes

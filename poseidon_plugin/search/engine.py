@@ -166,6 +166,13 @@ class SearchRun:
         return self.shapes.get(sg.schedule, sg.pp, sg.group.micro_batches, sg.virtual_stages)
 
     def splitter(self, sg: ShapeGroup):
+        """The search of the group's structure trees (``SplitSearch``, compiled unless the search is pure)."""
+        return self.walk(sg, alternate=sg.virtual_stages > 1)
+
+    def walk(self, sg: ShapeGroup, alternate: bool = False):
+        """A ``SplitSearch`` of the group's structure trees; ``alternate``: interleaved ranks decided from
+        both ends in turn (docs/SEARCH.md, "Branching order"; the pipeline order where the ridge or block
+        rules apply, in default mode)."""
         g = sg.group
         table, shape = self.space.table(g), self.shape(sg)
         cls = self.space.type_classes(g)
@@ -176,10 +183,10 @@ class SearchRun:
         if self.pure:
             return _pure_twin("splits").SplitSearch(table, shape, self.space.num_layers, ridge=self.ridge,
                                                     blocks=self.blocks, type_class=cls, gap=self.gap,
-                                                    backward=backward)
+                                                    backward=backward, alternate=alternate)
         from poseidon_plugin._core._search import SplitSearch
         return SplitSearch(table, shape, self.space.num_layers, ridge=self.ridge, blocks=self.blocks,
-                           type_class=cls, gap=self.gap, backward=backward)
+                           type_class=cls, gap=self.gap, backward=backward, alternate=alternate)
 
     def offer(self, sg: ShapeGroup, ms: float, types, layers) -> None:
         self.board.offer(sg.key, ms, lambda: self.candidate(sg, types, layers))

@@ -2,8 +2,8 @@
 
 A structure fixes ``(tp, mbs, dp)`` (one :class:`~.tables.TypeTable`), the shape ``(schedule, pp, M, V)``
 (one :class:`~.shapes.ShapeData`) and how many pipeline ranks use each device type. The search then
-decides, rank by rank (in pipeline order, or with ``backward`` from the last one, rank 0 first where its
-memory holds the average rank's layers), each rank's device
+decides, rank by rank (in pipeline order, with ``backward`` from the last one, rank 0 first where its
+memory holds the average rank's layers, or with ``alternate`` from both ends in turn), each rank's device
 type and layers, and simulates every complete plan that can still beat the threshold ``tau``. With
 ``V`` chunks per rank, a rank's layers are spread over its chunks as evenly as possible, earlier
 chunks first (``chunk_layers``): virtual stage ``vs = chunk x pp + rank`` holds
@@ -56,15 +56,17 @@ class SplitSearch(RelaxationBound):
     """
 
     def __init__(self, table, shape, num_layers: int, *, ridge: bool, blocks: bool, type_class,
-                 gap: float = 0.0, backward: bool = False):
+                 gap: float = 0.0, backward: bool = False, alternate: bool = False):
         if shape.pure_python and __name__ == "poseidon_plugin._core._search":
             raise TypeError("the compiled search needs the compiled DAG kernel (shape built with "
                             "pure_python=False)")
         self.table, self.shape = table, shape
         self.num_layers = num_layers
         self.ridge, self.blocks = ridge, blocks
-        # decide the ranks from the last one (the ridge and block rules follow the pipeline order)
+        # decide the ranks from the last one, or from both ends in turn (the ridge and block rules follow
+        # the pipeline order)
         self.backward = backward and not ridge and not blocks
+        self.alternate = alternate and not self.backward and not ridge and not blocks
         # relative optimality gap: a plan must beat best / (1 + gap) to be worth searching for
         self.shrink = 1.0 / (1.0 + gap)
         nt = self.nt = len(table.names)
@@ -470,6 +472,8 @@ class SplitSearch(RelaxationBound):
         a = self.node_a[k]
         b = self.node_b[k]
         right = self.backward and not (a < self.front and b - a > 1)
+        if self.alternate and k % 2 == 1 and b - a > 1:
+            right = True                    # from both ends in turn: the front at even depths, the end at odd
         r = b - 1 if right else a
         self.ub = b
         lb = self.lbs[k * nv:(k + 1) * nv]
