@@ -16,12 +16,14 @@ used is its Lagrangian value at the program's duals ``lambda`` (paths) and ``mu`
 
 (the inner minimum an assignment problem, solved exactly by :func:`.assignment.assign_into`), valid for
 any ``lambda >= 0`` summing to 1 and any ``mu``, so the simplex's rounding never makes it invalid. Rows
-come from the DAG: the first is the critical path at the node's lower bounds; then the DAG is run at the
-program's solution (each undecided rank a mix of its options) and its critical path becomes a new row
-(dual simplex from the solved tableau); before that DAG run, a row the parent's program kept (its last
-duals' support) that the solution violates is taken instead, with no run. It stops once the bound
-reaches what cuts the node, once the DAG at the solution is below that (no bound of this kind reaches
-past it), or when no new row comes. Where it does not cut, its best duals bound each undecided rank's
+come from the DAG: the first is the critical path of the DAG bound the parent took of the node (at the
+root, of the DAG at its lower bounds); then the DAG is run at the program's solution (each undecided rank
+a mix of its options) and its critical path becomes a new row (dual simplex from the solved tableau);
+before that DAG run, a row the parent's program kept (its last duals' support) that the solution violates
+is taken instead, with no run. The Lagrangian is priced where the program's value reaches what cuts the
+node (it is at most that value, equal at the program's duals) and at the duals it stops with. It stops
+once the bound reaches what cuts the node, once the DAG at the solution is below that (no bound of this
+kind reaches past it), or when no new row comes. Where it does not cut, its best duals bound each undecided rank's
 options (:meth:`_lp_fix`): the next rank's counts are cut before their DAG bounds, the other ranks'
 bounds tightened for the children.
 
