@@ -184,7 +184,7 @@ def test_the_local_search_finds_better_plans_and_the_same_optimum(improve_early,
                 pure_python=pure_python)
     r, res = run(cm, **opts)
     assert res.stats.complete
-    assert any(n > 1 for n in RESUMED)          # walks resumed past their root
+    assert any(n > 1 for n in RESUMED)          # resumed walks that searched on past their stop
     keys = [key for who, key, _b, _a in improve_early if who is r]
     assert keys and len(keys) == len(set(keys)) and set(keys) == r.improved
     assert all(key[5] > 1 for key in keys)          # (tp, pp, dp, mbs, schedule, V)
