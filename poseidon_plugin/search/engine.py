@@ -43,7 +43,7 @@ SEED_SHAPES = 64
 POLISH_EVALS = 10_000         # neighbours one local search of a best plan tries, at most
 IMPROVE_AT = 8_192            # exact mode: a group's first interleaved tree past this many nodes stops for an
                              # iterated local search from the group's best plan (SearchRun.improve), then
-                             # is searched again below the new threshold, without probes
+                             # its walk resumes where it stopped, below the new threshold
 IMPROVE_EVALS = 40_000        # ... which simulates at most this many plans ...
 IMPROVE_PATIENCE = 8          # ... and stops after this many kicks in a row that found nothing better
 LAZY_BOUNDS = 32             # memory-aware group bounds computed per lower_bound() call, at most
@@ -165,14 +165,12 @@ class SearchRun:
     def shape(self, sg: ShapeGroup) -> ShapeData:
         return self.shapes.get(sg.schedule, sg.pp, sg.group.micro_batches, sg.virtual_stages)
 
-    def splitter(self, sg: ShapeGroup):
-        """The search of the group's structure trees (``SplitSearch``, compiled unless the search is pure)."""
-        return self.walk(sg, alternate=sg.virtual_stages > 1)
-
-    def walk(self, sg: ShapeGroup, alternate: bool = False):
-        """A ``SplitSearch`` of the group's structure trees; ``alternate``: interleaved ranks decided from
-        both ends in turn (docs/SEARCH.md, "Branching order"; the pipeline order where the ridge or block
-        rules apply, in default mode)."""
+    def splitter(self, sg: ShapeGroup, alternate: bool | None = None):
+        """The search of the group's structure trees (``SplitSearch``, compiled unless the search is pure);
+        ``alternate``: the ranks decided from both ends in turn (default: interleaved shapes; docs/SEARCH.md,
+        "Branching order"; the pipeline order where the ridge or block rules apply, in default mode)."""
+        if alternate is None:
+            alternate = sg.virtual_stages > 1
         g = sg.group
         table, shape = self.space.table(g), self.shape(sg)
         cls = self.space.type_classes(g)
@@ -603,9 +601,10 @@ class SearchRun:
         than the one found takes less than that threshold too, so it would have been found (and with no
         gap the first best plan in the tree's order is found, as below ``tau``). One that finds nothing
         raises the structure's bound to its threshold. ``cap``: at most this many nodes in all (aborted
-        past it); ``probes=False``: below ``tau`` alone (an incumbent the local search could not better is
-        near the optimum, and thresholds below the optimum are proofs that only add nodes). The result,
-        and the bound."""
+        past it); ``probes=False``: below ``tau`` alone (after the local search the incumbent is near the
+        optimum, and thresholds below the optimum are proofs that only add nodes; a walk below ``tau``
+        that stops for it can be resumed); ``resume``: the walk below ``tau`` goes on where the last one
+        stopped (``SplitSearch.run``). The result, and the bound."""
         budget = self.node_budget or 0
         if cap and (not budget or cap < budget):
             budget = cap

@@ -227,8 +227,9 @@ def test_a_node_budget_with_the_local_search(improve_early, seed, budget, pure_p
 
 
 def _setting_6_96_trees(pure_python: bool, top: int = 3000, want=lambda sg: True):
-    """``(group, splitter, counts, full run at tau = inf)`` of paper Setting 6 at 96 NPUs up to PP 8 (one-chunk
-    and interleaved shapes; the groups ``want`` accepts) whose whole tree takes 50 to ``top`` nodes."""
+    """``(run, group, splitter, counts, full run at tau = inf)`` of paper Setting 6 at 96 NPUs up to PP 8
+    (one-chunk and interleaved shapes; the groups ``want`` accepts) whose whole tree takes 50 to ``top``
+    nodes, walked in pipeline order (one-chunk: from the end)."""
     from poseidon_plugin.costmodel import CostModel
     from poseidon_plugin.search import SearchOptions
     from poseidon_plugin.specs import load_cluster, load_model
@@ -236,13 +237,13 @@ def _setting_6_96_trees(pure_python: bool, top: int = 3000, want=lambda sg: True
     r = SearchRun(cm, SearchOptions(mode="exact", max_pipeline_stages=8, warmup_samples=0,
                                     schedules=("1f1b", "interleaved-1f1b"), pure_python=pure_python))
     for sg in r.space.shape_groups():
-        sp = r.walk(sg)
+        sp = r.splitter(sg, alternate=False)
         for vec in r.space.count_vectors(sg):
             if not want(sg):
                 break
             full = sp.run(vec, math.inf, max_nodes=top + 1)
             if 50 <= full.counters[0] <= top and not full.aborted:
-                yield sg, sp, vec, full
+                yield r, sg, sp, vec, full
 
 
 def test_a_stopped_tree_resumes_where_it_stopped(pure_python):
@@ -255,7 +256,7 @@ def test_a_stopped_tree_resumes_where_it_stopped(pure_python):
     seen = {1: 0, 2: 0}
     # the pure-Python twin: two trees of each kind
     want = (lambda sg: seen[sg.virtual_stages] < 2) if pure_python else (lambda sg: True)
-    for sg, sp, vec, full in _setting_6_96_trees(pure_python, 300 if pure_python else 3000, want):
+    for _r, sg, sp, vec, full in _setting_6_96_trees(pure_python, 300 if pure_python else 3000, want):
         n = full.counters[0]
         for budget in ((n // 4, n // 2) if pure_python else (sg.pp + 1, n // 3, n // 2)):
             tau, best, plan, runs, resume = math.inf, math.inf, None, 0, False
@@ -273,7 +274,7 @@ def test_a_stopped_tree_resumes_where_it_stopped(pure_python):
             assert runs > 1
         stop = sp.run(vec, math.inf, max_nodes=n // 2)
         assert stop.aborted
-        tau = min(stop.time_ms, math.inf)
+        tau = stop.time_ms
         if tau < math.inf:
             # a threshold above the stopped run's last: it cannot resume
             again = sp.run(vec, tau * 1.5, resume=True)
@@ -301,27 +302,17 @@ def test_both_orders_of_an_interleaved_tree_find_its_optimum(pure_python):
     the order changes the tree (non-vacuity: their node counts differ somewhere); a stopped walk in the
     second order resumes to the same answer."""
     seen = differ = 0
-    for sg, _sp, vec, full in _setting_6_96_trees(pure_python, 300 if pure_python else 3000,
-                                                   lambda sg: sg.virtual_stages > 1):
-        walk = _both_orders_run(sg, pure_python)
+    for r, sg, _sp, vec, full in _setting_6_96_trees(pure_python, 300 if pure_python else 3000,
+                                                      lambda sg: sg.virtual_stages > 1):
+        walk = r.splitter(sg)
         alt = walk.run(vec, math.inf)
         assert not alt.aborted and alt.time_ms == full.time_ms
         differ += alt.counters[0] != full.counters[0]
         stop = walk.run(vec, math.inf, max_nodes=max(2, alt.counters[0] // 2))
-        rest = walk.run(vec, min(stop.time_ms, math.inf), resume=True)
+        rest = walk.run(vec, stop.time_ms, resume=True)
         assert stop.aborted and rest.resumed and min(stop.time_ms, rest.time_ms) == full.time_ms
         seen += 1
         if pure_python and seen >= 2:
             break
     assert seen and differ
 
-
-def _both_orders_run(sg, pure_python: bool):
-    """The engine's walk of an interleaved group of paper Setting 6 at 96 NPUs (from both ends in turn)."""
-    from poseidon_plugin.costmodel import CostModel
-    from poseidon_plugin.search import SearchOptions
-    from poseidon_plugin.specs import load_cluster, load_model
-    cm = CostModel(load_cluster("paper-setting-6-96"), load_model("llama3-70b"), micro_batch_sizes=(1,))
-    r = SearchRun(cm, SearchOptions(mode="exact", max_pipeline_stages=8, warmup_samples=0,
-                                    schedules=("1f1b", "interleaved-1f1b"), pure_python=pure_python))
-    return r.splitter(next(g for g in r.space.shape_groups() if g.key == sg.key))
