@@ -27,6 +27,7 @@ LP_PRICE_SLACK = 1e-6      # the Lagrangian is priced where the program's value 
 LP_MIN_UNDECIDED = 3        # nodes with fewer undecided ranks are left to the children's DAG bounds
 LP_TRIAL = 64               # a structure search keeps computing it after this many nodes only while it cuts
 LP_MIN_CUTS = 4             # ... at least one node in this many
+LP_ONE_CHUNK_CUTS = 3       # ... and on one-chunk trees this many nodes in LP_MIN_CUTS (docs/SEARCH.md)
 # ranks decided from the end (one-chunk shapes) start with this many ranks from the front: rank 0's
 # paths hold every other rank's layers twice and its own on every micro-batch (docs/SEARCH.md)
 FRONT_FIRST = 1
@@ -43,7 +44,8 @@ N_MINS = len(MIN_NAMES)
 N_TYPE_MINS = MIN_SEND      # the kinds a type has of its own (the transfers depend on the link)
 
 __all__ = ["CLOCK_EVERY", "FIT_SLACK", "FRONT_FIRST", "INHERITED_ROUNDS", "LP_DUAL_PIVOTS", "LP_EPS", "LP_KEEP",
-           "LP_MAX", "LP_MAX_OPTIONS", "LP_MIN_CUTS", "LP_MIN_UNDECIDED", "LP_PIVOTS", "LP_PRICE_SLACK", "LP_TRIAL",
+           "LP_MAX", "LP_MAX_OPTIONS", "LP_MIN_CUTS", "LP_MIN_UNDECIDED", "LP_ONE_CHUNK_CUTS", "LP_PIVOTS",
+           "LP_PRICE_SLACK", "LP_TRIAL",
            "MIN_ALLREDUCE", "MIN_BACKWARD", "MIN_EMBEDDING_ALLREDUCE", "MIN_EMBEDDING_BACKWARD",
            "MIN_EMBEDDING_FORWARD", "MIN_FORWARD", "MIN_HEAD_ALLREDUCE", "MIN_HEAD_BACKWARD", "MIN_HEAD_FORWARD",
            "MIN_NAMES", "MIN_SEND", "N_MINS", "N_TYPE_MINS", "PATH_SLACK", "PROPAGATION_ROUNDS"]

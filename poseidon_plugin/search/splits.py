@@ -35,8 +35,8 @@ import time
 from array import array
 
 from poseidon_plugin.search.constants import (CLOCK_EVERY, FRONT_FIRST, LP_KEEP, LP_MAX, LP_MAX_OPTIONS, LP_MIN_CUTS,
-                                              LP_MIN_UNDECIDED, LP_TRIAL, N_MINS, N_TYPE_MINS,
-                                              PATH_SLACK)
+                                              LP_MIN_UNDECIDED, LP_ONE_CHUNK_CUTS, LP_TRIAL, N_MINS,
+                                              N_TYPE_MINS, PATH_SLACK)
 from poseidon_plugin.search.counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES,
                                              PRUNED_BOUND, PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH,
                                              PRUNED_RIDGE, SIM_CALLS)
@@ -488,13 +488,16 @@ class SplitSearch(RelaxationBound):
             return
         if self.lp_ready:
             self.lp_fixed[k] = 0
-        if (self.v > 1 and self.tau < INF and self.exact_counts and b - a >= LP_MIN_UNDECIDED
-                and (self.lp_calls < LP_TRIAL or self.lp_cuts * LP_MIN_CUTS >= self.lp_calls)):
+        if (self.tau < INF and self.exact_counts and b - a >= LP_MIN_UNDECIDED
+                and (self.lp_calls < LP_TRIAL
+                     or self.lp_cuts * LP_MIN_CUTS >= self.lp_calls * (1 if self.v > 1 else LP_ONE_CHUNK_CUTS))):
             # the relaxation bound (docs/SEARCH.md): every completion's DAG over fractional types and
-            # layers, for interleaved shapes (their critical paths switch ranks with the chunk phases,
-            # which no bound path sees; one-chunk shapes have the fill-and-drain paths). It costs a
-            # program per node, so a run keeps it while it cuts at least one node in LP_MIN_CUTS
-            # (after LP_TRIAL nodes), the same decisions on both backends
+            # layers. Interleaved critical paths switch ranks with the chunk phases, which no bound path
+            # sees; one-chunk trees have the fill-and-drain paths, but each bounds the layers alone,
+            # and the program bounds them together. It costs a program per node, so a run keeps it
+            # while it cuts at least one node in LP_MIN_CUTS (after LP_TRIAL nodes), on one-chunk trees
+            # LP_ONE_CHUNK_CUTS in LP_MIN_CUTS (their DAG bounds cost less, and where the program cuts
+            # fewer it costs more than it saves); the same decisions on both backends
             limit = self.tau * (1.0 + PATH_SLACK)
             if not self.lp_ready:
                 self._lp_alloc()

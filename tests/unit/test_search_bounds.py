@@ -1172,3 +1172,31 @@ def test_the_primal_simplex_enters_the_most_negative_column_then_falls_back_to_b
     monkeypatch.setattr(relaxation_bound, "LP_PIVOTS", 1)
     assert not ss._lp_simplex()         # one pivot allowed, not yet optimal
     assert pivots == [1, 0] and ss.lp_basis[0] == 0
+
+
+def test_one_chunk_trees_take_the_relaxation_bound_while_it_cuts(monkeypatch):
+    """One-chunk (1F1B) trees are bounded by the relaxation bound too (docs/SEARCH.md, kept while it cuts
+    LP_ONE_CHUNK_CUTS nodes in LP_MIN_CUTS): on paper Setting 6 at 96 NPUs up to PP 8, every one-chunk
+    tree finds the same plan with it as without it (the pure twin with the bound switched off), never in
+    more nodes, in fewer somewhere (non-vacuity); the compiled walk takes the pure one's nodes."""
+    from poseidon_plugin.search import splits
+
+    from .test_search_improve import _setting_6_96_trees
+
+    def one_chunk(pure):
+        return [(sp.run(vec, math.inf), sp, vec)
+                for _r, _sg, sp, vec, _full in _setting_6_96_trees(pure, 300, lambda sg: sg.virtual_stages == 1)]
+
+    with_bound = one_chunk(True)
+    compiled = [] if PURE_FORCED else one_chunk(False)
+    monkeypatch.setattr(splits, "LP_MIN_UNDECIDED", 10 ** 9)     # no node has that many ranks undecided
+    fewer = 0
+    assert with_bound
+    for i, (res, sp, vec) in enumerate(with_bound):
+        off = sp.run(vec, math.inf)
+        assert not res.aborted and (res.time_ms, res.types, res.layers) == (off.time_ms, off.types, off.layers)
+        assert res.counters[0] <= off.counters[0]
+        fewer += res.counters[0] < off.counters[0]
+        if compiled:
+            assert compiled[i][0].counters == res.counters
+    assert fewer
