@@ -114,6 +114,7 @@ class SearchRun:
             self.deadline -= BOUND_RESERVE * options.time_limit_s
         self.resumes = 0
         self.resume_at: dict[tuple, int] = {}   # a group the clock cut: its first structure not closed
+        self.cut_walks: set[tuple] = set()       # ... and whose structure's walk it cut (its splitter kept)
         # exact mode: the first large tree is still to stop for :meth:`look_ahead` (False once it has, and
         # in default mode); the main loop's order and position, which the look-ahead goes on from
         self.lookahead = options.mode == "exact"
@@ -474,8 +475,10 @@ class SearchRun:
         bounds = [self.bound(sg, vec, positional=False) for vec in vectors]
         strong = [False] * len(vectors)     # bounds[i] is the memory-aware form
         seeded = False
-        # resumed after the clock cut it (:meth:`resume`): the structures before are closed already
-        for i in range(self.resume_at.pop(key, 0), len(vectors)):
+        # resumed after the clock cut it (:meth:`resume`): the structures before are closed already, and
+        # the walk of the one it cut goes on where it stopped (its splitter was kept)
+        start = self.resume_at.pop(key, 0)
+        for i in range(start, len(vectors)):
             vec = vectors[i]
             if self.out_of_time():
                 self.resume_at[key] = i
@@ -508,8 +511,11 @@ class SearchRun:
                 continue
             bound = bounds[i]
             cut = False
-            probes = True
-            resume = False
+            # the structure the clock cut: below tau alone, on from the stopped walk where it can
+            # (SplitSearch.can_resume: the same counts, a threshold no higher; a probe's walk cannot)
+            resume = i == start and key in self.cut_walks
+            self.cut_walks.discard(key)
+            probes = not resume
             while True:
                 # the first large tree stops for the look-ahead, a group's first large interleaved tree
                 # for the local search from its best plan (:meth:`improve`); then it is searched again
@@ -551,6 +557,8 @@ class SearchRun:
                 self.stopped_by = ("the node budget" if self.node_budget and res.counters[NODES] >= self.node_budget
                                    else "the time limit")
                 self.resume_at[key] = i
+                self._splitters[key] = splitter      # its walk resumes where it stopped (resume)
+                self.cut_walks.add(key)
                 # this structure is open: its plans take at least its own bound (and a plan it found)
                 self.partial = self.open_structures_bound(sg, vectors, bounds, strong, i)
                 return

@@ -412,6 +412,46 @@ def test_a_search_cut_off_searches_on_with_what_the_bounds_leave(seed, pure_pyth
     assert res.stats.complete and res.stats.lower_bound_ms == best == res.plan.predicted_iteration_ms
 
 
+def test_a_walk_the_clock_cut_resumes_where_it_stopped(monkeypatch):
+    """A structure's walk that the clock stops inside its tree (the compiled loop reads the real clock) is
+    not searched again from its root once the search resumes (``SearchRun.resume``): its splitter is
+    kept and its walk goes on where it stopped, and the answer is the uncut search's. Paper Setting 6 at
+    96 NPUs, GBS 64, seq 1024, up to PP 12 (trees of thousands of nodes); the walk is stopped at its
+    first look at the clock (CLOCK_EVERY nodes), below tau itself (no probes)."""
+    import math
+    import time
+
+    from poseidon_plugin.costmodel import CostModel
+    from poseidon_plugin.search import engine
+    from poseidon_plugin.search.constants import CLOCK_EVERY
+    from poseidon_plugin.specs import load_cluster, load_model
+
+    model = load_model("llama3-70b").with_overrides(global_batch_size=64, seq_length=1024)
+    cm = CostModel(load_cluster("paper-setting-6-96"), model, micro_batch_sizes=(1,))
+    opts = dict(mode="exact", max_pipeline_stages=12, warmup_samples=0, schedules=("1f1b", "interleaved-1f1b"))
+    whole = run(cm, **opts)[1]
+    monkeypatch.setattr(engine, "PROBE_SHARES", ())
+    calls = []
+    split = SearchRun.split
+
+    def cut_first(self, *args, **kw):
+        if not any(aborted for aborted, _r, _n in calls):
+            self.split_deadline = time.monotonic() - 1.0     # the walk's first look at the clock stops it
+        res, bound = split(self, *args, **kw)
+        self.split_deadline = math.inf
+        calls.append((res.aborted, res.resumed, res.counters[0]))
+        return res, bound
+
+    monkeypatch.setattr(SearchRun, "split", cut_first)
+    r = SearchRun(cm, SearchOptions(time_limit_s=1e12, **opts), clock=TickClock(), reserve=True)
+    r.search()
+    res = r.result()
+    cut = next(i for i, c in enumerate(calls) if c[0])
+    assert calls[cut][2] == CLOCK_EVERY and r.resumes == 1
+    assert calls[cut + 1][1]                    # the next walk is the cut one, resumed
+    assert res.stats.complete and res.plan.predicted_iteration_ms == whole.plan.predicted_iteration_ms
+
+
 def test_blocking_waits_raise_the_positional_bound_somewhere():
     """The transfers a rank waits for under megatron's blocking 1F1B are not vacuous: on the random
     problems they raise the positional bound of some V = 1 shape groups over the same bound without
