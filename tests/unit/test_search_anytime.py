@@ -5,6 +5,8 @@ On random small problems the exhaustive reference gives the true optimum: the pr
 exceeds it, whatever stopped the search, and equals it when the search completes.
 """
 
+import os
+
 import pytest
 
 from poseidon_plugin.search import SearchOptions, search
@@ -412,6 +414,8 @@ def test_a_search_cut_off_searches_on_with_what_the_bounds_leave(seed, pure_pyth
     assert res.stats.complete and res.stats.lower_bound_ms == best == res.plan.predicted_iteration_ms
 
 
+@pytest.mark.skipif(os.environ.get("POSEIDON_PURE_PYTHON", "") not in ("", "0"),
+                    reason="trees of thousands of nodes: the compiled loop (POSEIDON_PURE_PYTHON=1 forces pure)")
 def test_a_walk_the_clock_cut_resumes_where_it_stopped(monkeypatch):
     """A structure's walk that the clock stops inside its tree (the compiled loop reads the real clock) is
     not searched again from its root once the search resumes (``SearchRun.resume``): its splitter is
