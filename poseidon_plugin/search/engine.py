@@ -159,7 +159,8 @@ class SearchRun:
         self.cutoff = INF if options.cutoff_ms is None or self.board.exact_alternatives else options.cutoff_ms
         self.shrink = 1.0 / (1.0 + self.gap)
         self.memory_blocked: list[tuple[float, str, float]] = []   # (need GB, type, usable GB)
-        self._splitters: dict[tuple, Any] = {}   # seeded groups that passed their root check
+        self._splitters: dict[tuple, Any] = {}   # seeded groups that passed their root check, and groups
+                                                 # whose walk the clock cut (resumed in their turn)
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -461,7 +462,7 @@ class SearchRun:
         g = sg.group
         self.partial = self.bound(sg, positional=False)        # the group is open until its structures are closed
         splitter = self.root_splitter(sg, self.partial)
-        self._splitters.pop(key, None)         # this is the group's turn: no later use
+        self._splitters.pop(key, None)         # this is the group's turn (kept again if the clock cuts its walk)
         if splitter is None:
             if self.complete:
                 self.pruned_shapes += 1
