@@ -41,7 +41,7 @@ INF = math.inf
 WARMUP_SHAPES = 16
 SEED_SHAPES = 64
 POLISH_EVALS = 10_000         # neighbours one local search of a best plan tries, at most
-IMPROVE_AT = 8_192            # exact mode: a group's first interleaved tree past this many nodes stops for an
+IMPROVE_AT = 8_192            # exact mode: a group's first tree past this many nodes stops for an
                              # iterated local search from the group's best plan (SearchRun.improve), then
                              # its walk resumes where it stopped, below the new threshold
 IMPROVE_EVALS = 40_000        # ... which simulates at most this many plans ...
@@ -407,17 +407,19 @@ class SearchRun:
             self.offer(sg, ms, types, layers)
 
     def may_improve(self, sg: ShapeGroup) -> bool:
-        """Whether the group's next tree stops at IMPROVE_AT nodes for :meth:`improve`: exact mode, an
-        interleaved group, once."""
-        return self.options.mode == "exact" and sg.virtual_stages > 1 and sg.key not in self.improved
+        """Whether the group's next tree stops at IMPROVE_AT nodes for :meth:`improve`: exact mode, once
+        per group. Its trees are then walked below tau itself, without the probes: a tree that ends
+        within IMPROVE_AT nodes has no local search (frontier-4096's PP 31 proofs: 27,175 nodes with
+        the probes, 7,175 below tau alone; docs/SEARCH.md)."""
+        return self.options.mode == "exact" and sg.key not in self.improved
 
     def improve(self, sg: ShapeGroup) -> None:
         """Iterated local search (:func:`.evaluate.iterated_polish`) from the group's best plan; offers
         what it finds. On interleaved trees a weak incumbent costs the most: paper Setting 6 at 288
         NPUs (GBS 64, seq 1024) searched 417,511 of its tree's 505,242 nodes before it found the
-        optimum, which the kicks reach in ~37,000 simulated plans (~0.9 s). One-chunk groups are left
-        out: their trees' incumbents were near their optima where measured (their trees are large for
-        want of bound), and a frontier-scale plan costs milliseconds to simulate (docs/SEARCH.md)."""
+        optimum, which the kicks reach in ~37,000 simulated plans (~0.9 s). One-chunk groups too: on
+        frontier-4096 the PP 32 tree's local search and walk below tau take 38,746 nodes where the
+        probes took 58,722 (docs/SEARCH.md)."""
         self.improved.add(sg.key)
         self._local_search(sg, iterated_polish, max_evals=IMPROVE_EVALS, patience=IMPROVE_PATIENCE)
 
@@ -518,8 +520,8 @@ class SearchRun:
             self.cut_walks.discard(key)
             probes = not resume
             while True:
-                # the first large tree stops for the look-ahead, a group's first large interleaved tree
-                # for the local search from its best plan (:meth:`improve`); then it is searched again
+                # the first large tree stops for the look-ahead, a group's first large tree for the
+                # local search from its best plan (:meth:`improve`); then it is searched again
                 # (after the local search, from where its walk stopped)
                 cap = LOOKAHEAD_AT[sg.virtual_stages > 1] if self.lookahead else 0
                 if not cap and self.may_improve(sg):

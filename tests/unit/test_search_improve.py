@@ -316,3 +316,25 @@ def test_both_orders_of_an_interleaved_tree_find_its_optimum(pure_python):
             break
     assert seen and differ
 
+
+
+def test_one_chunk_groups_have_the_local_search_and_the_same_optimum(improve_early, pure_python, monkeypatch):
+    """Paper Setting 6 at 96 NPUs, one-chunk (1F1B) up to PP 8: each group's first tree stops for the local
+    search (once per group) and its walk resumes; the search proves the optimum that it proves without the
+    local search."""
+    from poseidon_plugin.costmodel import CostModel
+    from poseidon_plugin.specs import load_cluster, load_model
+    cm = CostModel(load_cluster("paper-setting-6-96"), load_model("llama3-70b"), micro_batch_sizes=(1,))
+    opts = dict(mode="exact", max_pipeline_stages=8, schedules=("1f1b",), warmup_samples=0,
+                pure_python=pure_python)
+    r, res = run(cm, **opts)
+    assert res.stats.complete
+    keys = [key for who, key, _b, _a in improve_early if who is r]
+    assert keys and len(keys) == len(set(keys)) and set(keys) == r.improved
+    assert all(key[5] == 1 for key in keys)          # (tp, pp, dp, mbs, schedule, V)
+    assert any(n > 1 for n in RESUMED)
+    monkeypatch.setattr(SearchRun, "may_improve", lambda self, sg: False)
+    improve_early.clear()
+    _r, plain = run(cm, **opts)
+    assert not improve_early and plain.stats.complete
+    assert plain.plan.predicted_iteration_ms == res.plan.predicted_iteration_ms
