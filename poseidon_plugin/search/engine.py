@@ -35,7 +35,6 @@ from .options import SearchOptions, SearchResult, SearchStats, TimeLimitError
 from .seeds import assignment_seeds, relaxation_split
 from .shapes import ShapeCache, ShapeData
 from .space import SearchSpace, ShapeGroup
-from .split_result import SplitResult
 
 INF = math.inf
 WARMUP_SHAPES = 16
@@ -51,13 +50,6 @@ LAZY_BOUNDS = 32             # memory-aware group bounds computed per lower_boun
 LAZY_S = 0.05                # ... and at most this many seconds of them
 BOUND_RESERVE = 0.25         # ... except in this last share of --time-limit, kept back from the search
                              # for the bounds of the open groups when the clock cuts an exact search off;
-# a structure's tree is first searched with thresholds between its lower bound and tau (these shares of
-# the way up), lowest first: a threshold just above the optimum costs a few hundred nodes where tau from
-# a weak incumbent costs ~10^5 (TP4 PP18 of paper-setting-6-288, llama3-70b seq 4096), and a threshold
-# that finds nothing proves the structure's plans take at least it (:meth:`SearchRun.split`)
-PROBE_SHARES = (1 / 2, 3 / 4, 7 / 8, 15 / 16, 31 / 32)
-PROBE_NODES = 20_000         # ... all of them together at most this many nodes: where no plan lies below
-                             # tau (a proof) they only add work, and then tau's search follows at once
 LOOKAHEAD_AT = (2_048, 256)  # exact mode: the first structure whose tree passes this many nodes (one chunk
                              # per rank, interleaved: ~10x costlier nodes, the relaxation bound's) stops, and
 LOOKAHEAD_NODES = 64         # ... the groups after it are searched with at most this many nodes per structure
@@ -408,9 +400,7 @@ class SearchRun:
 
     def may_improve(self, sg: ShapeGroup) -> bool:
         """Whether the group's next tree stops at IMPROVE_AT nodes for :meth:`improve`: exact mode, once
-        per group. Its trees are then walked below tau itself, without the probes: a tree that ends
-        within IMPROVE_AT nodes has no local search (frontier-4096's PP 31 proofs: 27,175 nodes with
-        the probes, 7,175 below tau alone; docs/SEARCH.md)."""
+        per group (a tree that ends within IMPROVE_AT nodes has no local search)."""
         return self.options.mode == "exact" and sg.key not in self.improved
 
     def improve(self, sg: ShapeGroup) -> None:
@@ -512,24 +502,19 @@ class SearchRun:
                 self.pruned_structures += 1
                 self.close(tau)
                 continue
-            bound = bounds[i]
             cut = False
-            # the structure the clock cut: below tau alone, on from the stopped walk where it can
-            # (SplitSearch.can_resume: the same counts, a threshold no higher; a probe's walk cannot)
+            # the structure the clock cut: on from the stopped walk where it can (SplitSearch.can_resume:
+            # the same counts, a threshold no higher)
             resume = i == start and key in self.cut_walks
             self.cut_walks.discard(key)
-            probes = not resume
             while True:
                 # the first large tree stops for the look-ahead, a group's first large tree for the
                 # local search from its best plan (:meth:`improve`); then it is searched again
                 # (after the local search, from where its walk stopped)
                 cap = LOOKAHEAD_AT[sg.virtual_stages > 1] if self.lookahead else 0
                 if not cap and self.may_improve(sg):
-                    # below tau itself, to be resumed after the local search (a probe's stopped walk is
-                    # below a lower threshold: searched again from the start)
-                    cap = IMPROVE_AT
-                    probes = False
-                res, bounds[i] = self.split(splitter, vec, tau, bound, cap=cap, probes=probes, resume=resume)
+                    cap = IMPROVE_AT         # resumed after the local search
+                res = self.split(splitter, vec, tau, cap=cap, resume=resume)
                 if not (res.aborted and self.stopped_at_cap(res, cap)):
                     break
                 if res.time_ms < INF:
@@ -545,8 +530,6 @@ class SearchRun:
                 cut = bounds[i] >= tau
                 if cut:
                     break
-                # again from the bound it had: the stopped search's probes raised it, and the probes
-                # from the raised bound cost more nodes than they save (paper Setting 5, GBS 64)
             if cut:
                 self.pruned_structures += 1
                 self.close(tau)
@@ -604,50 +587,19 @@ class SearchRun:
                         tau = self.threshold(sg.key) * self.shrink
         self.polish_best()
 
-    def split(self, splitter, vec, tau: float, bound: float, cap: int = 0, probes: bool = True,
-              resume: bool = False):
-        """Search one structure's tree for its best plan below ``tau``: first below the thresholds
-        :data:`PROBE_SHARES` of the way from its lower ``bound`` up to ``tau``, lowest first, then below
-        ``tau`` itself. A threshold's search that finds a plan is the search below ``tau``: a plan better
-        than the one found takes less than that threshold too, so it would have been found (and with no
-        gap the first best plan in the tree's order is found, as below ``tau``). One that finds nothing
-        raises the structure's bound to its threshold. ``cap``: at most this many nodes in all (aborted
-        past it); ``probes=False``: below ``tau`` alone (after the local search the incumbent is near the
-        optimum, and thresholds below the optimum are proofs that only add nodes; a walk below ``tau``
-        that stops for it can be resumed); ``resume``: the walk below ``tau`` goes on where the last one
-        stopped (``SplitSearch.run``). The result, and the bound."""
+    def split(self, splitter, vec, tau: float, cap: int = 0, resume: bool = False):
+        """Search one structure's tree for its best plan below ``tau``; ``cap``: at most this many nodes
+        (aborted past it); ``resume``: the walk goes on where the last one stopped (``SplitSearch.run``).
+        Below ``tau`` alone: thresholds rising from the structure's bound to ``tau`` first (tried before)
+        paid where the incumbent was weak; with a local search in every group (exact mode) they are
+        proofs below the optimum that only add nodes, and default mode searched twice the nodes with
+        them (docs/SEARCH.md, "The probes dropped")."""
         budget = self.node_budget or 0
         if cap and (not budget or cap < budget):
             budget = cap
-        total = [0] * N_COUNTERS
-        thresholds = [bound + (tau - bound) * f for f in PROBE_SHARES] if probes and 0 < bound < tau else []
-        probe_left = PROBE_NODES
-        for t in thresholds + [tau]:
-            probe = t < tau and (not budget or probe_left < budget)
-            if t < tau and probe_left <= 0:
-                continue
-            res = splitter.run(vec, t, deadline=self.split_deadline, max_nodes=probe_left if probe else budget,
-                               resume=resume and t == tau)
-            for j in range(N_COUNTERS):
-                total[j] += res.counters[j]
-            if t < tau:
-                probe_left -= res.counters[NODES]
-                if res.aborted and probe and probe_left <= 0:
-                    probe_left = 0           # the probes' nodes are spent: tau's search, from scratch
-                    if budget:
-                        budget -= res.counters[NODES]
-                    continue
-            if res.time_ms < INF or res.aborted or t == tau:
-                break
-            bound = t
-            if budget:
-                budget -= res.counters[NODES]
-                if budget <= 0:          # the budget is spent (a run of 0 would mean none)
-                    res = SplitResult(time_ms=INF, types=(), layers=(), counters=res.counters, aborted=True)
-                    break
-        self.add(total)
-        return SplitResult(time_ms=res.time_ms, types=res.types, layers=res.layers, counters=tuple(total),
-                           aborted=res.aborted, resumed=res.resumed), bound
+        res = splitter.run(vec, tau, deadline=self.split_deadline, max_nodes=budget, resume=resume)
+        self.add(res.counters)
+        return res
 
     def open_structures_bound(self, sg: ShapeGroup, vectors, bounds: list[float], strong: list[bool],
                               start: int) -> float:

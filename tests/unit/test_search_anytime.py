@@ -421,12 +421,11 @@ def test_a_walk_the_clock_cut_resumes_where_it_stopped(monkeypatch):
     not searched again from its root once the search resumes (``SearchRun.resume``): its splitter is
     kept and its walk goes on where it stopped, and the answer is the uncut search's. Paper Setting 6 at
     96 NPUs, GBS 64, seq 1024, up to PP 12 (trees of thousands of nodes); the walk is stopped at its
-    first look at the clock (CLOCK_EVERY nodes), below tau itself (no probes)."""
+    first look at the clock (CLOCK_EVERY nodes)."""
     import math
     import time
 
     from poseidon_plugin.costmodel import CostModel
-    from poseidon_plugin.search import engine
     from poseidon_plugin.search.constants import CLOCK_EVERY
     from poseidon_plugin.specs import load_cluster, load_model
 
@@ -434,17 +433,16 @@ def test_a_walk_the_clock_cut_resumes_where_it_stopped(monkeypatch):
     cm = CostModel(load_cluster("paper-setting-6-96"), model, micro_batch_sizes=(1,))
     opts = dict(mode="exact", max_pipeline_stages=12, warmup_samples=0, schedules=("1f1b", "interleaved-1f1b"))
     whole = run(cm, **opts)[1]
-    monkeypatch.setattr(engine, "PROBE_SHARES", ())
     calls = []
     split = SearchRun.split
 
     def cut_first(self, *args, **kw):
         if not any(aborted for aborted, _r, _n in calls):
             self.split_deadline = time.monotonic() - 1.0     # the walk's first look at the clock stops it
-        res, bound = split(self, *args, **kw)
+        res = split(self, *args, **kw)
         self.split_deadline = math.inf
         calls.append((res.aborted, res.resumed, res.counters[0]))
-        return res, bound
+        return res
 
     monkeypatch.setattr(SearchRun, "split", cut_first)
     r = SearchRun(cm, SearchOptions(time_limit_s=1e12, **opts), clock=TickClock(), reserve=True)

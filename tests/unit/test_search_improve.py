@@ -137,10 +137,10 @@ def improve_early(monkeypatch):
         seen.append((self, sg.key, before, self.board.best_ms(sg.key)))
 
     def split_counted(self, *args, **kw):
-        res, bound = split(self, *args, **kw)
+        res = split(self, *args, **kw)
         if res.resumed:
             RESUMED.append(res.counters[0])
-        return res, bound
+        return res
 
     monkeypatch.setattr(SearchRun, "improve", counted)
     monkeypatch.setattr(SearchRun, "split", split_counted)

@@ -111,15 +111,16 @@ def test_plan_table_and_cli_line_agree():
 
 
 class _Splitter:
-    """A structure whose best plan takes ``best`` ms: records the thresholds it is searched with."""
+    """A structure whose best plan takes ``best`` ms: records the thresholds and node caps it is searched
+    with."""
 
     def __init__(self, best: float):
-        self.best, self.taus = best, []
+        self.best, self.calls = best, []
 
     def run(self, vec, tau, *, deadline, max_nodes, resume=False):
         from poseidon_plugin.search.counters import N_COUNTERS, NODES
         from poseidon_plugin.search.split_result import SplitResult
-        self.taus.append(tau)
+        self.calls.append((tau, max_nodes, resume))
         counters = [0] * N_COUNTERS
         counters[NODES] = 10
         if self.best < tau:
@@ -127,43 +128,18 @@ class _Splitter:
         return SplitResult(time_ms=math.inf, types=(), layers=(), counters=tuple(counters))
 
 
-@pytest.mark.parametrize("best", [99.0, 140.0, 190.0, 199.9, 250.0])
-def test_split_searches_rising_thresholds_and_keeps_the_result(best):
-    """SearchRun.split: thresholds rise from the structure's bound to tau; the first that finds a plan
-    gives the result the search below tau gives, each that finds none becomes the structure's bound."""
+@pytest.mark.parametrize("best", [99.0, 199.9, 250.0])
+@pytest.mark.parametrize("budget, cap, nodes", [(None, 0, 0), (None, 64, 64), (32, 64, 32), (128, 64, 64)])
+def test_split_searches_below_tau_once_within_its_cap(best, budget, cap, nodes):
+    """SearchRun.split: one walk below tau itself (no lower thresholds first), at most the smaller of the
+    cap and a test's node budget (0: none), resumed when asked; its counters are added to the run's."""
     from types import SimpleNamespace
 
     from poseidon_plugin.search.counters import N_COUNTERS
-    run = SimpleNamespace(node_budget=None, split_deadline=math.inf, ctr=[0] * N_COUNTERS)
+    run = SimpleNamespace(node_budget=budget, split_deadline=math.inf, ctr=[0] * N_COUNTERS)
     run.add = lambda counters: SearchRun.add(run, counters)
     sp = _Splitter(best)
-    res, bound = SearchRun.split(run, sp, [1], 200.0, 100.0)
-    assert sp.taus == sorted(sp.taus) and sp.taus[-1] <= 200.0 and sp.taus[0] > 100.0
+    res = SearchRun.split(run, sp, [1], 200.0, cap=cap, resume=True)
+    assert sp.calls == [(200.0, nodes, True)]
     assert res.time_ms == (best if best < 200.0 else math.inf)
-    assert all(t <= best for t in sp.taus[:-1]) and (best < sp.taus[-1] or sp.taus[-1] == 200.0)
-    assert bound == (sp.taus[-2] if len(sp.taus) > 1 else 100.0)
-    assert res.counters[0] == run.ctr[0] == 10 * len(sp.taus)
-
-
-def test_split_probes_cut_by_their_node_budget_leave_tau_its_search():
-    """Probes that spend PROBE_NODES stop; the search below tau then runs unbudgeted and decides."""
-    from types import SimpleNamespace
-
-    from poseidon_plugin.search.counters import N_COUNTERS, NODES
-    from poseidon_plugin.search.split_result import SplitResult
-
-    class Costly(_Splitter):
-        def run(self, vec, tau, *, deadline, max_nodes, resume=False):
-            self.taus.append((tau, max_nodes))
-            counters = [0] * N_COUNTERS
-            counters[NODES] = max_nodes or 10
-            if max_nodes:
-                return SplitResult(time_ms=math.inf, types=(), layers=(), counters=tuple(counters), aborted=True)
-            return SplitResult(time_ms=self.best, types=(0,), layers=(1,), counters=tuple(counters))
-
-    run = SimpleNamespace(node_budget=None, split_deadline=math.inf, ctr=[0] * N_COUNTERS)
-    run.add = lambda counters: SearchRun.add(run, counters)
-    sp = Costly(150.0)
-    res, bound = SearchRun.split(run, sp, [1], 200.0, 100.0)
-    assert sp.taus[0][1] > 0 and sp.taus[-1] == (200.0, 0) and len(sp.taus) == 2
-    assert res.time_ms == 150.0 and not res.aborted and bound == 100.0
+    assert run.ctr[0] == 10
