@@ -317,7 +317,6 @@ def test_both_orders_of_an_interleaved_tree_find_its_optimum(pure_python):
     assert seen and differ
 
 
-
 def test_one_chunk_groups_have_the_local_search_and_the_same_optimum(improve_early, pure_python, monkeypatch):
     """Paper Setting 6 at 96 NPUs, one-chunk (1F1B) up to PP 8: each group's first tree stops for the local
     search (once per group) and its walk resumes; the search proves the optimum that it proves without the
