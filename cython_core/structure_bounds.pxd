@@ -31,7 +31,7 @@ cdef class StructureBounds:
     cdef double[::1] embedding_activation_bytes, head_state_bytes, head_activation_bytes, usable_bytes
     cdef int[::1] live, cap_rank
     # the bound paths
-    cdef int[::1] coef_f, coef_b, coef_ar, term_ptr, term_idx, term_coef, path_owner
+    cdef int[::1] coef_f, coef_b, coef_ar, term_ptr, term_idx, term_coef, path_owner, owner_in_coef, owner_out_coef
     # search state
     cdef int[::1] counts, remaining, used, hi, types, slot, layers, last, down, capped, node_a, node_b
     cdef int[::1] lbs, caps, capts, best_types, best_layers
@@ -52,7 +52,7 @@ cdef class StructureBounds:
     cdef double[::1] type_mean2, rank_lb_cost, loss_above, loss_whole
     cdef double base_cost, min_slope, max_slope, rank_min1, rank_min2, loss_sum, loss_sum_whole
     cdef double others_lb_cost
-    cdef int rank_min_arg, others_lb_layers
+    cdef int rank_min_arg, others_lb_layers, knap_sorted, knap_n
     # scratch: the gain and the assignments
     cdef int[::1] path_counts, type_gain_ranks, gain_room, assign_owner, assign_used
     cdef int[::1] assign_via_type, assign_via_rank, assign_capacity
@@ -68,6 +68,8 @@ cdef class StructureBounds:
     cdef inline double _same_type_into(self, int u, int n) noexcept nogil
     @cython.locals(p='double[::1]', val='double', g='double')
     cdef inline double _send_gain(self, int r, int x, int[::1] cnt) noexcept nogil
+    @cython.locals(p='double[::1]', val='double', g='double')
+    cdef inline double _owner_link_gain(self, int q, int r, int t) noexcept nogil
     cdef inline bint _propagate(self, int k, int left, int[::1] lb, int[::1] cap, int[::1] capt,
                          int[::1] parent_lb, int[::1] parent_cap, int[::1] parent_capt,
                          bint inherit) noexcept nogil
@@ -84,6 +86,8 @@ cdef class StructureBounds:
     @cython.locals(d=cython.int)
     cdef inline int _owner_caps(self, int q, int k, int extra, double limit, int[::1] lb, int[::1] cap,
                          int[::1] capt, int n_left) noexcept nogil
+    @cython.locals(take=cython.int, cost='double')
+    cdef inline double _others_knapsack(self, int k, int r, int e, int[::1] lb, int[::1] cap) noexcept nogil
     @cython.locals(fit=cython.bint)
     cdef inline bint _others_fit(self, int k, int r, int t, int e, double own, double rhs, int n_left,
                           int[::1] lb) noexcept nogil

@@ -223,6 +223,19 @@ class SplitSearch(RelaxationBound):
         self.term_idx = int_copy(paths.term_idx)
         self.term_coef = int_copy(paths.term_coef)
         self.path_owner = int_copy(paths.owner)
+        # per path, how often it crosses the two links of its owner rank (into it, out of it)
+        self.owner_in_coef = int_buffer(max(1, paths.count))
+        self.owner_out_coef = int_buffer(max(1, paths.count))
+        pp, nv = self.pp, self.nv
+        for q in range(paths.count):
+            r = self.path_owner[q]
+            e_in = 1 + 2 * nv + (r + pp - 1) % pp
+            e_out = 1 + 2 * nv + r
+            for e in range(self.term_ptr[q], self.term_ptr[q + 1]):
+                if pp > 1 and self.term_idx[e] == e_in:
+                    self.owner_in_coef[q] += self.term_coef[e]
+                if pp > 1 and self.term_idx[e] == e_out:
+                    self.owner_out_coef[q] += self.term_coef[e]
 
     def _lp_alloc(self) -> None:
         """The relaxation bound's scratch: per parameter; per path row; the program's tableau."""

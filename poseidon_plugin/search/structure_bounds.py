@@ -300,6 +300,51 @@ class StructureBounds:
                     g += cnt[e] * (val - p[e])
         return g
 
+    def _owner_link_gain(self, q: int, r: int, t: int) -> float:
+        """How much more than the fill's lower bounds the two links of undecided rank ``r``, the owner
+        of path ``q``, cost along it when ``r`` takes type ``t``: the link out of ``r`` is one out of a
+        type-``t`` rank (cross-type, or out of one of ``t``'s free slots), the link into ``r`` one out of
+        its neighbour (decided: exactly; undecided: the least over the types it may take). A slow type's
+        links weigh once per micro-batch on its own steady state."""
+        pp, nv = self.pp, self.nv
+        p = self.params
+        g = 0.0
+        if pp == 1:
+            return g
+        if self.owner_out_coef[q] > 0 and (self.v > 1 or r < pp - 1):      # the link r -> r + 1
+            n = (r + 1) % pp
+            u = self.types[n]
+            e = 1 + 2 * nv + r
+            if u >= 0:
+                val = self.send_cross_ms[t] if t != u else self._same_type_into(u, n)
+            else:
+                val = self._same_type_into(t, n) if self.remaining[t] > 1 else INF
+                for x in range(self.nt):
+                    if x != t and self.remaining[x] > 0:
+                        if self.send_cross_ms[t] < val:
+                            val = self.send_cross_ms[t]
+                        break
+            if val < INF and val > p[e]:
+                g += self.owner_out_coef[q] * (val - p[e])
+        if self.owner_in_coef[q] > 0 and (self.v > 1 or r > 0):            # the link r - 1 -> r
+            s = (r + pp - 1) % pp
+            w = self.types[s]
+            e = 1 + 2 * nv + s
+            if w >= 0:
+                if w != t:
+                    val = self.send_cross_ms[w]
+                else:
+                    i = w * self.stride + self.slot[s]
+                    val = self.send_wrap_ms[i] if r == 0 else self.send_same_ms[i]
+            else:
+                val = self._same_type_into(t, r) if self.remaining[t] > 1 else INF
+                for x in range(self.nt):
+                    if x != t and self.remaining[x] > 0 and self.send_cross_ms[x] < val:
+                        val = self.send_cross_ms[x]
+            if val < INF and val > p[e]:
+                g += self.owner_in_coef[q] * (val - p[e])
+        return g
+
     # --- propagation ----------------------------------------------------------------------------
 
     def _propagate(self, k: int, left: int, lb, cap, capt, parent_lb, parent_cap, parent_capt,
@@ -691,6 +736,7 @@ class StructureBounds:
         self.loss_sum_whole = -1.0
         self.others_lb_cost = -1.0
         self.others_lb_layers = 0
+        self.knap_sorted = 0
 
     def _path_cuts(self, k: int, extra: int, limit: float, lb, cap) -> bool:
         """Whether the path's cost at the lower bounds plus the cheapest placement of the ``extra``
@@ -745,6 +791,7 @@ class StructureBounds:
                 extra_t += lb[vs] * (x - self.alpha[vs])
                 if x < xmin:
                     xmin = x
+            extra_t += self._owner_link_gain(q, r, t)
             d = ct_sum - s_lb
             if d > extra:
                 d = extra
@@ -768,7 +815,8 @@ class StructureBounds:
                         break
                     own += n * (self.coef_f[cf + vs] * self.slope_forward[i]
                                 + self.coef_b[cf + vs] * self.slope_backward[i] + ka * self.slope_allreduce[i])
-                if own < INF and self._others_fit(k, r, t, extra - d, own, rhs, n_left, lb):
+                if own < INF and own + self._others_knapsack(k, r, extra - d, lb, cap) < rhs \
+                        and self._others_fit(k, r, t, extra - d, own, rhs, n_left, lb):
                     break
                 d -= 1
             if d < ct_sum - s_lb:
@@ -1090,6 +1138,40 @@ class StructureBounds:
         return assign_into(n, self.nt, self.pp, self.assign_value, self.remaining, self.assign_owner,
                            self.assign_used, self.assign_gain, self.assign_via_type, self.assign_via_rank)
 
+    def _others_knapsack(self, k: int, r: int, e: int, lb, cap) -> float:
+        """Cheapest cost along the current path of ``e`` more layers on the undecided ranks other than
+        ``r``: each stage at its own slope ``alpha`` and within its room ``cap - lb`` (fractional,
+        cheapest first). The placement bounds price a type's layers at its cheapest rank's slope; where
+        one rank weighs once on the path and the others twice (a 1F1B steady state's upstream and
+        downstream ranks), this one sees that most layers go to the dearer ranks."""
+        pp = self.pp
+        if not self.knap_sorted:
+            n = 0
+            for j in range(k, self.ub):
+                for c in range(self.v):
+                    vs = c * pp + j
+                    i = n
+                    while i > 0 and self.alpha[self.stage_order[i - 1]] > self.alpha[vs]:
+                        self.stage_order[i] = self.stage_order[i - 1]
+                        i -= 1
+                    self.stage_order[i] = vs
+                    n += 1
+            self.knap_n = n
+            self.knap_sorted = 1
+        cost = 0.0
+        for i in range(self.knap_n):
+            if e <= 0:
+                break
+            x = self.stage_order[i]
+            if x % pp == r:
+                continue
+            take = cap[x] - lb[x]
+            if take > e:
+                take = e
+            cost += take * self.alpha[x]
+            e -= take
+        return cost
+
     def _knapsack(self, k: int, ub: int, extra: int, lb, cap) -> float:
         """Cheapest cost of ``extra`` more layers over the stages of ranks ``k..ub-1`` at the slopes
         ``alpha`` (fractional: cheapest first, a stable order by slope over rank, then chunk)."""
@@ -1105,6 +1187,7 @@ class StructureBounds:
                     j -= 1
                 self.stage_order[j] = vs
                 n += 1
+        self.knap_sorted = 0
         for j in range(n):
             x = self.stage_order[j]
             take = cap[x] - lb[x]

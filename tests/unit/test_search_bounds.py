@@ -793,6 +793,85 @@ def test_links_to_decided_ranks_cut_nodes_the_plain_link_bound_keeps():
         assert on < without, (method, on, without)
 
 
+def slow_type_structure(seed: int, pp: int):
+    """A 1F1B pipeline of ``pp`` ranks over a fast, a middling and a slow type (one or two slow ranks,
+    about four times slower: they hold one layer each and set the steady state), 16-32 micro-batches,
+    layers for about four per fast rank and three per middling one, pure backend: the shape of the
+    sweep's hard one-chunk proofs, scaled down. ``(table, shape, counts, num_layers)``."""
+    rng = random.Random(seed)
+    m = rng.choice([16, 24, 32])
+    slow = rng.choice([1, 2])
+    mid = rng.randint(1, pp - slow - 1)
+    counts = [pp - slow - mid, mid, slow]
+    num_layers = 4 * counts[0] + 3 * counts[1] + counts[2] - rng.randint(0, 2)
+    nt, s = 3, max(counts)
+    fwd = array("d", [1.0, rng.uniform(1.1, 1.3), rng.uniform(3.0, 4.5)])
+    const = lambda x, n=nt: array("d", [x] * n)  # noqa: E731
+    table = TypeTable(
+        tp=1, mbs=1, dp=1, names=("fast", "mid", "slow"), slots=array("i", counts), max_slots=s,
+        forward_ms=fwd, backward_ms=array("d", [f * 2.0 for f in fwd]), embedding_forward_ms=const(.1),
+        embedding_backward_ms=const(.2), head_forward_ms=const(.5), head_backward_ms=const(1.0),
+        allreduce_ms=const(0, nt * s), embedding_allreduce_ms=const(0, nt * s), head_allreduce_ms=const(0, nt * s),
+        has_allreduce=array("i", [0] * (nt * s)),
+        send_same_ms=array("d", [rng.uniform(.05, .2) for _ in range(nt * s)]), send_wrap_ms=const(.1, nt * s),
+        send_cross_ms=array("d", [rng.uniform(.2, .4) for _ in range(nt)]), layer_state_bytes=const(1),
+        layer_activation_bytes=const(.01), embedding_state_bytes=const(.5), embedding_activation_bytes=const(.01),
+        head_state_bytes=const(.5), head_activation_bytes=const(.01), usable_bytes=const(40),
+        step_forward_ms=const(0), step_backward_ms=const(0), optimizer_ms=const(0), optimizer_fixed_ms=const(0))
+    return table, ShapeData("1f1b", pp, m, 1, True), counts, num_layers
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_owner_caps_never_exclude_a_completion_of_a_slow_type_pipeline(seed):
+    """On the slow-type pipelines (where the owner caps' links and per-stage slopes cut: below), ranks
+    decided from the end at random depths, tau just above the best completion: every completion that
+    beats tau stays within the propagated [lb, cap] and its type caps, and the search at that tau finds
+    the brute force's optimum."""
+    table, shape, counts, num_layers = slow_type_structure(seed, 5)
+    plans = brute_force(table, shape, counts, num_layers)
+    assert plans
+    pp, nt = shape.pp, len(counts)
+    ss = PySplitSearch(table, shape, num_layers, ridge=False, blocks=False, type_class=array("i", range(nt)),
+                       backward=True)
+    best = min(p[0] for p in plans)
+    assert ss.run(counts, best * (1 + 1e-9)).time_ms == best
+    rng = random.Random(seed)
+    for _ in range(8):
+        _t, types, layers = rng.choice(plans)
+        b = rng.randrange(1, pp + 1)
+        left = _decide_from_end(ss, counts, types, layers, b, pp, 1)
+        completions = [p for p in plans if all(p[1][r] == types[r] and p[2][r] == layers[r] for r in range(b, pp))]
+        ss.tau = min(p[0] for p in completions) * (1 + 1e-9) + 1e-12
+        lb, cap, capt = [0] * pp, [0] * pp, [0] * (pp * nt)
+        assert propagate(ss, 0, left, lb, cap, capt)
+        _assert_within([p for p in completions if p[0] < ss.tau], range(b), pp, 1, lb, cap, capt)
+
+
+def test_owner_caps_see_the_owners_links_and_each_ranks_slope():
+    """An undecided rank's own path caps it per type (``_owner_caps``): priced with the links that
+    type pays into and out of the rank (``_owner_link_gain``: a cross-type or a same-type link, once
+    per micro-batch on the owner's steady state), and with the other ranks' layers at each stage's own
+    slope within its room (``_others_knapsack``: the owner's path weighs its upstream ranks once and
+    its downstream ranks twice, and the placement bounds price a type's layers at its cheapest rank).
+    Each cuts nodes that the search without it keeps, proving the optimum of slow-type pipelines,
+    and every search finds the same optimum."""
+    from poseidon_plugin.search import splits
+    for method, off in (("_owner_link_gain", lambda q, r, t: 0.0),
+                        ("_others_knapsack", lambda k, r, e, lb, cap: 0.0)):
+        nodes = [0, 0]
+        for seed in range(10):
+            table, shape, counts, num_layers = slow_type_structure(seed, 5 + seed % 3)
+            searches = [PySplitSearch(table, shape, num_layers, ridge=False, blocks=False,
+                                      type_class=array("i", range(3)), backward=True) for _ in range(3)]
+            setattr(searches[2], method, off)
+            best = searches[0].run(counts, math.inf).time_ms
+            for i in (1, 2):
+                res = searches[i].run(counts, best * (1 + 1e-9))
+                assert res.time_ms == best
+                nodes[i - 1] += res.counters[splits.NODES]
+        assert nodes[0] < nodes[1], (method, nodes)
+
+
 def _nodes_with_and_without(method: str, off, seeds) -> tuple[int, int]:
     """Nodes of the searches of the random structures (``seeds``, both branching orders) with the
     search's ``method`` and with ``off`` in its place; both find the optimum. (Not a subset structure by
