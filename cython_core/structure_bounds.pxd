@@ -46,13 +46,14 @@ cdef class StructureBounds:
     # scratch: the path bounds
     cdef int[::1] slope_type, rank_room_above, rank_room_whole, order_above, order_whole, n_above
     cdef int[::1] n_whole, room_above, room_whole, phi_type, stage_order, type_min_rank, type_mean_rank
+    cdef int[::1] merged_order, merged_left
     cdef int[::1] rank_lb, lb_even, lb_start, zero_ranks, one_ranks, zero_lb, rank_values
     cdef double[::1] slope_forward, slope_backward, slope_allreduce, phi_slope, alpha, stage_slope
     cdef double[::1] chunk_slope, rank_type_min, rank_type_sum, type_min1, type_min2, type_mean1
     cdef double[::1] type_mean2, rank_lb_cost, loss_above, loss_whole
     cdef double base_cost, min_slope, max_slope, rank_min1, rank_min2, loss_sum, loss_sum_whole
     cdef double others_lb_cost
-    cdef int rank_min_arg, others_lb_layers, knap_sorted, knap_n
+    cdef int rank_min_arg, others_lb_layers, knap_sorted, knap_n, merged_sorted, merged_n
     # scratch: the gain and the assignments
     cdef int[::1] path_counts, type_gain_ranks, gain_room, assign_owner, assign_used
     cdef int[::1] assign_via_type, assign_via_rank, assign_capacity
@@ -86,6 +87,8 @@ cdef class StructureBounds:
     @cython.locals(d=cython.int)
     cdef inline int _owner_caps(self, int q, int k, int extra, double limit, int[::1] lb, int[::1] cap,
                          int[::1] capt, int n_left) noexcept nogil
+    @cython.locals(take=cython.int, cost='double', x='double')
+    cdef inline double _others_by_stage(self, int k, int r, int t2, int e, int[::1] lb, int[::1] capt, int n_left) noexcept nogil
     @cython.locals(take=cython.int, cost='double')
     cdef inline double _others_knapsack(self, int k, int r, int e, int[::1] lb, int[::1] cap) noexcept nogil
     @cython.locals(fit=cython.bint)

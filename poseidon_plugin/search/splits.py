@@ -153,6 +153,8 @@ class SplitSearch(RelaxationBound):
         self.alpha = float_buffer(nv)
         self.stage_slope = float_buffer(nv * nt)
         self.stage_order = int_buffer(nv)
+        self.merged_order = int_buffer(nv * nt)
+        self.merged_left = int_buffer(nt)
         self.chunk_slope = float_buffer(v)
         self.rank_type_min = float_buffer(nt)
         self.rank_type_sum = float_buffer(nt)

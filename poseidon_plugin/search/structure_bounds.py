@@ -737,6 +737,7 @@ class StructureBounds:
         self.others_lb_cost = -1.0
         self.others_lb_layers = 0
         self.knap_sorted = 0
+        self.merged_sorted = 0
 
     def _path_cuts(self, k: int, extra: int, limit: float, lb, cap) -> bool:
         """Whether the path's cost at the lower bounds plus the cheapest placement of the ``extra``
@@ -816,7 +817,9 @@ class StructureBounds:
                     own += n * (self.coef_f[cf + vs] * self.slope_forward[i]
                                 + self.coef_b[cf + vs] * self.slope_backward[i] + ka * self.slope_allreduce[i])
                 if own < INF and own + self._others_knapsack(k, r, extra - d, lb, cap) < rhs \
-                        and self._others_fit(k, r, t, extra - d, own, rhs, n_left, lb):
+                        and self._others_fit(k, r, t, extra - d, own, rhs, n_left, lb) \
+                        and own + self._others_by_stage(k, r, t, self.others_lb_layers + extra - d, lb, capt,
+                                                        n_left) < rhs:
                     break
                 d -= 1
             if d < ct_sum - s_lb:
@@ -1171,6 +1174,62 @@ class StructureBounds:
             cost += take * self.alpha[x]
             e -= take
         return cost
+
+    def _others_by_stage(self, k: int, r: int, t2: int, e: int, lb, capt, n_left: int) -> float:
+        """Cheapest cost along the current path of the ``e`` layers (lower bounds included) of the
+        undecided ranks other than ``r`` (which takes ``t2``), less their lower bounds as the path's
+        base priced them: each layer on a stage and a type at that stage's slope on that type, within
+        the type's cap on the stage (none where it cannot take the rank's lower bound) and what the
+        type's ranks can hold (``room_whole``); inf if they cannot hold them. The placement bounds
+        price a type's layers at its cheapest rank's slope and the knapsack each stage at its cheapest
+        type's; here a type's layers pay their own slope on the ranks that can take them (a stage may
+        take several types: a relaxation, so a bound)."""
+        pp, v, nt = self.pp, self.v, self.nt
+        if not self.merged_sorted:
+            n = 0
+            for j in range(k, self.ub):
+                for c in range(v):
+                    vs = c * pp + j
+                    for i in range(n_left):
+                        x = self.stage_slope[vs * nt + i]
+                        u = vs * nt + i
+                        m = n
+                        while m > 0 and self.stage_slope[self.merged_order[m - 1]] > x:
+                            self.merged_order[m] = self.merged_order[m - 1]
+                            m -= 1
+                        self.merged_order[m] = u
+                        n += 1
+            self.merged_n = n
+            self.merged_sorted = 1
+        for i in range(n_left):
+            t = self.slope_type[i]
+            self.merged_left[t] = self.room_whole[(r * nt + t2) * nt + t]
+            if self.merged_left[t] < 0:
+                return INF
+        cost = 0.0
+        for m in range(self.merged_n):
+            if e <= 0:
+                break
+            u = self.merged_order[m]
+            vs = u // nt
+            if vs % pp == r:
+                continue
+            t = self.slope_type[u % nt]
+            take = capt[vs * nt + t]
+            if take < lb[vs]:
+                continue                    # type t cannot take this rank
+            if take > self.merged_left[t]:
+                take = self.merged_left[t]
+            if take > e:
+                take = e
+            if take <= 0:
+                continue
+            cost += take * self.stage_slope[u]
+            self.merged_left[t] -= take
+            e -= take
+        if e > 0:
+            return INF
+        return cost - self.others_lb_cost
 
     def _knapsack(self, k: int, ub: int, extra: int, lb, cap) -> float:
         """Cheapest cost of ``extra`` more layers over the stages of ranks ``k..ub-1`` at the slopes

@@ -850,16 +850,18 @@ def test_owner_caps_never_exclude_a_completion_of_a_slow_type_pipeline(seed):
 def test_owner_caps_see_the_owners_links_and_each_ranks_slope():
     """An undecided rank's own path caps it per type (``_owner_caps``): priced with the links that
     type pays into and out of the rank (``_owner_link_gain``: a cross-type or a same-type link, once
-    per micro-batch on the owner's steady state), and with the other ranks' layers at each stage's own
+    per micro-batch on the owner's steady state), with the other ranks' layers at each stage's own
     slope within its room (``_others_knapsack``: the owner's path weighs its upstream ranks once and
-    its downstream ranks twice, and the placement bounds price a type's layers at its cheapest rank).
-    Each cuts nodes that the search without it keeps, proving the optimum of slow-type pipelines,
-    and every search finds the same optimum."""
+    its downstream ranks twice, and the placement bounds price a type's layers at its cheapest rank),
+    and at each stage's slope on each type within the type's room (``_others_by_stage``). Each cuts
+    nodes that the search without it keeps, proving the optimum of slow-type pipelines, and every
+    search finds the same optimum."""
     from poseidon_plugin.search import splits
     for method, off in (("_owner_link_gain", lambda q, r, t: 0.0),
-                        ("_others_knapsack", lambda k, r, e, lb, cap: 0.0)):
+                        ("_others_knapsack", lambda k, r, e, lb, cap: 0.0),
+                        ("_others_by_stage", lambda k, r, t2, e, lb, capt, n_left: -math.inf)):
         nodes = [0, 0]
-        for seed in range(10):
+        for seed in range(10, 22):
             table, shape, counts, num_layers = slow_type_structure(seed, 5 + seed % 3)
             searches = [PySplitSearch(table, shape, num_layers, ridge=False, blocks=False,
                                       type_class=array("i", range(3)), backward=True) for _ in range(3)]
