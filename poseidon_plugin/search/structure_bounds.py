@@ -816,10 +816,13 @@ class StructureBounds:
                         break
                     own += n * (self.coef_f[cf + vs] * self.slope_forward[i]
                                 + self.coef_b[cf + vs] * self.slope_backward[i] + ka * self.slope_allreduce[i])
-                if own < INF and own + self._others_knapsack(k, r, extra - d, lb, cap) < rhs \
+                # one-chunk trees also place the others' layers stage by stage (their owner paths weigh
+                # upstream and downstream ranks differently); on interleaved trees, whose nodes take
+                # the relaxation bound, they cut too few nodes to pay for themselves
+                if own < INF and (v > 1 or own + self._others_knapsack(k, r, extra - d, lb, cap) < rhs) \
                         and self._others_fit(k, r, t, extra - d, own, rhs, n_left, lb) \
-                        and own + self._others_by_stage(k, r, t, self.others_lb_layers + extra - d, lb, capt,
-                                                        n_left) < rhs:
+                        and (v > 1 or own + self._others_by_stage(k, r, t, self.others_lb_layers + extra - d,
+                                                                   lb, capt, n_left) < rhs):
                     break
                 d -= 1
             if d < ct_sum - s_lb:
