@@ -7,6 +7,7 @@ from poseidon_plugin._core.assignment cimport assign_into
 
 cdef double INF, NEG_F, PATH_SLACK, FIT_SLACK
 cdef int PROPAGATION_ROUNDS, INHERITED_ROUNDS, N_MINS, N_TYPE_MINS, PRUNED_MEMORY, PRUNED_PATH
+cdef int STAGE_TRIAL, STAGE_MIN_CUTS
 cdef int MIN_FORWARD, MIN_BACKWARD, MIN_EMBEDDING_FORWARD, MIN_EMBEDDING_BACKWARD, MIN_HEAD_FORWARD
 cdef int MIN_HEAD_BACKWARD, MIN_ALLREDUCE, MIN_EMBEDDING_ALLREDUCE, MIN_HEAD_ALLREDUCE, MIN_SEND
 
@@ -52,7 +53,8 @@ cdef class StructureBounds:
     cdef double[::1] chunk_slope, rank_type_min, rank_type_sum, type_min1, type_min2, type_mean1
     cdef double[::1] type_mean2, rank_lb_cost, loss_above, loss_whole
     cdef double base_cost, min_slope, max_slope, rank_min1, rank_min2, loss_sum, loss_sum_whole
-    cdef double others_lb_cost
+    cdef double others_lb_cost, others_max_slope, others_max_stage
+    cdef long long stage_calls, stage_cuts
     cdef int rank_min_arg, others_lb_layers, knap_sorted, knap_n, merged_sorted, merged_n
     # scratch: the gain and the assignments
     cdef int[::1] path_counts, type_gain_ranks, gain_room, assign_owner, assign_used
@@ -87,6 +89,8 @@ cdef class StructureBounds:
     @cython.locals(d=cython.int)
     cdef inline int _owner_caps(self, int q, int k, int extra, double limit, int[::1] lb, int[::1] cap,
                          int[::1] capt, int n_left) noexcept nogil
+    cdef inline bint _by_stage_fits(self, int k, int r, int t2, int e, double own, double rhs, int[::1] lb,
+                                    int[::1] capt, int n_left) noexcept nogil
     @cython.locals(take=cython.int, cost='double', x='double')
     cdef inline double _others_by_stage(self, int k, int r, int t2, int e, int[::1] lb, int[::1] capt, int n_left) noexcept nogil
     @cython.locals(take=cython.int, cost='double')

@@ -28,6 +28,10 @@ LP_MIN_UNDECIDED = 3        # nodes with fewer undecided ranks are left to the c
 LP_TRIAL = 64               # a structure search keeps computing it after this many nodes only while it cuts
 LP_MIN_CUTS = 4             # ... at least one node in this many
 LP_ONE_CHUNK_CUTS = 3       # ... and on one-chunk trees this many nodes in LP_MIN_CUTS (docs/SEARCH.md)
+# the owner caps' placement by stage and type (StructureBounds._by_stage_fits): a structure search keeps
+# computing it after this many calls only while it rejects at least one count in STAGE_MIN_CUTS
+STAGE_TRIAL = 256
+STAGE_MIN_CUTS = 64
 # ranks decided from the end (one-chunk shapes) start with this many ranks from the front: rank 0's
 # paths hold every other rank's layers twice and its own on every micro-batch (docs/SEARCH.md)
 FRONT_FIRST = 1
@@ -48,4 +52,5 @@ __all__ = ["CLOCK_EVERY", "FIT_SLACK", "FRONT_FIRST", "INHERITED_ROUNDS", "LP_DU
            "LP_PRICE_SLACK", "LP_TRIAL",
            "MIN_ALLREDUCE", "MIN_BACKWARD", "MIN_EMBEDDING_ALLREDUCE", "MIN_EMBEDDING_BACKWARD",
            "MIN_EMBEDDING_FORWARD", "MIN_FORWARD", "MIN_HEAD_ALLREDUCE", "MIN_HEAD_BACKWARD", "MIN_HEAD_FORWARD",
-           "MIN_NAMES", "MIN_SEND", "N_MINS", "N_TYPE_MINS", "PATH_SLACK", "PROPAGATION_ROUNDS"]
+           "MIN_NAMES", "MIN_SEND", "N_MINS", "N_TYPE_MINS", "PATH_SLACK", "PROPAGATION_ROUNDS", "STAGE_MIN_CUTS",
+           "STAGE_TRIAL"]

@@ -201,6 +201,8 @@ class SplitSearch(RelaxationBound):
         self.lp_layer_row = 0
         self.lp_calls = 0            # relaxation bounds computed in this run, and nodes they cut
         self.lp_cuts = 0
+        self.stage_calls = 0         # placements by stage computed in this run, and counts they rejected
+        self.stage_cuts = 0
         # memory: most layers rank r holds on type t (all chunks; < V when the rank cannot be used)
         self.live = int_copy(shape.live)
         self.layer_state_bytes = float_copy(table.layer_state_bytes)
@@ -335,6 +337,8 @@ class SplitSearch(RelaxationBound):
             self.depth_nodes[i] = 0
         self.lp_calls = 0
         self.lp_cuts = 0
+        self.stage_calls = 0
+        self.stage_cuts = 0
         if self.lp_ready:
             for i in range(self.pp):
                 self.lp_kept[i] = 0
@@ -414,6 +418,10 @@ class SplitSearch(RelaxationBound):
                 self.resume_counts[t] = self.counts[t]
             self.resume_depth = k
         self.resume_tau = self.tau
+
+    def stage_stats(self) -> tuple[int, int]:
+        """Placements by stage computed in the last run, and the counts they rejected."""
+        return self.stage_calls, self.stage_cuts
 
     def depth_profile(self) -> list[int]:
         """Nodes per depth of the last :meth:`run` (depth ``k``: ``k`` ranks decided)."""

@@ -32,7 +32,8 @@ from poseidon_plugin.search.constants import (FIT_SLACK, INHERITED_ROUNDS, MIN_A
                                               MIN_EMBEDDING_ALLREDUCE, MIN_EMBEDDING_BACKWARD,
                                               MIN_EMBEDDING_FORWARD, MIN_FORWARD, MIN_HEAD_ALLREDUCE,
                                               MIN_HEAD_BACKWARD, MIN_HEAD_FORWARD, MIN_SEND, N_MINS,
-                                              N_TYPE_MINS, PATH_SLACK, PROPAGATION_ROUNDS)
+                                              N_TYPE_MINS, PATH_SLACK, PROPAGATION_ROUNDS, STAGE_MIN_CUTS,
+                                              STAGE_TRIAL)
 from poseidon_plugin.search.counters import PRUNED_MEMORY, PRUNED_PATH
 
 from .assignment import assign_into
@@ -649,6 +650,9 @@ class StructureBounds:
             base += self.term_coef[e] * p[self.term_idx[e]]
         a1 = INF
         amax = 0.0
+        omax = 0.0                          # the dearest slopes of the ranks other than the path's owner
+        smax = 0.0
+        owner = self.path_owner[q]
         lift = 0.0
         b1 = INF
         b2 = INF
@@ -686,6 +690,8 @@ class StructureBounds:
                 for i in range(n_left):
                     x = kf * self.slope_forward[i] + kb * self.slope_backward[i] + ka * self.slope_allreduce[i]
                     self.stage_slope[vs * nt + i] = x
+                    if x > smax and r != owner:
+                        smax = x
                     if x < a:
                         a = x
                     t = self.slope_type[i]
@@ -702,6 +708,8 @@ class StructureBounds:
                     a1 = a
                 if a > amax:
                     amax = a
+                if a > omax and r != owner:
+                    omax = a
                 if a < rmin:
                     rmin = a
             if rmin < b1:
@@ -729,6 +737,8 @@ class StructureBounds:
         self.base_cost = base + lift
         self.min_slope = a1
         self.max_slope = amax
+        self.others_max_slope = omax
+        self.others_max_stage = smax
         self.rank_min1 = b1
         self.rank_min2 = b2
         self.rank_min_arg = argr
@@ -818,11 +828,15 @@ class StructureBounds:
                                 + self.coef_b[cf + vs] * self.slope_backward[i] + ka * self.slope_allreduce[i])
                 # one-chunk trees also place the others' layers stage by stage (their owner paths weigh
                 # upstream and downstream ranks differently); on interleaved trees, whose nodes take
-                # the relaxation bound, they cut too few nodes to pay for themselves
-                if own < INF and (v > 1 or own + self._others_knapsack(k, r, extra - d, lb, cap) < rhs) \
-                        and self._others_fit(k, r, t, extra - d, own, rhs, n_left, lb) \
-                        and (v > 1 or own + self._others_by_stage(k, r, t, self.others_lb_layers + extra - d,
-                                                                   lb, capt, n_left) < rhs):
+                # the relaxation bound, they cut too few nodes to pay for themselves; neither is computed
+                # where even its dearest slope leaves the rank room (frontier-scale trees, most ranks)
+                if own < INF and self._others_fit(k, r, t, extra - d, own, rhs, n_left, lb) \
+                        and (v > 1 or own + (extra - d) * self.others_max_slope < rhs
+                             or own + self._others_knapsack(k, r, extra - d, lb, cap) < rhs) \
+                        and (v > 1 or own + (self.others_lb_layers + extra - d) * self.others_max_stage
+                             - self.others_lb_cost < rhs
+                             or self._by_stage_fits(k, r, t, self.others_lb_layers + extra - d, own, rhs, lb,
+                                                    capt, n_left)):
                     break
                 d -= 1
             if d < ct_sum - s_lb:
@@ -1177,6 +1191,20 @@ class StructureBounds:
             cost += take * self.alpha[x]
             e -= take
         return cost
+
+    def _by_stage_fits(self, k: int, r: int, t2: int, e: int, own: float, rhs: float, lb, capt,
+                       n_left: int) -> bool:
+        """Whether ``own`` plus :meth:`_others_by_stage` stays below ``rhs``; a structure search keeps
+        computing it after ``STAGE_TRIAL`` calls only while it rejects at least one count in
+        ``STAGE_MIN_CUTS`` (its sort costs more than the bounds it sits beside: on trees where it never
+        rejects a count, such as frontier-scale ones, it only costs)."""
+        if self.stage_calls >= STAGE_TRIAL and self.stage_cuts * STAGE_MIN_CUTS < self.stage_calls:
+            return True
+        self.stage_calls += 1
+        if own + self._others_by_stage(k, r, t2, e, lb, capt, n_left) < rhs:
+            return True
+        self.stage_cuts += 1
+        return False
 
     def _others_by_stage(self, k: int, r: int, t2: int, e: int, lb, capt, n_left: int) -> float:
         """Cheapest cost along the current path of the ``e`` layers (lower bounds included) of the

@@ -847,7 +847,7 @@ def test_owner_caps_never_exclude_a_completion_of_a_slow_type_pipeline(seed):
         _assert_within([p for p in completions if p[0] < ss.tau], range(b), pp, 1, lb, cap, capt)
 
 
-def test_owner_caps_see_the_owners_links_and_each_ranks_slope():
+def test_owner_caps_see_the_owners_links_and_each_ranks_slope(monkeypatch):
     """An undecided rank's own path caps it per type (``_owner_caps``): priced with the links that
     type pays into and out of the rank (``_owner_link_gain``: a cross-type or a same-type link, once
     per micro-batch on the owner's steady state), with the other ranks' layers at each stage's own
@@ -855,8 +855,9 @@ def test_owner_caps_see_the_owners_links_and_each_ranks_slope():
     its downstream ranks twice, and the placement bounds price a type's layers at its cheapest rank),
     and at each stage's slope on each type within the type's room (``_others_by_stage``). Each cuts
     nodes that the search without it keeps, proving the optimum of slow-type pipelines, and every
-    search finds the same optimum."""
-    from poseidon_plugin.search import splits
+    search finds the same optimum (the placement by stage kept on throughout: its rule is tested below)."""
+    from poseidon_plugin.search import splits, structure_bounds
+    monkeypatch.setattr(structure_bounds, "STAGE_TRIAL", 10 ** 9)
     for method, off in (("_owner_link_gain", lambda q, r, t: 0.0),
                         ("_others_knapsack", lambda k, r, e, lb, cap: 0.0),
                         ("_others_by_stage", lambda k, r, t2, e, lb, capt, n_left: -math.inf)):
@@ -872,6 +873,29 @@ def test_owner_caps_see_the_owners_links_and_each_ranks_slope():
                 assert res.time_ms == best
                 nodes[i - 1] += res.counters[splits.NODES]
         assert nodes[0] < nodes[1], (method, nodes)
+
+
+def test_the_placement_by_stage_is_kept_while_it_rejects_counts(monkeypatch):
+    """After ``STAGE_TRIAL`` calls a structure search computes the owner caps' placement by stage only
+    while it rejects at least one count in ``STAGE_MIN_CUTS``: proving a slow-type pipeline's optimum
+    keeps it past the trial; where no rate is enough (``STAGE_MIN_CUTS`` 0) it stops at the trial,
+    and the search still proves the same optimum."""
+    from poseidon_plugin.search import structure_bounds
+    table, shape, counts, num_layers = slow_type_structure(11, 6)
+
+    def search():
+        return PySplitSearch(table, shape, num_layers, ridge=False, blocks=False, type_class=array("i", range(3)),
+                             backward=True)
+
+    best = search().run(counts, math.inf).time_ms
+    kept = search()
+    assert kept.run(counts, best * (1 + 1e-9)).time_ms == best
+    calls, cuts = kept.stage_stats()
+    assert calls > structure_bounds.STAGE_TRIAL and cuts * structure_bounds.STAGE_MIN_CUTS >= calls
+    monkeypatch.setattr(structure_bounds, "STAGE_MIN_CUTS", 0)
+    stopped = search()
+    assert stopped.run(counts, best * (1 + 1e-9)).time_ms == best
+    assert stopped.stage_stats()[0] == structure_bounds.STAGE_TRIAL
 
 
 def _nodes_with_and_without(method: str, off, seeds) -> tuple[int, int]:
