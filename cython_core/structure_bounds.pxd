@@ -92,7 +92,8 @@ cdef class StructureBounds:
     cdef inline bint _by_stage_fits(self, int k, int r, int t2, int e, double own, double rhs, int[::1] lb,
                                     int[::1] capt, int n_left) noexcept nogil
     @cython.locals(take=cython.int, cost='double', x='double')
-    cdef inline double _others_by_stage(self, int k, int r, int t2, int e, int[::1] lb, int[::1] capt, int n_left) noexcept nogil
+    cdef inline double _others_by_stage(self, int k, int r, int t2, int e, int[::1] lb, int[::1] capt,
+                                        int n_left) noexcept nogil
     @cython.locals(take=cython.int, cost='double')
     cdef inline double _others_knapsack(self, int k, int r, int e, int[::1] lb, int[::1] cap) noexcept nogil
     @cython.locals(fit=cython.bint)
@@ -110,4 +111,5 @@ cdef class StructureBounds:
     cdef inline int _type_capacity(self, int k, int ub, int[::1] lb, int[::1] cap, int[::1] capt) noexcept nogil
     cdef inline int _assign_capacity(self, int k, int ub, int[::1] lb, int[::1] cap, int[::1] capt) noexcept nogil
     cdef inline double _assign(self, int n) noexcept nogil
+    cdef inline int _stages_by_slope(self, int k, int ub) noexcept nogil
     cdef inline double _knapsack(self, int k, int ub, int extra, int[::1] lb, int[::1] cap) noexcept nogil

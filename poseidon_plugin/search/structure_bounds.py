@@ -1166,17 +1166,7 @@ class StructureBounds:
         downstream ranks), this one sees that most layers go to the dearer ranks."""
         pp = self.pp
         if not self.knap_sorted:
-            n = 0
-            for j in range(k, self.ub):
-                for c in range(self.v):
-                    vs = c * pp + j
-                    i = n
-                    while i > 0 and self.alpha[self.stage_order[i - 1]] > self.alpha[vs]:
-                        self.stage_order[i] = self.stage_order[i - 1]
-                        i -= 1
-                    self.stage_order[i] = vs
-                    n += 1
-            self.knap_n = n
+            self.knap_n = self._stages_by_slope(k, self.ub)
             self.knap_sorted = 1
         cost = 0.0
         for i in range(self.knap_n):
@@ -1262,12 +1252,11 @@ class StructureBounds:
             return INF
         return cost - self.others_lb_cost
 
-    def _knapsack(self, k: int, ub: int, extra: int, lb, cap) -> float:
-        """Cheapest cost of ``extra`` more layers over the stages of ranks ``k..ub-1`` at the slopes
-        ``alpha`` (fractional: cheapest first, a stable order by slope over rank, then chunk)."""
+    def _stages_by_slope(self, k: int, ub: int) -> int:
+        """The stages of ranks ``k..ub-1`` into ``stage_order`` by their slope ``alpha``, cheapest first
+        (stable: by rank, then chunk); how many."""
         pp = self.pp
         n = 0
-        cost = 0.0
         for r in range(k, ub):
             for c in range(self.v):
                 vs = c * pp + r
@@ -1277,7 +1266,14 @@ class StructureBounds:
                     j -= 1
                 self.stage_order[j] = vs
                 n += 1
-        self.knap_sorted = 0
+        return n
+
+    def _knapsack(self, k: int, ub: int, extra: int, lb, cap) -> float:
+        """Cheapest cost of ``extra`` more layers over the stages of ranks ``k..ub-1`` at the slopes
+        ``alpha`` (fractional: cheapest first, a stable order by slope over rank, then chunk)."""
+        cost = 0.0
+        n = self._stages_by_slope(k, ub)
+        self.knap_sorted = 0                # this call's order now: the owner caps' (lazy) one is sorted again
         for j in range(n):
             x = self.stage_order[j]
             take = cap[x] - lb[x]
