@@ -67,7 +67,9 @@ cdef class StructureBounds:
     cdef inline bint _rank_mins(self, int r, int[::1] lb, int[::1] capt, double[::1] out) noexcept nogil
     cdef inline void _fill(self, int[::1] lb, int[::1] capt) noexcept nogil
     cdef inline double _send_lb(self, int r, double unknown_min) noexcept nogil
-    cdef inline double _send_into_lb(self, int u, int n) noexcept nogil
+    cdef inline double _typed_link(self, int s, int n, int a, int b) noexcept nogil
+    @cython.locals(best='double', val='double')
+    cdef inline double _any_link(self, int s, int n, int a, int b) noexcept nogil
     cdef inline double _same_type_into(self, int u, int n) noexcept nogil
     @cython.locals(p='double[::1]', val='double', g='double')
     cdef inline double _send_gain(self, int r, int x, int[::1] cnt) noexcept nogil

@@ -221,43 +221,45 @@ class StructureBounds:
         n = (r + 1) % pp
         t = self.types[r]
         u = self.types[n]
-        if t < 0:
-            if u < 0:
-                return unknown_min
-            return self._send_into_lb(u, n)
-        i = t * self.stride + self.slot[r]
-        if u >= 0:
-            if t != u:
-                return self.send_cross_ms[t]
-            return self.send_wrap_ms[i] if n == 0 else self.send_same_ms[i]
-        best = INF
-        if self.remaining[t] > 0:
-            # n == 0 only when ranks are decided from the end: the wrap to the type's slot 0
-            best = self.send_wrap_ms[i] if n == 0 else self.send_same_ms[i]
-        other = False
-        for x in range(self.nt):
-            if x != t and self.remaining[x] > 0:
-                other = True
-                break
-        if other and self.send_cross_ms[t] < best:
-            best = self.send_cross_ms[t]
+        if t >= 0 and u >= 0:
+            return self._typed_link(r, n, t, u)
+        if t < 0 and u < 0:
+            return unknown_min
+        # Where the sender cannot be of the receiver's type the link is a cross-type one: on the
+        # bound's longest path it weighs once per micro-batch when the receiver is the bottleneck.
+        best = self._any_link(r, n, t, u)
         return 0.0 if best == INF else best
 
-    def _send_into_lb(self, u: int, n: int) -> float:
-        """Least transfer ms of a link from an undecided rank into decided rank ``n`` of type ``u``: a
-        sender of another remaining type pays its cross-type link, one of type ``u`` the link out of one
-        of its free slots (:meth:`_same_type_into`). Where the sender cannot be of type ``u`` the link is
-        a cross-type one: on the bound's longest path it weighs once per micro-batch when ``n`` is the
-        bottleneck."""
-        best = self._same_type_into(u, n)
+    def _typed_link(self, s: int, n: int, a: int, b: int) -> float:
+        """Least transfer ms of link ``s -> n`` when ``s`` is of type ``a`` and ``n`` of type ``b``: a
+        cross-type link is priced by the sender's type; a same-type one is the link out of ``s``'s slot
+        when ``s`` is decided (the wrap when ``n`` is rank 0), else out of one of ``a``'s free slots
+        (:meth:`_same_type_into`; INF when none is free)."""
+        if a != b:
+            return self.send_cross_ms[a]
+        if self.types[s] >= 0:
+            i = a * self.stride + self.slot[s]
+            return self.send_wrap_ms[i] if n == 0 else self.send_same_ms[i]
+        return self._same_type_into(a, n)
+
+    def _any_link(self, s: int, n: int, a: int, b: int) -> float:
+        """Least transfer ms of link ``s -> n`` when one end's type is given (``a`` of the sender or
+        ``b`` of the receiver) and the other end (``-1``) is undecided: the least over the types it may
+        still take. A given end that is undecided itself holds one rank of its type."""
+        k = s if a >= 0 else n
+        c = a if a >= 0 else b
+        best = INF
         for x in range(self.nt):
-            if x != u and self.remaining[x] > 0 and self.send_cross_ms[x] < best:
-                best = self.send_cross_ms[x]
-        return 0.0 if best == INF else best
+            need = 1 if (x == c and self.types[k] < 0) else 0
+            if self.remaining[x] > need:
+                val = self._typed_link(s, n, c, x) if a >= 0 else self._typed_link(s, n, x, c)
+                if val < best:
+                    best = val
+        return best
 
     def _same_type_into(self, u: int, n: int) -> float:
-        """Least transfer ms of a link into decided rank ``n`` of type ``u`` from an undecided rank that
-        takes type ``u`` too, out of one of its free slots: to the next slot, or the wrap to slot 0 when
+        """Least transfer ms of a link into rank ``n`` of type ``u`` from an undecided rank that takes
+        type ``u`` too, out of one of its free slots: to the next slot, or the wrap to slot 0 when
         ``n`` is rank 0 (INF when no slot of ``u`` is free)."""
         best = INF
         if self.remaining[u] > 0:
@@ -284,7 +286,7 @@ class StructureBounds:
             u = self.types[n]
             e = 1 + 2 * nv + r
             if u >= 0 and cnt[e] > 0:
-                val = self.send_cross_ms[x] if x != u else self._same_type_into(u, n)
+                val = self._typed_link(r, n, x, u)
                 if val < INF and val > p[e]:
                     g += cnt[e] * (val - p[e])
         if self.v > 1 or r > 0:                # the link r - 1 -> r
@@ -292,11 +294,7 @@ class StructureBounds:
             t = self.types[q]
             e = 1 + 2 * nv + q
             if t >= 0 and cnt[e] > 0:
-                i = t * self.stride + self.slot[q]
-                if x != t:
-                    val = self.send_cross_ms[t]
-                else:
-                    val = self.send_wrap_ms[i] if r == 0 else self.send_same_ms[i]
+                val = self._typed_link(q, r, t, x)
                 if val > p[e]:
                     g += cnt[e] * (val - p[e])
         return g
@@ -304,9 +302,9 @@ class StructureBounds:
     def _owner_link_gain(self, q: int, r: int, t: int) -> float:
         """How much more than the fill's lower bounds the two links of undecided rank ``r``, the owner
         of path ``q``, cost along it when ``r`` takes type ``t``: the link out of ``r`` is one out of a
-        type-``t`` rank (cross-type, or out of one of ``t``'s free slots), the link into ``r`` one out of
-        its neighbour (decided: exactly; undecided: the least over the types it may take). A slow type's
-        links weigh once per micro-batch on its own steady state."""
+        type-``t`` rank into its neighbour, the link into ``r`` one out of its neighbour (each neighbour
+        decided: exactly; undecided: the least over the types it may take). A slow type's links weigh
+        once per micro-batch on its own steady state."""
         pp, nv = self.pp, self.nv
         p = self.params
         g = 0.0
@@ -316,32 +314,14 @@ class StructureBounds:
             n = (r + 1) % pp
             u = self.types[n]
             e = 1 + 2 * nv + r
-            if u >= 0:
-                val = self.send_cross_ms[t] if t != u else self._same_type_into(u, n)
-            else:
-                val = self._same_type_into(t, n) if self.remaining[t] > 1 else INF
-                for x in range(self.nt):
-                    if x != t and self.remaining[x] > 0:
-                        if self.send_cross_ms[t] < val:
-                            val = self.send_cross_ms[t]
-                        break
+            val = self._typed_link(r, n, t, u) if u >= 0 else self._any_link(r, n, t, -1)
             if val < INF and val > p[e]:
                 g += self.owner_out_coef[q] * (val - p[e])
         if self.owner_in_coef[q] > 0 and (self.v > 1 or r > 0):            # the link r - 1 -> r
             s = (r + pp - 1) % pp
             w = self.types[s]
             e = 1 + 2 * nv + s
-            if w >= 0:
-                if w != t:
-                    val = self.send_cross_ms[w]
-                else:
-                    i = w * self.stride + self.slot[s]
-                    val = self.send_wrap_ms[i] if r == 0 else self.send_same_ms[i]
-            else:
-                val = self._same_type_into(t, r) if self.remaining[t] > 1 else INF
-                for x in range(self.nt):
-                    if x != t and self.remaining[x] > 0 and self.send_cross_ms[x] < val:
-                        val = self.send_cross_ms[x]
+            val = self._typed_link(s, r, w, t) if w >= 0 else self._any_link(s, r, -1, t)
             if val < INF and val > p[e]:
                 g += self.owner_in_coef[q] * (val - p[e])
         return g

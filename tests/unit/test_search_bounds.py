@@ -784,11 +784,12 @@ def test_joint_gain_cuts_nodes_the_separate_gain_keeps():
 
 
 def test_links_to_decided_ranks_cut_nodes_the_plain_link_bound_keeps():
-    """A link from an undecided rank into a decided one is priced by the types the sender can still
-    take (a cross-type link where the receiver's type has no rank left), and the gain charges each
-    remaining type its own link to its decided neighbours: each cuts nodes on random structures that the
-    search without it keeps, and the optimum stays the same."""
-    for method, off in (("_send_into_lb", lambda u, n: 0.0), ("_send_gain", lambda r, x, cnt: 0.0)):
+    """A link between an undecided rank and a decided one is priced by the types the undecided end can
+    still take (`_any_link`: a cross-type link where the decided end's type has no rank left; without
+    it such a link has no bound), and the gain charges each remaining type its own link to its decided
+    neighbours: each cuts nodes on random structures that the search without it keeps, and the optimum
+    stays the same."""
+    for method, off in (("_any_link", lambda s, n, a, b: math.inf), ("_send_gain", lambda r, x, cnt: 0.0)):
         on, without = _nodes_with_and_without(method, off, range(200))
         assert on < without, (method, on, without)
 
