@@ -41,8 +41,8 @@ class Recorder:
         rec = self
         make = engine.SearchRun.splitter
 
-        def splitter(run, sg):
-            inner = make(run, sg)
+        def splitter(run, sg, **kwargs):
+            inner = make(run, sg, **kwargs)
             return _Proxy(inner, rec, run, sg)
         engine.SearchRun.splitter = splitter
         for name in ("warmup", "seed", "polish", "search", "bound"):
@@ -63,6 +63,9 @@ class Recorder:
 class _Proxy:
     def __init__(self, inner, rec: Recorder, run, sg):
         self.inner, self.rec, self.run_, self.sg = inner, rec, run, sg
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)     # can_resume, depth_profile, ...
 
     def run(self, counts, tau, **kwargs):
         t0 = time.process_time()

@@ -35,6 +35,7 @@ from .options import SearchOptions, SearchResult, SearchStats, TimeLimitError
 from .seeds import assignment_seeds, relaxation_split
 from .shapes import ShapeCache, ShapeData
 from .space import SearchSpace, ShapeGroup
+from .split_result import SplitResult
 
 INF = math.inf
 WARMUP_SHAPES = 16
@@ -56,6 +57,10 @@ LOOKAHEAD_NODES = 64         # ... the groups after it are searched with at most
 LOOKAHEAD_TOTAL = 8_192      # ... and this many in all, in the next LOOKAHEAD_GROUPS groups at most (their
 LOOKAHEAD_GROUPS = 256       # root checks cost time at frontier scale), for a better plan; then it is
                              # searched again (:meth:`SearchRun.look_ahead`)
+RACE_AT = 8_192              # exact mode: a one-chunk tree decided from the end (docs/SEARCH.md, "Branching
+RACE_SHARE = 2               # order") past this many nodes races its twin in pipeline order: the walk behind
+                             # gets 1/RACE_SHARE of the leader's nodes, the first walk to end closes the
+                             # structure (:meth:`SearchRun.race`)
 RESUME_MIN_S = 0.5           # once they are computed, the search goes on where it was cut if at least
                              # this much of the reserve is left (with the same share kept back again)
 
@@ -153,13 +158,20 @@ class SearchRun:
         self.memory_blocked: list[tuple[float, str, float]] = []   # (need GB, type, usable GB)
         self._splitters: dict[tuple, Any] = {}   # seeded groups that passed their root check, and groups
                                                  # whose walk the clock cut (resumed in their turn)
+        # a group's pipeline-order twin of its splitter, and the race of the structure it walks:
+        # [counts, nodes of the splitter's walk, nodes of the twin's] (:meth:`split`)
+        self._twins: dict[tuple, Any] = {}
+        self._races: dict[tuple, list] = {}
+        self.races = 0                  # structures that raced their twin, and those the twin closed
+        self.twin_wins = 0
+        self.race_leader = 0            # the walk a race starts with: 0 from the end, 1 the twin
 
     # --- helpers ----------------------------------------------------------------------------
 
     def shape(self, sg: ShapeGroup) -> ShapeData:
         return self.shapes.get(sg.schedule, sg.pp, sg.group.micro_batches, sg.virtual_stages)
 
-    def splitter(self, sg: ShapeGroup, alternate: bool | None = None):
+    def splitter(self, sg: ShapeGroup, alternate: bool | None = None, backward: bool | None = None):
         """The search of the group's structure trees (``SplitSearch``, compiled unless the search is pure);
         ``alternate``: the ranks decided from both ends in turn (default: interleaved shapes; docs/SEARCH.md,
         "Branching order"; the pipeline order where the ridge or block rules apply, in default mode)."""
@@ -171,7 +183,8 @@ class SearchRun:
         # one chunk per rank: decide the ranks from the last one, rank 0 first where its memory holds the
         # average rank's layers (docs/SEARCH.md, "Branching order"; the splitters keep the pipeline order
         # where the ridge or block rules apply)
-        backward = sg.virtual_stages == 1
+        if backward is None:
+            backward = sg.virtual_stages == 1
         if self.pure:
             return _pure_twin("splits").SplitSearch(table, shape, self.space.num_layers, ridge=self.ridge,
                                                     blocks=self.blocks, type_class=cls, gap=self.gap,
@@ -514,7 +527,7 @@ class SearchRun:
                 cap = LOOKAHEAD_AT[sg.virtual_stages > 1] if self.lookahead else 0
                 if not cap and self.may_improve(sg):
                     cap = IMPROVE_AT         # resumed after the local search
-                res = self.split(splitter, vec, tau, cap=cap, resume=resume)
+                res = self.split(splitter, vec, tau, cap=cap, resume=resume, sg=sg)
                 if not (res.aborted and self.stopped_at_cap(res, cap)):
                     break
                 if res.time_ms < INF:
@@ -587,19 +600,87 @@ class SearchRun:
                         tau = self.threshold(sg.key) * self.shrink
         self.polish_best()
 
-    def split(self, splitter, vec, tau: float, cap: int = 0, resume: bool = False):
+    def split(self, splitter, vec, tau: float, cap: int = 0, resume: bool = False, sg: ShapeGroup | None = None):
         """Search one structure's tree for its best plan below ``tau``; ``cap``: at most this many nodes
         (aborted past it); ``resume``: the walk goes on where the last one stopped (``SplitSearch.run``).
         Below ``tau`` alone: thresholds rising from the structure's bound to ``tau`` first (tried before)
         paid where the incumbent was weak; with a local search in every group (exact mode) they are
         proofs below the optimum that only add nodes, and default mode searched twice the nodes with
-        them (docs/SEARCH.md, "The probes dropped")."""
+        them (docs/SEARCH.md, "The probes dropped"). ``sg``: a one-chunk tree of the group races its
+        twin in pipeline order past RACE_AT nodes (:meth:`race`)."""
         budget = self.node_budget or 0
         if cap and (not budget or cap < budget):
             budget = cap
-        res = splitter.run(vec, tau, deadline=self.split_deadline, max_nodes=budget, resume=resume)
-        self.add(res.counters)
-        return res
+        if (sg is None or sg.virtual_stages > 1 or self.ridge or self.blocks
+                or (budget and budget <= RACE_AT)):
+            res = splitter.run(vec, tau, deadline=self.split_deadline, max_nodes=budget, resume=resume)
+            self.add(res.counters)
+            return res
+        return self.race(sg, splitter, vec, tau, budget, resume)
+
+    def race(self, sg: ShapeGroup, splitter, vec, tau: float, budget: int, resume: bool):
+        """:meth:`split` of a one-chunk tree, decided from the end, raced against its twin in pipeline
+        order. Which order proves a structure in fewer nodes depends on the instance, by two orders of
+        magnitude either way: from the end where memory keeps the early ranks short (frontier-4096), in
+        pipeline order where it does not and the front's layers decide the bound (Setting 6 at 192 NPUs,
+        GBS 64, seq 1024: 14,810 nodes against more than 4 million; docs/SEARCH.md, "Branching order").
+        The leading walk goes alone for RACE_AT nodes; then the other walks until it has 1/RACE_SHARE of
+        the leader's nodes, the leader as many again as it has, and so on, each walk going on where it
+        stopped (``SplitSearch.run(resume=True)``) below the best plan either found. Both walks search
+        the same plans, so the first to end has found the best plan below its threshold or proven there
+        is none: the structure is closed, and the next race leads with that order. ``budget`` (> 0)
+        bounds both walks' nodes together (a cap stops the race as it stops a walk, and the engine's
+        resume goes on with both walks where they stopped); so does the clock."""
+        key = sg.key
+        state = self._races.get(key)
+        if not (resume and state is not None and state[0] == tuple(vec)):
+            state = self._races[key] = [tuple(vec), [0, 0], self.race_leader]
+        nodes, lead = state[1], state[2]
+        best, types, layers = INF, (), ()
+        counters = [0] * N_COUNTERS
+        ran = False                         # the splitter's walk went on in this call
+        raced = False
+        resumed = None                      # the first walk of this call went on where it had stopped
+        while True:
+            w = 1 - lead if nodes[lead] >= RACE_AT and nodes[1 - lead] < nodes[lead] // RACE_SHARE else lead
+            leg = nodes[lead] // RACE_SHARE - nodes[w] if w != lead else max(RACE_AT, nodes[w])
+            if budget:
+                left = budget - counters[NODES]
+                if left <= 0:
+                    break
+                leg = min(leg, left)
+            limit = min(tau, best * self.shrink)
+            if w == 1:
+                walk = self._twins.get(key)
+                if walk is None:
+                    walk = self._twins[key] = self.splitter(sg, backward=False)
+                again = walk.can_resume(vec, limit)
+            else:
+                walk, again, ran = splitter, resume or ran, True
+            res = walk.run(vec, limit, deadline=self.split_deadline, max_nodes=leg, resume=again)
+            raced = raced or w != lead
+            if resumed is None:
+                resumed = res.resumed
+            self.add(res.counters)
+            for i in range(N_COUNTERS):
+                counters[i] += res.counters[i]
+            nodes[w] += res.counters[NODES]
+            if res.time_ms < best:
+                best, types, layers = res.time_ms, res.types, res.layers
+            if not res.aborted:
+                self._races.pop(key, None)
+                if raced:
+                    self.races += 1
+                    self.twin_wins += w
+                    self.race_leader = w    # the next race leads with the order that ended this one
+                return SplitResult(time_ms=best, types=types, layers=layers, counters=tuple(counters),
+                                   resumed=bool(resumed))
+            if res.counters[NODES] < leg:
+                break                       # the clock
+        if raced:
+            self.races += 1
+        return SplitResult(time_ms=best, types=types, layers=layers, counters=tuple(counters), aborted=True,
+                           resumed=bool(resumed))
 
     def open_structures_bound(self, sg: ShapeGroup, vectors, bounds: list[float], strong: list[bool],
                               start: int) -> float:
