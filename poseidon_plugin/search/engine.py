@@ -159,7 +159,7 @@ class SearchRun:
         self._splitters: dict[tuple, Any] = {}   # seeded groups that passed their root check, and groups
                                                  # whose walk the clock cut (resumed in their turn)
         # a group's pipeline-order twin of its splitter, and the race of the structure it walks:
-        # [counts, nodes of the splitter's walk, nodes of the twin's] (:meth:`split`)
+        # [counts, [nodes of the splitter's walk, of the twin's], the walk that leads] (:meth:`race`)
         self._twins: dict[tuple, Any] = {}
         self._races: dict[tuple, list] = {}
         self.races = 0                  # structures that raced their twin, and those the twin closed
@@ -174,7 +174,9 @@ class SearchRun:
     def splitter(self, sg: ShapeGroup, alternate: bool | None = None, backward: bool | None = None):
         """The search of the group's structure trees (``SplitSearch``, compiled unless the search is pure);
         ``alternate``: the ranks decided from both ends in turn (default: interleaved shapes; docs/SEARCH.md,
-        "Branching order"; the pipeline order where the ridge or block rules apply, in default mode)."""
+        "Branching order"; the pipeline order where the ridge or block rules apply, in default mode);
+        ``backward``: one-chunk ranks decided from the end (default), or in pipeline order (False: the
+        twin a race walks, :meth:`race`)."""
         if alternate is None:
             alternate = sg.virtual_stages > 1
         g = sg.group
