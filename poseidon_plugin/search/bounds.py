@@ -3,7 +3,8 @@
 * :func:`fluid_cut` -- the shape-free bound of a whole shape group;
 * :func:`pipeline_bound` / :func:`positional_bound` -- the shape-free and per-position bounds of a
   group or structure (anytime bounds, structure cuts), with the fill-and-drain paths of
-  :func:`drain_coefficients`, :func:`interleaved_drain_counts` and :func:`drain_path_terms`.
+  :func:`drain_coefficients`, :func:`interleaved_drain_counts`, :func:`drain_path_terms` and
+  :func:`blocking_waits`.
 
 The bounds inside one structure's tree are :mod:`.structure_bounds`.
 """
@@ -209,10 +210,10 @@ def interleaved_drain_counts(schedule: str, pp: int, micro_batches: int,
 def drain_path_terms(table, counts, pp: int, v: int, micro_batches: int, schedule: str,
                      comm_model: str | None) -> list[float]:
     """Per position ``r``, the least time the two fill-and-drain paths of :func:`drain_coefficients`
-    spend outside the stages' forwards and backwards: every link crossed twice (``2 (pp - 1)`` sends),
-    rank 0's gradient sync and optimizer step after its last backward, and with a blocking comm model
-    (megatron's 1F1B) the transfers rank ``r`` waits for between its own ops on the path: ``(M - 1)``
-    calls to each neighbour it has. Each send at least the cheapest link of the piece."""
+    spend outside the stages' forwards and backwards whatever the position's type: every link crossed
+    twice (``2 (pp - 1)`` sends, each at least the cheapest link of the piece) and rank 0's gradient
+    sync and optimizer step after its last backward. The transfers a blocking comm model makes rank
+    ``r`` wait for depend on its type: :func:`blocking_waits`."""
     active = [t for t in range(len(counts)) if min(counts[t], pp) > 0]
     stride = getattr(table, "max_slots", 0)
     sends = []
@@ -227,13 +228,34 @@ def drain_path_terms(table, counts, pp: int, v: int, micro_batches: int, schedul
         ar0 = min(_col(table, "optimizer_fixed_ms", t) + v * _col(table, "optimizer_ms", t)
                   + ((v * table.allreduce_ms[t * stride] + table.embedding_allreduce_ms[t * stride])
                      if table.has_allreduce[t * stride] else 0.0) for t in active)
-    out = []
-    for r in range(pp):
-        x = 2 * (pp - 1) * send + ar0
-        if comm_model in BLOCKING_COMM_MODELS and schedule == "1f1b":
-            x += (micro_batches - 1) * ((r > 0) + (r < pp - 1)) * send
-        out.append(x)
-    return out
+    return [2 * (pp - 1) * send + ar0] * pp
+
+
+def blocking_waits(table, counts, pp: int, micro_batches: int, schedule: str,
+                   comm_model: str | None) -> list[list[float]]:
+    """Per position ``r`` and active type (the order of ``counts``' types with a rank), the transfers
+    rank ``r`` of that type waits for on both fill-and-drain paths under a blocking comm model
+    (megatron's 1F1B; 0 otherwise): ``M - 1`` calls on the link to each neighbour it has. A link is
+    priced by its sender (``send_cross`` of the sender's type where the types differ, ``send_same`` of
+    the sender's slot where they match), so each call costs at least the least such price the piece
+    allows: out of ``r`` the type's own ``send_cross`` (where another type is active) or its
+    ``send_same`` slots (where it has two ranks); into ``r`` another active type's ``send_cross`` or
+    the type's ``send_same`` slots. On a 3-type pipeline whose slow type's links cost 1.43 ms where
+    the piece's cheapest is 0.86 (M = 256), that is 290 ms more on its positions."""
+    active = [t for t in range(len(counts)) if min(counts[t], pp) > 0]
+    stride = getattr(table, "max_slots", 0)
+    if not (stride and pp > 1 and comm_model in BLOCKING_COMM_MODELS and schedule == "1f1b"):
+        return [[0.0] * len(active) for _ in range(pp)]
+    ins, outs = [], []
+    for t in active:
+        same = [table.send_same_ms[t * stride + j] for j in range(min(counts[t], pp) - 1)]
+        cross_out = [table.send_cross_ms[t]] if len(active) > 1 else []
+        cross_in = [table.send_cross_ms[u] for u in active if u != t]
+        outs.append(min(same + cross_out, default=0.0))
+        ins.append(min(same + cross_in, default=0.0))
+    k = micro_batches - 1
+    return [[k * ((ins[i] if r > 0 else 0.0) + (outs[i] if r < pp - 1 else 0.0)) for i in range(len(active))]
+            for r in range(pp)]
 
 
 def _col(table, name: str, t: int) -> float:
@@ -313,6 +335,7 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
     emb = min(_col(table, "embedding_forward_ms", t) + _col(table, "embedding_backward_ms", t) for t in active)
     head = min(_col(table, "head_forward_ms", t) + _col(table, "head_backward_ms", t) for t in active)
     terms = drain_path_terms(table, counts, pp, v, m, schedule, comm_model) if schedule is not None else None
+    waits = blocking_waits(table, counts, pp, m, schedule, comm_model) if schedule is not None else None
     drain = False             # V = 1: the pairs of drain_coefficients
     if schedule is not None and v == 1:
         drain = True
@@ -391,7 +414,8 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
             pairs = ()
             if drain and ilv is None:
                 t = active[i]
-                pairs = tuple((terms[r] + kf * e_f + kb * e_b, kf * table.forward_ms[t] + kb * table.backward_ms[t])
+                pairs = tuple((terms[r] + waits[r][i] + kf * e_f + kb * e_b,
+                               kf * table.forward_ms[t] + kb * table.backward_ms[t])
                               for kf, kb in coef[r])
             row.append((w / m * slack, c[r], r * c_min + m * (e_f + e_b), pairs))
         fixed_caps.append(row)

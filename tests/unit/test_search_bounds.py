@@ -582,6 +582,49 @@ def test_fill_and_drain_paths_hold_their_sends_sync_and_blocking_waits(comm_mode
                 assert got <= longest * (1 + 1e-12)
 
 
+def _cheapest_link_waits(table, counts, pp, m, schedule, comm_model):
+    """bounds.blocking_waits as it was: every wait at the piece's cheapest link, whatever the type."""
+    from poseidon_plugin.search.bounds import BLOCKING_COMM_MODELS
+    active = [t for t in range(len(counts)) if min(counts[t], pp) > 0]
+    stride = table.max_slots
+    sends = ([table.send_cross_ms[t] for t in active] if len(active) > 1 else [])
+    sends += [table.send_same_ms[t * stride + j] for t in active for j in range(min(counts[t], pp) - 1)]
+    send = min(sends, default=0.0) if comm_model in BLOCKING_COMM_MODELS and schedule == "1f1b" else 0.0
+    return [[(m - 1) * ((r > 0) + (r < pp - 1)) * send] * len(active) for r in range(pp)]
+
+
+@pytest.mark.parametrize("comm_model", ["dag", "megatron"])
+def test_positional_bound_with_each_types_waits_below_every_plan(comm_model, monkeypatch):
+    """bounds.blocking_waits prices rank r's blocking waits by the links its type can have (a link is
+    priced by its sender: ``send_cross`` where the types differ, ``send_same`` of the sender's slot
+    where they match), not at the piece's cheapest link: on random one-chunk structures (random
+    per-type and per-slot links) the structure's positional bound, fill and drain and waits included,
+    never exceeds any of its plans that fit memory (brute force, the kernel's time under ``comm_model``);
+    and under megatron's blocking 1F1B it is above the bound with the cheapest link's waits on some."""
+    from poseidon_plugin.search import bounds
+    checked = raised = 0
+    for seed in range(400):
+        table, shape, counts, num_layers = random_structure(31000 + seed, True)
+        if shape.virtual_stages > 1 or shape.pp < 2 or shape.schedule != "1f1b":
+            continue
+        shape = ShapeData(shape.schedule, shape.pp, shape.micro_batches, 1, True, comm_model)
+        plans = brute_force(table, shape, counts, num_layers)
+        if not plans:
+            continue
+        args = (table, counts, shape.micro_batches, shape.pp, 1, num_layers, shape.live)
+        kw = dict(schedule=shape.schedule, comm_model=comm_model)
+        got = bounds.positional_bound(*args, **kw)
+        assert got <= min(p[0] for p in plans) * (1 + 1e-9)
+        checked += 1
+        with monkeypatch.context() as mp:
+            mp.setattr(bounds, "blocking_waits", _cheapest_link_waits)
+            before = bounds.positional_bound(*args, **kw)
+        assert before <= got * (1 + 1e-12)
+        raised += got > before * (1 + 1e-6)
+    assert checked >= 40
+    assert (raised > 0) == (comm_model == "megatron")
+
+
 @pytest.mark.parametrize("comm_model", ["dag", "megatron", "megatron-overlap"])
 @pytest.mark.parametrize("pp,m,v", [(2, 2, 2), (2, 4, 2), (3, 6, 2), (4, 8, 2), (4, 4, 3), (3, 9, 3),
                                     (5, 10, 2), (4, 16, 2)])
