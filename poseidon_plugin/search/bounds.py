@@ -180,6 +180,24 @@ def drain_coefficients(schedule: str, pp: int, micro_batches: int) -> list[tuple
     return out
 
 
+def double_drain_coefficients(schedule: str, pp: int, micro_batches: int) -> list[tuple[int, int] | None]:
+    """Per position ``r`` of a ``V = 1`` pipeline, ``(kf, kb)`` such that every plan takes ``T >= S +
+    kf F_r + kb B_r + L_r`` (``L_r``: the later ranks' one micro-batch forward and backward), or None.
+    The DAG path *through the later ranks twice*: micro-batch 0 down every stage and back up to
+    ``B(r, 0)`` (index ``i``), rank ``r``'s ops from there to its last forward ``F(r, M-1)`` (index
+    ``j``; a path where ``i <= j``: ``M - i`` forwards, ``j + 1 - M`` backwards), that micro-batch down
+    the later stages and back up, ``B(r, M-1)``, the tail up to rank 0. Where an early rank of a deep
+    pipeline is the slowest, this is the longest path: it holds the later ranks twice where the first
+    backward path holds rank ``r``'s ``w`` warm-up backwards instead (paper-style 1F1B, PP 25, M = 256,
+    the slowest rank fourth: 1,100 ms of 53,387 more)."""
+    out = []
+    for r in range(pp):
+        ops = RankOps(schedule, pp, micro_batches, 1, r)
+        i, j = ops.first_backward_index(), ops.last_forward_index()
+        out.append((micro_batches - i, j + 1 - micro_batches) if i <= j else None)
+    return out
+
+
 # comm models whose 1F1B programs block on every p2p call (docs/SEARCH.md, "Fill and drain")
 BLOCKING_COMM_MODELS = ("megatron", "megatron-overlap")
 
@@ -340,6 +358,7 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
     if schedule is not None and v == 1:
         drain = True
         coef = drain_coefficients(schedule, pp, m)
+        double = double_drain_coefficients(schedule, pp, m)
         # per type, its least per-layer slope over the positions (the larger pair of each)
         min_slope = [min(max(kf * table.forward_ms[t] + kb * table.backward_ms[t] for kf, kb in coef[r])
                          for r in range(pp)) for t in active]
@@ -412,20 +431,31 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
         for i, (w, _n, c, _s) in enumerate(types):
             e_f, e_b = ext[r][i]
             pairs = ()
+            dbl = None
             if drain and ilv is None:
                 t = active[i]
                 pairs = tuple((terms[r] + waits[r][i] + kf * e_f + kb * e_b,
                                kf * table.forward_ms[t] + kb * table.backward_ms[t])
                               for kf, kb in coef[r])
-            row.append((w / m * slack, c[r], r * c_min + m * (e_f + e_b), pairs))
+                if double[r] is not None and min(double[r]) > 1 and m > 1:
+                    # the path through the later ranks twice: with L_r = S - E_r - (F_r + B_r), T -
+                    # 2 S + E_r >= (kf - 1) F_r + (kb - 1) B_r + its sends, sync and waits (the rank's
+                    # calls between B(r, 0) and F(r, M-1): at least min(kf, kb) - 1 on each link)
+                    kf, kb = double[r]
+                    dbl = (terms[r] + waits[r][i] * (min(kf, kb) - 1) / (m - 1) + (kf - 1) * e_f + (kb - 1) * e_b,
+                           (kf - 1) * table.forward_ms[t] + (kb - 1) * table.backward_ms[t])
+            row.append((w / m * slack, c[r], r * c_min + m * (e_f + e_b), pairs, dbl, e_f + e_b))
         fixed_caps.append(row)
 
     def caps_at(t_ms: float, y: float | None):
         """h[r][i]: most layers position r holds on type i at time t_ms and drain room y (< v: cannot)."""
         h = []
+        # the double path's room: T - 2 S + E_r <= y - S_lb + E_r, S_lb = t_ms - y the least S (the
+        # sequence of capacity), E_r the earlier positions' work: at most their caps' (h so far)
+        e_sum = 0.0
         for r, row in enumerate(fixed_caps):
             out = []
-            for i, (share, cap_r, paid, pairs) in enumerate(row):
+            for i, (share, cap_r, paid, pairs, dbl, _e) in enumerate(row):
                 work = t_ms - paid
                 x = int(share * work) if work > 0.0 else 0
                 if x > cap_r:
@@ -445,8 +475,25 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
                             z = int(room / sl * slack)
                             if z < x:
                                 x = z
+                    if dbl is not None and x >= 0:
+                        taken, sl = dbl
+                        room = 2.0 * y - t_ms + e_sum - taken
+                        if room < 0.0:
+                            x = -1
+                        elif sl > 0.0:
+                            z = int(room / sl * slack)
+                            if z < x:
+                                x = z
                 out.append(x)
             h.append(out)
+            if y is not None and drain and ilv is None:
+                most = -1.0
+                for i, x in enumerate(out):
+                    if x >= v:
+                        got = x * per_layer[i] + row[i][5]
+                        if got > most:
+                            most = got
+                e_sum += max(most, 0.0)
         return h
 
     def s_min(h) -> float | None:

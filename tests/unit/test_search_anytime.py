@@ -265,12 +265,14 @@ def test_positional_bound_never_exceeds_the_relaxation_it_bounds(seed):
     rank >= V, within its position's memory cap, embedding and head included) of the relaxation's
     constraints -- position r's work after the fill of the earlier ones (r c_min + M (F_r + B_r) <= T)
     and, with a V = 1 schedule, the fill and drain terms (S + kf F_r + kb B_r <= T, S the split's one
-    micro-batch through every rank) -- the relaxation it bounds."""
+    micro-batch through every rank) and the path through the later ranks twice (S + kf F_r + kb B_r +
+    L_r <= T, L_r the later ranks' one micro-batch) -- the relaxation it bounds."""
     import itertools
     import random
     from types import SimpleNamespace
 
-    from poseidon_plugin.search.bounds import drain_coefficients, interleaved_drain_counts, positional_bound
+    from poseidon_plugin.search.bounds import (double_drain_coefficients, drain_coefficients,
+                                               interleaved_drain_counts, positional_bound)
     from poseidon_plugin.search.structure_bounds import chunk_layers
     rng = random.Random(seed)
     nt, pp, v, m = rng.randint(1, 3), rng.randint(1, 5), rng.choice([1, 2]), rng.choice([4, 8])
@@ -300,6 +302,7 @@ def test_positional_bound_never_exceeds_the_relaxation_it_bounds(seed):
         schedule = rng.choice([None, "interleaved-1f1b"]) if m % pp == 0 else None
     got = positional_bound(table, counts, m, pp, v, layers, live, schedule=schedule)
     coef = drain_coefficients(schedule, pp, m) if schedule and v == 1 else None
+    double = double_drain_coefficients(schedule, pp, m) if schedule and v == 1 else None
     ilv = interleaved_drain_counts(schedule, pp, m, v) if schedule and v > 1 else None
     tb = table
 
@@ -339,6 +342,10 @@ def test_positional_bound_never_exceeds_the_relaxation_it_bounds(seed):
             t_ms = max(r * c_min + m * (f + b) for r, (f, b) in enumerate(fb))
             if coef:
                 t_ms = max(t_ms, *(s + kf * f + kb * b for r, (f, b) in enumerate(fb) for kf, kb in coef[r]))
+                for r, (f, b) in enumerate(fb):
+                    if double[r] is not None:
+                        kf, kb = double[r]
+                        t_ms = max(t_ms, s + kf * f + kb * b + sum(x + y for x, y in fb[r + 1:]))
             if ilv:
                 # the interleaved fill and drain path: the earlier ranks' chunk 0, the later ranks'
                 # chunk V - 1, rank r's own ops at their counts

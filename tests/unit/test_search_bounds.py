@@ -582,6 +582,48 @@ def test_fill_and_drain_paths_hold_their_sends_sync_and_blocking_waits(comm_mode
                 assert got <= longest * (1 + 1e-12)
 
 
+@pytest.mark.parametrize("comm_model", ["dag", "megatron"])
+@pytest.mark.parametrize("schedule", ["1f1b", "eager-1f1b", "gpipe"])
+@pytest.mark.parametrize("pp,m", [(2, 2), (3, 5), (4, 3), (5, 8), (4, 12), (6, 7)])
+def test_the_path_through_the_later_ranks_twice_is_a_dag_path(comm_model, schedule, pp, m):
+    """bounds.double_drain_coefficients: on random weights, for every rank r where it exists, S + kf F_r
+    + kb B_r + L_r (L_r the later ranks' forwards and backwards), every link's send twice, rank 0's
+    all-reduce and under megatron's blocking 1F1B min(kf, kb) - 1 waits on each link to a neighbour never
+    exceed the iteration time; on 1F1B it exists where M exceeds rank r's warm-up by two, and on a
+    uniform 1F1B pipeline of many micro-batches it beats both pairs of drain_coefficients on rank 0."""
+    from poseidon_plugin.search.bounds import BLOCKING_COMM_MODELS, double_drain_coefficients, drain_coefficients
+    double = double_drain_coefficients(schedule, pp, m)
+    sim = Simulator(schedule, pp, m, 1, comm_model)
+    rng = random.Random(pp * 1000 + m * 10 + len(schedule) + len(comm_model) + 7)
+    if schedule == "1f1b":
+        # B(r, 0) comes before F(r, M-1) once M exceeds the w = pp - 1 - r warm-up forwards by two
+        assert [double[r] is not None for r in range(pp)] == [m >= pp - r + 1 for r in range(pp)]
+    for _ in range(30):
+        fwd = [rng.uniform(0, 5) for _ in range(pp)]
+        bwd = [rng.uniform(0, 9) for _ in range(pp)]
+        send = [rng.uniform(0, 2) for _ in range(pp - 1)] + [0.0]
+        ar = [rng.uniform(0, 7) for _ in range(pp)]
+        longest = sim.iteration_time(fwd, bwd, send, ar)
+        s = sum(fwd) + sum(bwd)
+        for r in range(pp):
+            if double[r] is None:
+                continue
+            kf, kb = double[r]
+            assert kf >= 0 and kb >= 0
+            waits = 0.0
+            if comm_model in BLOCKING_COMM_MODELS and schedule == "1f1b":
+                waits = max(0, min(kf, kb) - 1) * ((send[r - 1] if r > 0 else 0.0) + (send[r] if r < pp - 1 else 0.0))
+            later = sum(fwd[r + 1:]) + sum(bwd[r + 1:])
+            got = s + kf * fwd[r] + kb * bwd[r] + later + 2 * sum(send) + ar[0] + waits
+            assert got <= longest * (1 + 1e-12)
+    if schedule == "1f1b" and comm_model == "dag" and m >= 2 * pp:
+        # later ranks 3x slower than rank 0: the path through them twice is the longer one
+        fwd, bwd = [1.0] + [3.0] * (pp - 1), [2.0] + [6.0] * (pp - 1)
+        s = sum(fwd) + sum(bwd)
+        kf, kb = double[0]
+        assert s + kf + 2 * kb + sum(fwd[1:]) + sum(bwd[1:]) > max(s + a + 2 * b for a, b in drain_coefficients(schedule, pp, m)[0])
+
+
 def _cheapest_link_waits(table, counts, pp, m, schedule, comm_model):
     """bounds.blocking_waits as it was: every wait at the piece's cheapest link, whatever the type."""
     from poseidon_plugin.search.bounds import BLOCKING_COMM_MODELS
@@ -623,6 +665,44 @@ def test_positional_bound_with_each_types_waits_below_every_plan(comm_model, mon
         raised += got > before * (1 + 1e-6)
     assert checked >= 40
     assert (raised > 0) == (comm_model == "megatron")
+
+
+@pytest.mark.parametrize("comm_model", ["dag", "megatron"])
+def test_positional_bound_with_the_double_path_below_every_plan(comm_model, monkeypatch):
+    """The positional bound's path through the later ranks twice (bounds.double_drain_coefficients; in
+    the relaxation T - 2 S + E_r >= (kf - 1) F_r + (kb - 1) B_r, S at least the relaxation's least S,
+    E_r the earlier positions' work at most their caps'): on random one-chunk structures of every V = 1
+    schedule, deeper and with more micro-batches than the other brute forces, the structure's bound
+    never exceeds any of its plans that fit memory, and it is above the bound without that path on
+    some."""
+    from poseidon_plugin.search import bounds
+    checked = raised = 0
+    for seed in range(300):
+        rng = random.Random(47000 + seed)
+        nt = rng.choice([1, 2, 2, 3])
+        pp = rng.choice([3, 4, 5])
+        schedule = rng.choice(["1f1b", "1f1b", "eager-1f1b", "gpipe"])
+        m = rng.choice([4, 8, 12])
+        num_layers = rng.randint(pp, pp + 3)
+        counts = [0] * nt
+        for _ in range(pp):
+            counts[rng.randrange(nt)] += 1
+        table = random_table(rng, nt, rng.choice([1, 2]), [max(1, c) for c in counts])
+        shape = ShapeData(schedule, pp, m, 1, True, comm_model)
+        plans = brute_force(table, shape, counts, num_layers)
+        if not plans:
+            continue
+        args = (table, counts, m, pp, 1, num_layers, shape.live)
+        kw = dict(schedule=schedule, comm_model=comm_model)
+        got = bounds.positional_bound(*args, **kw)
+        assert got <= min(p[0] for p in plans) * (1 + 1e-9)
+        checked += 1
+        with monkeypatch.context() as mp:
+            mp.setattr(bounds, "double_drain_coefficients", lambda sch, n, mb: [None] * n)
+            before = bounds.positional_bound(*args, **kw)
+        assert before <= got * (1 + 1e-12)
+        raised += got > before * (1 + 1e-6)
+    assert checked >= 150 and raised > 0
 
 
 @pytest.mark.parametrize("comm_model", ["dag", "megatron", "megatron-overlap"])
