@@ -3,8 +3,8 @@
 * :func:`fluid_cut` -- the shape-free bound of a whole shape group;
 * :func:`pipeline_bound` / :func:`positional_bound` -- the shape-free and per-position bounds of a
   group or structure (anytime bounds, structure cuts), with the fill-and-drain paths of
-  :func:`drain_coefficients`, :func:`interleaved_drain_counts`, :func:`drain_path_terms` and
-  :func:`blocking_waits`.
+  :func:`drain_coefficients`, :func:`double_drain_coefficients`, :func:`interleaved_drain_counts`,
+  :func:`drain_path_terms`, :func:`blocking_waits` and :func:`rank_sync_terms`.
 
 The bounds inside one structure's tree are :mod:`.structure_bounds`.
 """
@@ -188,8 +188,8 @@ def double_drain_coefficients(schedule: str, pp: int, micro_batches: int) -> lis
     ``j``; a path where ``i <= j``: ``M - i`` forwards, ``j + 1 - M`` backwards), that micro-batch down
     the later stages and back up, ``B(r, M-1)``, the tail up to rank 0. Where an early rank of a deep
     pipeline is the slowest, this is the longest path: it holds the later ranks twice where the first
-    backward path holds rank ``r``'s ``w`` warm-up backwards instead (paper-style 1F1B, PP 25, M = 256,
-    the slowest rank fourth: 1,100 ms of 53,387 more)."""
+    backward path holds rank ``r``'s ``w`` warm-up backwards instead (random-16 of the public sweep:
+    1F1B, PP 25, M = 256, the slowest rank fourth; 1,100 ms of its 53,387 more)."""
     out = []
     for r in range(pp):
         ops = RankOps(schedule, pp, micro_batches, 1, r)
@@ -276,6 +276,20 @@ def blocking_waits(table, counts, pp: int, micro_batches: int, schedule: str,
             for r in range(pp)]
 
 
+def rank_sync_terms(table, counts, pp: int) -> tuple[list[float], list[float]]:
+    """Per active type (the order of ``counts``' types with a rank), the least gradient sync and
+    optimizer step a rank of that type pays after its last backward (``put_rank_times``): the fixed
+    part (``optimizer_fixed_ms``) and the part per layer (``optimizer_ms`` and the least per-layer
+    all-reduce of the slots it may take). The embedding's and the head's syncs are left out."""
+    active = [t for t in range(len(counts)) if min(counts[t], pp) > 0]
+    stride = getattr(table, "max_slots", 0)
+    fixed = [_col(table, "optimizer_fixed_ms", t) for t in active]
+    slope = [_col(table, "optimizer_ms", t)
+             + (min((table.allreduce_ms[t * stride + j] if table.has_allreduce[t * stride + j] else 0.0)
+                    for j in range(min(counts[t], pp))) if stride else 0.0) for t in active]
+    return fixed, slope
+
+
 def _col(table, name: str, t: int) -> float:
     """``table.<name>[t]``, 0 for a column a stand-in table of the tests leaves out."""
     col = getattr(table, name, None)
@@ -354,6 +368,8 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
     head = min(_col(table, "head_forward_ms", t) + _col(table, "head_backward_ms", t) for t in active)
     terms = drain_path_terms(table, counts, pp, v, m, schedule, comm_model) if schedule is not None else None
     waits = blocking_waits(table, counts, pp, m, schedule, comm_model) if schedule is not None else None
+    stride = getattr(table, "max_slots", 0)
+    ar_fixed, ar_slope = rank_sync_terms(table, counts, pp)
     drain = False             # V = 1: the pairs of drain_coefficients
     if schedule is not None and v == 1:
         drain = True
@@ -434,7 +450,7 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
             dbl = None
             if drain and ilv is None:
                 t = active[i]
-                pairs = tuple((terms[r] + waits[r][i] + kf * e_f + kb * e_b,
+                pairs = tuple((terms[r] + waits[r][i] + kf * e_f + kb * e_b, 0.0,
                                kf * table.forward_ms[t] + kb * table.backward_ms[t])
                               for kf, kb in coef[r])
                 if double[r] is not None and min(double[r]) > 1 and m > 1:
@@ -444,7 +460,14 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
                     kf, kb = double[r]
                     dbl = (terms[r] + waits[r][i] * (min(kf, kb) - 1) / (m - 1) + (kf - 1) * e_f + (kb - 1) * e_b,
                            (kf - 1) * table.forward_ms[t] + (kb - 1) * table.backward_ms[t])
-            row.append((w / m * slack, c[r], r * c_min + m * (e_f + e_b), pairs, dbl, e_f + e_b))
+            if drain and ilv is None and stride:
+                # the same two paths ending at rank r's own gradient sync and optimizer step (after
+                # B(r, M-1)) instead of the tail up to rank 0's: T - S + (the earlier ranks' backward of
+                # one micro-batch, at most their caps') >= kf F_r + kb B_r + AR_r (its sends dropped)
+                pairs += tuple((waits[r][i] + kf * e_f + kb * e_b + ar_fixed[i], -1.0,
+                                kf * table.forward_ms[t] + kb * table.backward_ms[t] + ar_slope[i])
+                               for kf, kb in coef[r]) if ar_slope[i] + ar_fixed[i] > 0.0 else ()
+            row.append((w / m * slack, c[r], r * c_min + m * (e_f + e_b), pairs, dbl, e_f + e_b, e_b))
         fixed_caps.append(row)
 
     def caps_at(t_ms: float, y: float | None):
@@ -452,10 +475,10 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
         h = []
         # the double path's room: T - 2 S + E_r <= y - S_lb + E_r, S_lb = t_ms - y the least S (the
         # sequence of capacity), E_r the earlier positions' work: at most their caps' (h so far)
-        e_sum = 0.0
+        e_sum = eb_sum = 0.0
         for r, row in enumerate(fixed_caps):
             out = []
-            for i, (share, cap_r, paid, pairs, dbl, _e) in enumerate(row):
+            for i, (share, cap_r, paid, pairs, dbl, _e, _eb) in enumerate(row):
                 work = t_ms - paid
                 x = int(share * work) if work > 0.0 else 0
                 if x > cap_r:
@@ -466,8 +489,10 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
                         x = z
                 elif y is not None:
                     # each drain pair: kf F + kb B <= y, with F, B the layers' time plus the extras
-                    for taken, sl in pairs:
-                        room = y - taken
+                    for taken, earlier, sl in pairs:
+                        # earlier < 0: a path that ends at rank r's own sync, with the earlier
+                        # ranks' backwards out of S (at most their caps')
+                        room = y - taken if earlier == 0.0 else y + eb_sum - taken
                         if room < 0.0:
                             x = -1
                             break
@@ -487,13 +512,17 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
                 out.append(x)
             h.append(out)
             if y is not None and drain and ilv is None:
-                most = -1.0
+                most = most_b = -1.0
                 for i, x in enumerate(out):
                     if x >= v:
                         got = x * per_layer[i] + row[i][5]
                         if got > most:
                             most = got
+                        got = x * table.backward_ms[active[i]] + row[i][6]
+                        if got > most_b:
+                            most_b = got
                 e_sum += max(most, 0.0)
+                eb_sum += max(most_b, 0.0)
         return h
 
     def s_min(h) -> float | None:
