@@ -463,12 +463,18 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
             if drain and ilv is None and stride:
                 # the same two paths ending at rank r's own gradient sync and optimizer step (after
                 # B(r, M-1)) instead of the tail up to rank 0's: T - S + (the earlier ranks' backward of
-                # one micro-batch, at most their caps') >= kf F_r + kb B_r + AR_r (its sends dropped)
+                # one micro-batch, at most their caps') >= kf F_r + kb B_r + AR_r (its sends dropped);
+                # tighter than the pair's own only where AR_r at the memory cap exceeds terms[r]
                 pairs += tuple((waits[r][i] + kf * e_f + kb * e_b + ar_fixed[i], -1.0,
                                 kf * table.forward_ms[t] + kb * table.backward_ms[t] + ar_slope[i])
-                               for kf, kb in coef[r]) if ar_slope[i] + ar_fixed[i] > 0.0 else ()
+                               for kf, kb in coef[r]) if ar_fixed[i] + c[r] * ar_slope[i] > terms[r] else ()
             row.append((w / m * slack, c[r], r * c_min + m * (e_f + e_b), pairs, dbl, e_f + e_b, e_b))
         fixed_caps.append(row)
+
+    # caps_at sums the earlier positions' most work only where a double path or an own-sync pair reads it
+    sums = drain and ilv is None and any(x[4] is not None or len(x[3]) > len(coef[r])
+                                         for r, row in enumerate(fixed_caps) for x in row)
+    per_b = [table.backward_ms[t] for t in active]
 
     def caps_at(t_ms: float, y: float | None):
         """h[r][i]: most layers position r holds on type i at time t_ms and drain room y (< v: cannot)."""
@@ -511,18 +517,18 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
                                 x = z
                 out.append(x)
             h.append(out)
-            if y is not None and drain and ilv is None:
-                most = most_b = -1.0
+            if y is not None and sums:
+                most = most_b = 0.0
                 for i, x in enumerate(out):
                     if x >= v:
                         got = x * per_layer[i] + row[i][5]
                         if got > most:
                             most = got
-                        got = x * table.backward_ms[active[i]] + row[i][6]
+                        got = x * per_b[i] + row[i][6]
                         if got > most_b:
                             most_b = got
-                e_sum += max(most, 0.0)
-                eb_sum += max(most_b, 0.0)
+                e_sum += most
+                eb_sum += most_b
         return h
 
     def s_min(h) -> float | None:
