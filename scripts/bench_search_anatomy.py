@@ -64,9 +64,6 @@ class _Proxy:
     def __init__(self, inner, rec: Recorder, run, sg):
         self.inner, self.rec, self.run_, self.sg = inner, rec, run, sg
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)     # can_resume, depth_profile, ...
-
     def run(self, counts, tau, **kwargs):
         t0 = time.process_time()
         res = self.inner.run(counts, tau, **kwargs)

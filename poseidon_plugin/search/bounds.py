@@ -180,21 +180,21 @@ def drain_coefficients(schedule: str, pp: int, micro_batches: int) -> list[tuple
     return out
 
 
-def double_drain_coefficients(schedule: str, pp: int, micro_batches: int) -> list[tuple[int, int] | None]:
+def double_drain_coefficients(coef) -> list[tuple[int, int] | None]:
     """Per position ``r`` of a ``V = 1`` pipeline, ``(kf, kb)`` such that every plan takes ``T >= S +
-    kf F_r + kb B_r + L_r`` (``L_r``: the later ranks' one micro-batch forward and backward), or None.
-    The DAG path *through the later ranks twice*: micro-batch 0 down every stage and back up to
-    ``B(r, 0)`` (index ``i``), rank ``r``'s ops from there to its last forward ``F(r, M-1)`` (index
-    ``j``; a path where ``i <= j``: ``M - i`` forwards, ``j + 1 - M`` backwards), that micro-batch down
-    the later stages and back up, ``B(r, M-1)``, the tail up to rank 0. Where an early rank of a deep
-    pipeline is the slowest, this is the longest path: it holds the later ranks twice where the first
-    backward path holds rank ``r``'s ``w`` warm-up backwards instead (random-16 of the public sweep:
-    1F1B, PP 25, M = 256, the slowest rank fourth; 1,100 ms of its 53,387 more)."""
+    kf F_r + kb B_r + L_r`` (``L_r``: the later ranks' one micro-batch forward and backward), or None;
+    ``coef``: :func:`drain_coefficients` of the shape. The DAG path *through the later ranks twice*:
+    micro-batch 0 down every stage and back up to ``B(r, 0)`` (index ``i``), rank ``r``'s ops from
+    there to its last forward ``F(r, M-1)`` (index ``j``; a path where ``i <= j``: ``M - i`` forwards,
+    the first backward pair's ``kf``, and ``j + 1 - M`` backwards, the last forward pair's ``kb``), that
+    micro-batch down the later stages and back up, ``B(r, M-1)``, the tail up to rank 0. Where an early
+    rank of a deep pipeline is the slowest, this is the longest path: it holds the later ranks twice
+    where the first backward path holds rank ``r``'s ``w`` warm-up backwards instead (random-16 of the
+    public sweep: 1F1B, PP 25, M = 256, the slowest rank fourth; 1,100 ms of its 53,387 more)."""
     out = []
-    for r in range(pp):
-        ops = RankOps(schedule, pp, micro_batches, 1, r)
-        i, j = ops.first_backward_index(), ops.last_forward_index()
-        out.append((micro_batches - i, j + 1 - micro_batches) if i <= j else None)
+    for last_forward, first_backward in coef:
+        kf, kb = first_backward[0], last_forward[1]
+        out.append((kf, kb) if kf + kb >= 1 else None)      # i <= j
     return out
 
 
@@ -367,14 +367,14 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
     emb = min(_col(table, "embedding_forward_ms", t) + _col(table, "embedding_backward_ms", t) for t in active)
     head = min(_col(table, "head_forward_ms", t) + _col(table, "head_backward_ms", t) for t in active)
     terms = drain_path_terms(table, counts, pp, v, m, schedule, comm_model) if schedule is not None else None
-    waits = blocking_waits(table, counts, pp, m, schedule, comm_model) if schedule is not None else None
-    stride = getattr(table, "max_slots", 0)
-    ar_fixed, ar_slope = rank_sync_terms(table, counts, pp)
     drain = False             # V = 1: the pairs of drain_coefficients
     if schedule is not None and v == 1:
         drain = True
         coef = drain_coefficients(schedule, pp, m)
-        double = double_drain_coefficients(schedule, pp, m)
+        double = double_drain_coefficients(coef)
+        waits = blocking_waits(table, counts, pp, m, schedule, comm_model)
+        ar_fixed, ar_slope = rank_sync_terms(table, counts, pp)
+        synced = bool(getattr(table, "max_slots", 0))     # a table with per-slot columns
         # per type, its least per-layer slope over the positions (the larger pair of each)
         min_slope = [min(max(kf * table.forward_ms[t] + kb * table.backward_ms[t] for kf, kb in coef[r])
                          for r in range(pp)) for t in active]
@@ -442,6 +442,7 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
     # cap, the work the position pays whatever its layers, and per drain pair (V = 1) the room its
     # extras and transfers take and its per-layer slope
     fixed_caps = []
+    sums = False        # caps_at sums the earlier positions' most work: a double path or own-sync pair reads it
     for r in range(pp):
         row = []
         for i, (w, _n, c, _s) in enumerate(types):
@@ -450,30 +451,29 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
             dbl = None
             if drain and ilv is None:
                 t = active[i]
-                pairs = tuple((terms[r] + waits[r][i] + kf * e_f + kb * e_b, 0.0,
+                pairs = tuple((terms[r] + waits[r][i] + kf * e_f + kb * e_b, False,
                                kf * table.forward_ms[t] + kb * table.backward_ms[t])
                               for kf, kb in coef[r])
-                if double[r] is not None and min(double[r]) > 1 and m > 1:
+                if double[r] is not None and min(double[r]) > 1:
                     # the path through the later ranks twice: with L_r = S - E_r - (F_r + B_r), T -
                     # 2 S + E_r >= (kf - 1) F_r + (kb - 1) B_r + its sends, sync and waits (the rank's
                     # calls between B(r, 0) and F(r, M-1): at least min(kf, kb) - 1 on each link)
                     kf, kb = double[r]
                     dbl = (terms[r] + waits[r][i] * (min(kf, kb) - 1) / (m - 1) + (kf - 1) * e_f + (kb - 1) * e_b,
                            (kf - 1) * table.forward_ms[t] + (kb - 1) * table.backward_ms[t])
-            if drain and ilv is None and stride:
+                    sums = True
+            if drain and ilv is None and synced and ar_fixed[i] + c[r] * ar_slope[i] > terms[r]:
                 # the same two paths ending at rank r's own gradient sync and optimizer step (after
                 # B(r, M-1)) instead of the tail up to rank 0's: T - S + (the earlier ranks' backward of
                 # one micro-batch, at most their caps') >= kf F_r + kb B_r + AR_r (its sends dropped);
                 # tighter than the pair's own only where AR_r at the memory cap exceeds terms[r]
-                pairs += tuple((waits[r][i] + kf * e_f + kb * e_b + ar_fixed[i], -1.0,
+                pairs += tuple((waits[r][i] + kf * e_f + kb * e_b + ar_fixed[i], True,
                                 kf * table.forward_ms[t] + kb * table.backward_ms[t] + ar_slope[i])
-                               for kf, kb in coef[r]) if ar_fixed[i] + c[r] * ar_slope[i] > terms[r] else ()
+                               for kf, kb in coef[r])
+                sums = True
             row.append((w / m * slack, c[r], r * c_min + m * (e_f + e_b), pairs, dbl, e_f + e_b, e_b))
         fixed_caps.append(row)
 
-    # caps_at sums the earlier positions' most work only where a double path or an own-sync pair reads it
-    sums = drain and ilv is None and any(x[4] is not None or len(x[3]) > len(coef[r])
-                                         for r, row in enumerate(fixed_caps) for x in row)
     per_b = [table.backward_ms[t] for t in active]
 
     def caps_at(t_ms: float, y: float | None):
@@ -495,10 +495,10 @@ def positional_bound(table: TypeTable, counts, micro_batches: int, pp: int, v: i
                         x = z
                 elif y is not None:
                     # each drain pair: kf F + kb B <= y, with F, B the layers' time plus the extras
-                    for taken, earlier, sl in pairs:
-                        # earlier < 0: a path that ends at rank r's own sync, with the earlier
-                        # ranks' backwards out of S (at most their caps')
-                        room = y - taken if earlier == 0.0 else y + eb_sum - taken
+                    for taken, own_sync, sl in pairs:
+                        # own_sync: a path that ends at rank r's own sync, with the earlier ranks'
+                        # backwards out of S (at most their caps')
+                        room = y + eb_sum - taken if own_sync else y - taken
                         if room < 0.0:
                             x = -1
                             break

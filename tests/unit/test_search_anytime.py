@@ -302,7 +302,7 @@ def test_positional_bound_never_exceeds_the_relaxation_it_bounds(seed):
         schedule = rng.choice([None, "interleaved-1f1b"]) if m % pp == 0 else None
     got = positional_bound(table, counts, m, pp, v, layers, live, schedule=schedule)
     coef = drain_coefficients(schedule, pp, m) if schedule and v == 1 else None
-    double = double_drain_coefficients(schedule, pp, m) if schedule and v == 1 else None
+    double = double_drain_coefficients(coef) if coef else None
     ilv = interleaved_drain_counts(schedule, pp, m, v) if schedule and v > 1 else None
     tb = table
 

@@ -592,7 +592,11 @@ def test_the_path_through_the_later_ranks_twice_is_a_dag_path(comm_model, schedu
     exceed the iteration time; on 1F1B it exists where M exceeds rank r's warm-up by two, and on a
     uniform 1F1B pipeline of many micro-batches it beats both pairs of drain_coefficients on rank 0."""
     from poseidon_plugin.search.bounds import BLOCKING_COMM_MODELS, double_drain_coefficients, drain_coefficients
-    double = double_drain_coefficients(schedule, pp, m)
+    double = double_drain_coefficients(drain_coefficients(schedule, pp, m))
+    for r in range(pp):         # M - i forwards and j + 1 - M backwards of rank r's own order, i <= j
+        ops = RankOps(schedule, pp, m, 1, r)
+        i, j = ops.first_backward_index(), ops.last_forward_index()
+        assert double[r] == ((m - i, j + 1 - m) if i <= j else None)
     sim = Simulator(schedule, pp, m, 1, comm_model)
     rng = random.Random(pp * 1000 + m * 10 + len(schedule) + len(comm_model) + 7)
     if schedule == "1f1b":
@@ -734,7 +738,7 @@ def test_positional_bound_with_the_double_path_below_every_plan(comm_model, monk
         assert got <= min(p[0] for p in plans) * (1 + 1e-9)
         checked += 1
         with monkeypatch.context() as mp:
-            mp.setattr(bounds, "double_drain_coefficients", lambda sch, n, mb: [None] * n)
+            mp.setattr(bounds, "double_drain_coefficients", lambda coef: [None] * len(coef))
             before = bounds.positional_bound(*args, **kw)
         assert before <= got * (1 + 1e-12)
         raised += got > before * (1 + 1e-6)
