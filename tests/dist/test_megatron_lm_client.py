@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -50,13 +51,15 @@ def cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory, cache):
     """One launch: the user's TP 2 / PP 2 kept (``--poseidon-keep``), the interleaved schedule asked for, the
-    user's own first-stage split replaced by the plan's placement and layer split."""
+    user's own first-stage split replaced by the plan's placement and layer split; Megatron-LM saves its
+    ``torch_dist`` checkpoint of the last iteration into ``ck`` beside the plan."""
     tmp = tmp_path_factory.mktemp("searched")
     saved = str(tmp / "plan.json")
     code, out = poseidon_run(["--nproc-per-node", "4", SCRIPT, *JOB, "--tensor-model-parallel-size", "2",
                               "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2",
                               *EMULATE, "--poseidon-keep", "--poseidon-schedules", "interleaved-1f1b",
-                              "--poseidon-profile-cache", cache, "--poseidon-save-plan", saved], tmp)
+                              "--poseidon-profile-cache", cache, "--poseidon-save-plan", saved,
+                              "--save", str(tmp / "ck"), "--save-interval", "3", "--ckpt-format", "torch_dist"], tmp)
     return code, out, saved
 
 
@@ -77,6 +80,31 @@ def test_searched_interleaved_plan_trains_with_planned_layers_and_finite_loss(se
     assert "poseidon: CPU rank: initialize_megatron(allow_no_cuda=True)" in out
     assert "poseidon: CPU rank: gradient clipping on CPU gradients" in out
     assert "grad norm:" in out  # Megatron's clipping ran (it asserts CUDA gradients without the shim)
+
+
+def test_tp_shards_start_from_their_own_rng_streams(searched):
+    """Defect 2 on Megatron-LM's script: each TP rank initialises its shard of a layer's weights under its own
+    model-parallel RNG stream (Megatron's tracker on CPU generator states), so the two TP halves of every
+    layer's ``linear_qkv`` differ in the checkpoint Megatron-LM saves. With the inference tracker the CPU shim
+    used before (its ``fork()`` keeps the default generator, seeded alike on both TP ranks) they were equal,
+    and stayed equal through training: the two halves compute the same."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    code, out, saved = searched
+    assert code == 0, out[-4000:]
+    folder = os.path.join(os.path.dirname(saved), "ck", "iter_0000003")
+    key = "decoder.layers.self_attention.linear_qkv.weight"
+    meta = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata[key]
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
+    with warnings.catch_warnings():     # no process group here: dcp warns that it loads in one process
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    weights = state[key]
+    layers, rows = weights.shape[0], weights.shape[1] // 2      # the TP 2 shards split the output rows
+    assert layers == 8
+    for layer in range(layers):
+        assert not torch.equal(weights[layer, :rows], weights[layer, rows:]), layer
 
 
 def test_profile_prices_megatron_lms_own_step_at_the_first_and_last_stage(searched, cache):
