@@ -95,11 +95,12 @@ def test_tp_shards_start_from_their_own_rng_streams(searched):
     assert code == 0, out[-4000:]
     folder = os.path.join(os.path.dirname(saved), "ck", "iter_0000003")
     key = "decoder.layers.self_attention.linear_qkv.weight"
-    meta = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata[key]
+    reader = dcp.FileSystemReader(folder)
+    meta = reader.read_metadata().state_dict_metadata[key]
     state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
     with warnings.catch_warnings():     # no process group here: dcp warns that it loads in one process
         warnings.simplefilter("ignore")
-        dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     weights = state[key]
     layers, rows = weights.shape[0], weights.shape[1] // 2      # the TP 2 shards split the output rows
     assert layers == 8
