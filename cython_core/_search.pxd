@@ -6,11 +6,12 @@ from poseidon_plugin._core.structure_bounds cimport chunk_layers
 
 cdef double INF, PATH_SLACK
 cdef int CLOCK_EVERY, N_MINS, N_TYPE_MINS, N_COUNTERS, LP_KEEP, LP_MAX, LP_MAX_OPTIONS, LP_MIN_UNDECIDED, FRONT_FIRST
-cdef int LP_TRIAL, LP_MIN_CUTS, LP_ONE_CHUNK_CUTS
+cdef int LP_TRIAL, LP_MIN_CUTS, LP_ONE_CHUNK_CUTS, LP_SAMPLE
 cdef int NODES, BOUND_EVALS, SIM_CALLS, PRUNED_BOUND, PRUNED_PATH, PRUNED_MEMORY, PRUNED_RIDGE
 cdef int PRUNED_ORDER, IMPROVED
 
 cdef class SplitSearch(RelaxationBound):
+    cdef long long[::1] lp_depth_calls, lp_depth_cuts, lp_depth_skips
     cdef void _lp_alloc(self)
     cdef void _load_paths(self, object paths)
     cdef inline double _memory_need(self, int t, int r, int layers) noexcept nogil
@@ -18,6 +19,8 @@ cdef class SplitSearch(RelaxationBound):
     cdef inline int _reset(self, object counts) except -1
     cdef inline void _root_check(self) noexcept
     cdef void _stop(self, int k) noexcept
+    @cython.locals(calls=cython.longlong, share=cython.int)
+    cdef inline bint _lp_wanted(self, int k) noexcept nogil
     cdef inline int _type_allowed(self, int r, int t) noexcept nogil
     @cython.locals(lb='int[::1]', cap='int[::1]', capt='int[::1]', right=cython.bint)
     cdef inline void _node(self, int k, int left) noexcept

@@ -16,7 +16,6 @@ cdef class RelaxationBound(StructureBounds):
     cdef double[::1] lp_fix_min
     cdef double lp_const, lp_best_mu, lp_best_c
     cdef bint lp_have, lp_no_assignment
-    cdef long long lp_calls, lp_cuts
     cdef bint lp_ready
     cdef int lp_n_opt, lp_slack0, lp_art0, lp_w, lp_m, lp_layer_row
 

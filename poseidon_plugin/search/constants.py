@@ -25,9 +25,10 @@ LP_DUAL_PIVOTS = 500        # ... and per dual simplex run (the rule can cycle o
 LP_EPS = 1e-9               # the simplex's tolerance (the program's costs are scaled by tau: ~1)
 LP_PRICE_SLACK = 1e-6      # the Lagrangian is priced where the program's value is within this share of a cut
 LP_MIN_UNDECIDED = 3        # nodes with fewer undecided ranks are left to the children's DAG bounds
-LP_TRIAL = 64               # a structure search keeps computing it after this many nodes only while it cuts
-LP_MIN_CUTS = 4             # ... at least one node in this many
+LP_TRIAL = 64               # each depth of a structure search keeps computing it after this many nodes only
+LP_MIN_CUTS = 4             # ... while it cuts at least one of the depth's nodes in this many
 LP_ONE_CHUNK_CUTS = 3       # ... and on one-chunk trees this many nodes in LP_MIN_CUTS (docs/SEARCH.md)
+LP_SAMPLE = 16              # ... and below that at one node of the depth in this many (its cuts count too)
 # the owner caps' placement by stage and type (StructureBounds._by_stage_fits): a structure search keeps
 # computing it after this many calls only while it rejects at least one count in STAGE_MIN_CUTS
 STAGE_TRIAL = 256
@@ -49,7 +50,7 @@ N_TYPE_MINS = MIN_SEND      # the kinds a type has of its own (the transfers dep
 
 __all__ = ["CLOCK_EVERY", "FIT_SLACK", "FRONT_FIRST", "INHERITED_ROUNDS", "LP_DUAL_PIVOTS", "LP_EPS", "LP_KEEP",
            "LP_MAX", "LP_MAX_OPTIONS", "LP_MIN_CUTS", "LP_MIN_UNDECIDED", "LP_ONE_CHUNK_CUTS", "LP_PIVOTS",
-           "LP_PRICE_SLACK", "LP_TRIAL",
+           "LP_PRICE_SLACK", "LP_SAMPLE", "LP_TRIAL",
            "MIN_ALLREDUCE", "MIN_BACKWARD", "MIN_EMBEDDING_ALLREDUCE", "MIN_EMBEDDING_BACKWARD",
            "MIN_EMBEDDING_FORWARD", "MIN_FORWARD", "MIN_HEAD_ALLREDUCE", "MIN_HEAD_BACKWARD", "MIN_HEAD_FORWARD",
            "MIN_NAMES", "MIN_SEND", "N_MINS", "N_TYPE_MINS", "PATH_SLACK", "PROPAGATION_ROUNDS", "STAGE_MIN_CUTS",

@@ -35,8 +35,8 @@ import time
 from array import array
 
 from poseidon_plugin.search.constants import (CLOCK_EVERY, FRONT_FIRST, LP_KEEP, LP_MAX, LP_MAX_OPTIONS, LP_MIN_CUTS,
-                                              LP_MIN_UNDECIDED, LP_ONE_CHUNK_CUTS, LP_TRIAL, N_MINS,
-                                              N_TYPE_MINS, PATH_SLACK)
+                                              LP_MIN_UNDECIDED, LP_ONE_CHUNK_CUTS, LP_SAMPLE, LP_TRIAL,
+                                              N_MINS, N_TYPE_MINS, PATH_SLACK)
 from poseidon_plugin.search.counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES,
                                              PRUNED_BOUND, PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH,
                                              PRUNED_RIDGE, SIM_CALLS)
@@ -118,6 +118,9 @@ class SplitSearch(RelaxationBound):
         self.node_a = int_buffer(pp + 1)   # per depth: the node's undecided ranks [node_a, node_b)
         self.node_b = int_buffer(pp + 1)
         self.depth_nodes = array("q", [0]) * (pp + 1)   # nodes per depth of the last run (diagnostics)
+        self.lp_depth_calls = array("q", [0]) * (pp + 1)   # relaxation bounds per depth, nodes they cut,
+        self.lp_depth_cuts = array("q", [0]) * (pp + 1)    # and nodes the rule left without one
+        self.lp_depth_skips = array("q", [0]) * (pp + 1)
         # the walk's path (per depth: the type and layers of the child being searched) and, where a run
         # stopped at its node budget or deadline, its path then, to resume from (run(resume=True))
         self.path_t = int_buffer(pp)
@@ -199,8 +202,6 @@ class SplitSearch(RelaxationBound):
         self.lp_const = 0.0
         self.lp_n_opt = self.lp_slack0 = self.lp_art0 = self.lp_w = self.lp_m = 0
         self.lp_layer_row = 0
-        self.lp_calls = 0            # relaxation bounds computed in this run, and nodes they cut
-        self.lp_cuts = 0
         self.stage_calls = 0         # placements by stage computed in this run, and counts they rejected
         self.stage_cuts = 0
         # memory: most layers rank r holds on type t (all chunks; < V when the rank cannot be used)
@@ -335,8 +336,6 @@ class SplitSearch(RelaxationBound):
             self.ctr[i] = 0
         for i in range(self.pp + 1):
             self.depth_nodes[i] = 0
-        self.lp_calls = 0
-        self.lp_cuts = 0
         self.stage_calls = 0
         self.stage_cuts = 0
         if self.lp_ready:
@@ -369,6 +368,11 @@ class SplitSearch(RelaxationBound):
         """
         resumed = resume and self.can_resume(counts, tau)
         total = self._reset(counts)
+        if not resumed:                 # a resumed walk goes on with the stopped one's rule per depth
+            for i in range(self.pp + 1):
+                self.lp_depth_calls[i] = 0
+                self.lp_depth_cuts[i] = 0
+                self.lp_depth_skips[i] = 0
         self.resuming = resumed
         self.tau = tau
         self.best = INF
@@ -460,6 +464,18 @@ class SplitSearch(RelaxationBound):
             self.layers[i] = 0
         return [self.params[i] for i in range(len(self.params))]
 
+    def _lp_wanted(self, k: int) -> bool:
+        """Whether the node of depth ``k`` computes the relaxation bound: its first LP_TRIAL nodes of the
+        depth do; later ones while it cuts at least one in LP_MIN_CUTS nodes of the depth (LP_ONE_CHUNK_CUTS
+        in LP_MIN_CUTS on one-chunk trees); below that, one node in LP_SAMPLE still does, so that a depth
+        whose first nodes were cut less often than its later ones turns it on again."""
+        calls = self.lp_depth_calls[k]
+        share = 1 if self.v > 1 else LP_ONE_CHUNK_CUTS
+        if calls < LP_TRIAL or self.lp_depth_cuts[k] * LP_MIN_CUTS >= calls * share:
+            return True
+        self.lp_depth_skips[k] += 1
+        return self.lp_depth_skips[k] % LP_SAMPLE == 0
+
     def _type_allowed(self, r: int, t: int) -> int:
         """0 if rank ``r`` may take type ``t`` now; else the counter that rejects it (-1: none)."""
         if self.remaining[t] <= 0:
@@ -511,22 +527,22 @@ class SplitSearch(RelaxationBound):
             return
         if self.lp_ready:
             self.lp_fixed[k] = 0
-        if (self.tau < INF and self.exact_counts and b - a >= LP_MIN_UNDECIDED
-                and (self.lp_calls < LP_TRIAL
-                     or self.lp_cuts * LP_MIN_CUTS >= self.lp_calls * (1 if self.v > 1 else LP_ONE_CHUNK_CUTS))):
+        if (self.tau < INF and self.exact_counts and b - a >= LP_MIN_UNDECIDED and not self.resuming
+                and self._lp_wanted(k)):
             # the relaxation bound (docs/SEARCH.md): every completion's DAG over fractional types and
             # layers. Interleaved critical paths switch ranks with the chunk phases, which no bound path
             # sees; one-chunk trees have the fill-and-drain paths, but each bounds the layers alone,
-            # and the program bounds them together. It costs a program per node, so a run keeps it
-            # while it cuts at least one node in LP_MIN_CUTS (after LP_TRIAL nodes), on one-chunk trees
-            # LP_ONE_CHUNK_CUTS in LP_MIN_CUTS (their DAG bounds cost less, and where the program cuts
-            # fewer it costs more than it saves); the same decisions on both backends
+            # and the program bounds them together. It costs a program per node, so each depth keeps it
+            # while it cuts at least one of the depth's nodes in LP_MIN_CUTS (after LP_TRIAL), on one-chunk
+            # trees LP_ONE_CHUNK_CUTS in LP_MIN_CUTS (their DAG bounds cost less, and where the program cuts
+            # fewer it costs more than it saves), and samples it below that (_lp_wanted); the same
+            # decisions on both backends
             limit = self.tau * (1.0 + PATH_SLACK)
             if not self.lp_ready:
                 self._lp_alloc()
-            self.lp_calls += 1
+            self.lp_depth_calls[k] += 1
             if self._relaxation_bound(k, a, b, left, lb, cap, capt, limit) >= limit:
-                self.lp_cuts += 1
+                self.lp_depth_cuts[k] += 1
                 self.ctr[PRUNED_PATH] += 1
                 return
             self._lp_fix(k, r, a, b, lb, capt)   # its options' bounds: the next rank's counts, the others' caps

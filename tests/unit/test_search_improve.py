@@ -250,9 +250,10 @@ def test_a_stopped_tree_resumes_where_it_stopped(pure_python):
     """A walk stopped by its node budget and resumed (again and again, each below the best plan found so
     far) finds the plan one whole walk finds, and never starts over: a resumed run takes fewer nodes than
     a whole walk, and with the stop's, at most the whole walk's plus the path walked again (one-chunk
-    shapes: the resumed path's nodes see the lower threshold; interleaved ones also restart their
-    relaxation's trial); a run that cannot resume (other counts, a threshold above the stopped one's)
-    walks the tree afresh."""
+    shapes: the resumed path's nodes see the lower threshold, and the relaxation bound's rule per depth
+    goes on from the stopped walk's counts; on interleaved ones the path walked again leaves its children
+    no kept rows); a run that cannot resume (other counts, a threshold above the stopped one's) walks the
+    tree afresh."""
     seen = {1: 0, 2: 0}
     # the pure-Python twin: two trees of each kind
     want = (lambda sg: seen[sg.virtual_stages] < 2) if pure_python else (lambda sg: True)
