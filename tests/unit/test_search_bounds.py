@@ -1446,19 +1446,15 @@ def test_the_primal_simplex_enters_the_most_negative_column_then_falls_back_to_b
 
 
 def test_each_depth_keeps_the_relaxation_bound_by_its_own_cuts_and_samples_it_when_off():
-    """The rule (docs/SEARCH.md, "The relaxation bound on one-chunk trees"): a depth computes the bound for
-    its first LP_TRIAL nodes, then while it cuts at least LP_ONE_CHUNK_CUTS in LP_MIN_CUTS of them there
-    (one-chunk trees), whatever the other depths do; below that, one node in LP_SAMPLE of the depth still
-    computes it, so that its later cuts can turn it on again."""
+    """The rule (docs/SEARCH.md, "Per depth, and sampled when off"): a depth computes the bound for its first
+    LP_TRIAL nodes, then while it cuts at least LP_ONE_CHUNK_CUTS in LP_MIN_CUTS of them there (one-chunk
+    trees), whatever the other depths do; below that, one node in LP_SAMPLE of the depth still computes
+    it, so that its later cuts can turn it on again. A run starts every depth afresh, a resumed walk goes
+    on with the stopped walk's counts."""
     from poseidon_plugin.search.constants import LP_MIN_CUTS, LP_ONE_CHUNK_CUTS, LP_SAMPLE, LP_TRIAL
-    for seed in range(40):
-        case = _searched_structure(seed)
-        if case is not None and case[3] == 1 and case[2] >= 3:
-            break
-    ss = case[6]
-    ss.lp_depth_calls[1] = ss.lp_depth_skips[1] = 5
-    ss.run(case[1], math.inf)                   # a fresh run: every depth's counts at 0
-    assert all(ss._lp_wanted(k) for k in range(ss.pp + 1))     # the trial
+    plans, counts, pp, v, _nt, _rng, ss = next(c for c in map(_searched_structure, range(40))
+                                               if c is not None and c[3] == 1 and c[2] >= 3)
+    assert all(ss._lp_wanted(k) for k in range(pp + 1))              # the trial
     k = 2
     ss.lp_depth_calls[k] = LP_TRIAL
     ss.lp_depth_cuts[k] = (LP_TRIAL * LP_ONE_CHUNK_CUTS + LP_MIN_CUTS - 1) // LP_MIN_CUTS - 1   # one too few
@@ -1467,8 +1463,17 @@ def test_each_depth_keeps_the_relaxation_bound_by_its_own_cuts_and_samples_it_wh
     assert ss._lp_wanted(k - 1) and ss._lp_wanted(k + 1)                 # the other depths: their own trial
     ss.lp_depth_cuts[k] += 1                                             # the samples cut: on again
     assert all(ss._lp_wanted(k) for _ in range(3 * LP_SAMPLE))
-    ss.run(case[1], math.inf)                 # a run starts every depth afresh (no bound below tau = inf)
+    ss.run(counts, math.inf)                  # a run starts every depth afresh (no bound below tau = inf)
     assert not any(ss.lp_depth_calls) and not any(ss.lp_depth_cuts) and not any(ss.lp_depth_skips)
+    tau = max(p[0] for p in plans) * 2.0      # every plan below it: the walk stops at its budget
+    assert ss.run(counts, tau, max_nodes=3).aborted
+    assert ss.lp_depth_calls[0] == 1          # the root's program
+    for i in range(pp + 1):
+        ss.lp_depth_calls[i] += 1000
+    res = ss.run(counts, tau, resume=True)
+    assert res.resumed and ss.lp_depth_calls[0] == 1001     # the stopped walk's counts go on
+    ss.run(counts, tau)
+    assert ss.lp_depth_calls[0] == 1
 
 
 def test_one_chunk_trees_take_the_relaxation_bound_while_it_cuts(monkeypatch):
