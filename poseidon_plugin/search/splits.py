@@ -535,8 +535,9 @@ class SplitSearch(RelaxationBound):
             # and the program bounds them together. It costs a program per node, so each depth keeps it
             # while it cuts at least one of the depth's nodes in LP_MIN_CUTS (after LP_TRIAL), on one-chunk
             # trees LP_ONE_CHUNK_CUTS in LP_MIN_CUTS (their DAG bounds cost less, and where the program cuts
-            # fewer it costs more than it saves), and samples it below that (_lp_wanted); the same
-            # decisions on both backends
+            # fewer it costs more than it saves), and samples it below that (_lp_wanted); not on the path
+            # a resumed walk walks again to its stop (the stopped walk's nodes); the same decisions on both
+            # backends
             limit = self.tau * (1.0 + PATH_SLACK)
             if not self.lp_ready:
                 self._lp_alloc()
