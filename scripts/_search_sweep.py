@@ -40,6 +40,12 @@ GBS = (64, 256, 1024)
 SEQ = (1024, 8192)
 RANDOM_CLUSTERS = 20
 RANDOM_SEED = 26
+OTHER_GBS = (128, 512)
+OTHER_SEQ = (2048, 4096)
+OTHER_CLUSTERS = 12
+OTHER_SEED = 2612
+"""The other values (``--sweep-other``): none of the public sweep's batch sizes, sequence lengths or random
+clusters, to check a change against values it was not measured on."""
 DEVICE_TYPES = {"A2-2": 64, "A2-3": 64, "A2-4": 32, "A100-80G": 80, "RTX-4090": 24, "RTX-3090": 24, "910A": 32}
 """Built-in types (presets/devices.yaml) and their memory in GiB."""
 DENSE_MODELS = (("llama3-8b", 8.0), ("llama2-13b", 13.0), ("llama-30b", 32.5), ("llama3-70b", 70.6))
@@ -127,6 +133,16 @@ def random_instances(folder: str, count: int = RANDOM_CLUSTERS, seed: int = RAND
     return out
 
 
+def other_instances(folder: str) -> list[Instance]:
+    """The other values: every paper cluster but Setting 4 (its MoE job is a row of its own) with its model x
+    OTHER_GBS x OTHER_SEQ, and OTHER_CLUSTERS random clusters of OTHER_SEED."""
+    out = [Instance(f"{cluster.replace('paper-', '')} gbs{gbs} seq{seq}", cluster, model, gbs, seq)
+           for cluster, model in PAPER if cluster != "paper-setting-4" for gbs in OTHER_GBS for seq in OTHER_SEQ]
+    for inst in random_instances(folder, OTHER_CLUSTERS, OTHER_SEED):
+        out.append(Instance(inst.label.replace("random-", "other-", 1), inst.cluster, inst.model, inst.gbs, inst.seq))
+    return out
+
+
 def moe_instance() -> Instance:
     return Instance("setting-4 mixtral (preset job)", "paper-setting-4", "mixtral-8x7b", 128, 4096)
 
@@ -190,10 +206,15 @@ def print_row(i: int, n: int, row: dict, limit_s: float) -> None:
     sys.stdout.flush()
 
 
-def sweep(limit_s: float, folder: str, *, frontier: bool = False, only: str | None = None) -> list[dict]:
-    """Run the sweep, one row per instance as it finishes, then the summary and the targets."""
-    instances = paper_instances() + random_instances(folder) + [moe_instance()]
-    targets = target_instances(frontier)
+def sweep(limit_s: float, folder: str, *, frontier: bool = False, only: str | None = None,
+          other: bool = False) -> list[dict]:
+    """Run the sweep (``other``: the other values instead, without the target rows), one row per instance
+    as it finishes, then the summary and the targets."""
+    if other:
+        instances, targets = other_instances(folder), []
+    else:
+        instances = paper_instances() + random_instances(folder) + [moe_instance()]
+        targets = target_instances(frontier)
     if only:
         instances = [x for x in instances if only in x.label]
         targets = [x for x in targets if only in x.label]

@@ -204,14 +204,23 @@ def main(argv=None) -> int:
                     help="kill a sweep instance after this long (its row says so); default 60")
     ap.add_argument("--sweep-frontier", action="store_true",
                     help="also the frontier-1024 / frontier-4096 target rows (about 45 s more)")
+    ap.add_argument("--sweep-other", action="store_true",
+                    help="with --sweep: the other values instead (GBS 128/512, seq 2048/4096, 12 random clusters "
+                         "of another seed; no target rows), to check a change on values it was not measured on")
     ap.add_argument("--sweep-only", default=None, metavar="TEXT",
                     help="only the sweep instances whose label contains TEXT (e.g. setting-6)")
     args = ap.parse_args(argv)
+    if args.sweep_other and not args.sweep:
+        ap.error("--sweep-other selects the sweep's values: give it with --sweep")
+    if args.sweep_other and args.sweep_frontier:
+        ap.error("--sweep-frontier adds the public sweep's target rows, which --sweep-other leaves out: give one "
+                 "of them")
     if args.sweep:
         if args.sweep_limit <= 0:
             ap.error(f"--sweep-limit {args.sweep_limit:g} is invalid: give seconds > 0, e.g. 60")
         with tempfile.TemporaryDirectory() as tmp:
-            _search_sweep.sweep(args.sweep_limit, tmp, frontier=args.sweep_frontier, only=args.sweep_only)
+            _search_sweep.sweep(args.sweep_limit, tmp, frontier=args.sweep_frontier, only=args.sweep_only,
+                                other=args.sweep_other)
         return 0
     only = None if args.scale_rows is None else {x.strip() for x in args.scale_rows.split(",")}
     if args.scale_only:
