@@ -70,13 +70,11 @@ class Instance:
     seq: int
 
 
-def paper_instances() -> list[Instance]:
-    out = []
-    for cluster, model in PAPER:
-        for gbs in GBS:
-            for seq in SEQ:
-                out.append(Instance(f"{cluster.replace('paper-', '')} gbs{gbs} seq{seq}", cluster, model, gbs, seq))
-    return out
+def paper_instances(gbs: tuple[int, ...] = GBS, seq: tuple[int, ...] = SEQ,
+                    skip: tuple[str, ...] = ()) -> list[Instance]:
+    """Every paper cluster (but those in ``skip``) with its model x ``gbs`` x ``seq``."""
+    return [Instance(f"{cluster.replace('paper-', '')} gbs{g} seq{s}", cluster, model, g, s)
+            for cluster, model in PAPER if cluster not in skip for g in gbs for s in seq]
 
 
 def _link(rng: random.Random, bandwidth: tuple[int, int], latency: tuple[int, int]) -> str:
@@ -136,8 +134,7 @@ def random_instances(folder: str, count: int = RANDOM_CLUSTERS, seed: int = RAND
 def other_instances(folder: str) -> list[Instance]:
     """The other values: every paper cluster but Setting 4 (its MoE job is a row of its own) with its model x
     OTHER_GBS x OTHER_SEQ, and OTHER_CLUSTERS random clusters of OTHER_SEED."""
-    out = [Instance(f"{cluster.replace('paper-', '')} gbs{gbs} seq{seq}", cluster, model, gbs, seq)
-           for cluster, model in PAPER if cluster != "paper-setting-4" for gbs in OTHER_GBS for seq in OTHER_SEQ]
+    out = paper_instances(OTHER_GBS, OTHER_SEQ, skip=("paper-setting-4",))
     for inst in random_instances(folder, OTHER_CLUSTERS, OTHER_SEED):
         out.append(Instance(inst.label.replace("random-", "other-", 1), inst.cluster, inst.model, inst.gbs, inst.seq))
     return out
