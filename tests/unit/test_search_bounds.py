@@ -1024,21 +1024,32 @@ def test_owner_caps_see_the_owners_links_and_each_ranks_slope(monkeypatch):
     search finds the same optimum (the placement by stage kept on throughout: its rule is tested below)."""
     from poseidon_plugin.search import splits, structure_bounds
     monkeypatch.setattr(structure_bounds, "STAGE_TRIAL", 10 ** 9)
+
+    def search(structure):
+        table, shape, _counts, num_layers = structure
+        return PySplitSearch(table, shape, num_layers, ridge=False, blocks=False, type_class=array("i", range(3)),
+                             backward=True)
+
+    # per structure: its optimum, and the nodes that prove it with every bound on
+    structures = [slow_type_structure(seed, 5 + seed % 3) for seed in range(10, 22)]
+    proofs = []
+    for structure in structures:
+        counts = structure[2]
+        best = search(structure).run(counts, math.inf).time_ms
+        res = search(structure).run(counts, best * (1 + 1e-9))
+        assert res.time_ms == best
+        proofs.append((best, res.counters[splits.NODES]))
     for method, off in (("_owner_link_gain", lambda q, r, t: 0.0),
                         ("_others_knapsack", lambda k, r, e, lb, cap: 0.0),
                         ("_others_by_stage", lambda k, r, t2, e, lb, capt, n_left: -math.inf)):
-        nodes = [0, 0]
-        for seed in range(10, 22):
-            table, shape, counts, num_layers = slow_type_structure(seed, 5 + seed % 3)
-            searches = [PySplitSearch(table, shape, num_layers, ridge=False, blocks=False,
-                                      type_class=array("i", range(3)), backward=True) for _ in range(3)]
-            setattr(searches[2], method, off)
-            best = searches[0].run(counts, math.inf).time_ms
-            for i in (1, 2):
-                res = searches[i].run(counts, best * (1 + 1e-9))
-                assert res.time_ms == best
-                nodes[i - 1] += res.counters[splits.NODES]
-        assert nodes[0] < nodes[1], (method, nodes)
+        without = 0
+        for structure, (best, _nodes) in zip(structures, proofs):
+            ss = search(structure)
+            setattr(ss, method, off)
+            res = ss.run(structure[2], best * (1 + 1e-9))
+            assert res.time_ms == best
+            without += res.counters[splits.NODES]
+        assert sum(nodes for _best, nodes in proofs) < without, (method, without)
 
 
 def test_the_placement_by_stage_is_kept_while_it_rejects_counts(monkeypatch):
@@ -1486,8 +1497,8 @@ def test_one_chunk_trees_take_the_relaxation_bound_while_it_cuts(monkeypatch):
     from .test_search_improve import _setting_6_96_trees
 
     def one_chunk(pure):
-        return [(sp.run(vec, math.inf), sp, vec)
-                for _r, _sg, sp, vec, _full in _setting_6_96_trees(pure, 300, lambda sg: sg.virtual_stages == 1)]
+        return [(full, sp, vec)
+                for _r, _sg, sp, vec, full in _setting_6_96_trees(pure, 300, lambda sg: sg.virtual_stages == 1)]
 
     with_bound = one_chunk(True)
     compiled = [] if PURE_FORCED else one_chunk(False)
