@@ -22,7 +22,7 @@ barrier, time out (300 s) and leave, taking the rendezvous store with it when it
 per-round store the process of launcher rank 0 *is* the store. Unused ranks therefore wait until every
 planned rank has finished (:func:`wait_for_job`); the store's host waits for every rank to be done.
 torchrun has no option for the barrier's timeout; tests shorten it with :data:`EXIT_BARRIER_ENV`
-(:func:`exit_barrier`) to check that a job outliving it ends well.
+(:func:`torchrun_agent`) to check that a job outliving it ends well.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import contextlib
 import datetime
 import json
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
 
@@ -106,25 +107,61 @@ def exit_barrier_timeout(env: Mapping[str, str] = os.environ) -> float | None:
 
 
 @contextlib.contextmanager
-def exit_barrier(timeout_s: float | None) -> Iterator[None]:
-    """torchrun's agents of this launcher wait ``timeout_s`` in their exit barrier (None: torchrun's own)."""
-    if timeout_s is None:
-        yield
-        return
+def torchrun_agent(exit_barrier_s: float | None) -> Iterator[None]:
+    """torchrun's agents of this launcher: with their exit barrier's timeout (``exit_barrier_s``; None:
+    torchrun's own), killing a stopped worker at once when the agent stops its workers
+    (:func:`_kill_stopped_on_close`)."""
     from torch.distributed.launcher import api
 
     original = api.LocalElasticAgent
 
-    class Agent(original):  # the class torchrun's launch_agent builds, with the barrier's timeout given
+    class Agent(original):  # the class torchrun's launch_agent builds
         def __init__(self, *args, **kwargs) -> None:
-            kwargs["exit_barrier_timeout"] = timeout_s
+            if exit_barrier_s is not None:
+                kwargs["exit_barrier_timeout"] = exit_barrier_s
             super().__init__(*args, **kwargs)
+
+        def _start_workers(self, *args, **kwargs):
+            result = super()._start_workers(*args, **kwargs)
+            if self._pcontext is not None:
+                _kill_stopped_on_close(self._pcontext)
+            return result
 
     api.LocalElasticAgent = Agent
     try:
         yield
     finally:
         api.LocalElasticAgent = original
+
+
+def _kill_stopped_on_close(pcontext) -> None:
+    """Make ``pcontext.close`` (torchrun's agent calls it when it stops its workers: a failure, a restart,
+    the end) first kill (``SIGKILL``, its whole process group: each worker leads a session of its own) each
+    worker that is stopped: it cannot take torchrun's ``SIGTERM``, which torchrun would wait 30 s on
+    before killing it all the same."""
+    close = pcontext.close
+
+    def close_killing_stopped(*args, **kwargs):
+        for pid in pcontext.pids().values():
+            if process_stopped(int(pid)):
+                try:
+                    os.killpg(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        return close(*args, **kwargs)
+
+    pcontext.close = close_killing_stopped
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal (``SIGSTOP``, ``SIGTSTP``: state ``T`` in
+    ``/proc/PID/stat``); False where that cannot be read (gone, or not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] == ["T"]
 
 
 def open_store(rank: int, world_size: int, timeout_s: float, env: Mapping[str, str] = os.environ):

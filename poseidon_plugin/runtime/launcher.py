@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"poseidon-run: error: {message}", file=sys.stderr, flush=True)
         return 2
     os.environ.update(env)
-    with elastic.exit_barrier(barrier_s), (_emulation_stamps() if opts.emulate_model else contextlib.nullcontext()):
+    with elastic.torchrun_agent(barrier_s), (_emulation_stamps() if opts.emulate_model else contextlib.nullcontext()):
         return launch(torchrun_args)
 
 

@@ -36,8 +36,10 @@ BOUND_S = 300
 """Upper bound on any one wait (a hung launch fails the test instead of the suite)."""
 # agent i's own devices; agent 1's is the faster type, so every plan uses it (alone or with agent 0's)
 OWN = ["A2-4:1", "A2-2:1"]
-# a survivor's new round waits this long for more agents before it starts with fewer (torchrun's c10d)
-LAST_CALL = ["--rdzv-conf", "last_call_timeout=20"]
+# a round waits this long for more agents once --nnodes' minimum has joined before it starts with fewer
+# (torchrun's c10d rendezvous): a survivor's next round, an agent that starts alone on purpose (a round
+# with --nnodes' maximum completes at once)
+LAST_CALL = "last_call_timeout=5"
 # a global batch of 64: enough micro-batches that plans on both devices compete with one on the faster one
 # (which wins depends on the probed links; the tests hold either way)
 TRAIN = [*_with(JOB, train_iters="6", global_batch_size="64"), "--poseidon-timeout", "90"]
@@ -96,6 +98,26 @@ def finish_all(agents: list[Agent]) -> list[tuple[int, str]]:
             agent.kill()
 
 
+def launch_joined(tmp_path, agents_args: list[list[str]], rdzv_id: str, torchrun: list[str] = (), owns: list[str] = OWN,
+                  **kwargs) -> list[Agent]:
+    """Agents of ``--nnodes 1:N`` that all join the first round: started together, agent 0 hosting the
+    rendezvous store (``is_host=true``; it is started first, so torchrun ranks it first) and the others its
+    clients (``is_host=false``: each waits for the store), so they join as agent 0 does, well within its
+    round's last call."""
+    port = free_port()
+    agents = []
+    try:
+        for i, args in enumerate(agents_args):
+            agents.append(Agent(tmp_path, i, f"127.0.0.1:{port}", args, own=owns[i],
+                                torchrun=["--rdzv-id", rdzv_id, *torchrun,
+                                          "--rdzv-conf", f"is_host={str(i == 0).lower()},{LAST_CALL}"], **kwargs))
+    except BaseException:
+        for agent in agents:
+            agent.kill()
+        raise
+    return agents
+
+
 def launch(tmp_path, agents_args: list[list[str]], owns: list[str] = OWN, envs: list[dict[str, str]] | None = None,
            **kwargs) -> list[Agent]:
     """Agent 0 (it hosts the rendezvous), then the others; agent i declares ``owns[i]`` (and adds ``envs[i]`` to
@@ -151,8 +173,8 @@ def test_an_agent_leaves_and_the_survivor_replans_and_resumes(reference, tmp_pat
     uninterrupted = iteration_losses(ref0 + ref1)
     ck = reference[1]
     args = [*TRAIN, "--load", ck, "--ckpt-step", "2"]
-    agents = launch(tmp_path, [args, args], torchrun=["--max-restarts", "1", "--rdzv-id", "leave", *LAST_CALL],
-                    env={"POSEIDON_INJECT_FAULT": "hand-over:1:stop:0"})
+    agents = launch_joined(tmp_path, [args, args], "leave", torchrun=["--max-restarts", "1"],
+                           env={"POSEIDON_INJECT_FAULT": "hand-over:1:stop:0"})
     try:
         agents[1].wait_for(r"^poseidon\[rank 1\]: now global rank")
         agents[1].kill()  # the agent leaves: launcher and worker gone without a word
@@ -179,7 +201,7 @@ def test_an_agent_joins_and_the_job_replans_for_both_and_resumes(reference, tmp_
     ck = reference[1]
     args = [*TRAIN, "--load", ck, "--ckpt-step", "4"]
     port = free_port()
-    kwargs = dict(torchrun=["--rdzv-id", "join", *LAST_CALL], env={"POSEIDON_INJECT_FAULT": "hand-over:0:wait:w1"})
+    kwargs = dict(torchrun=["--rdzv-id", "join", "--rdzv-conf", LAST_CALL], env={"POSEIDON_INJECT_FAULT": "hand-over:0:wait:w1"})
     alone = Agent(tmp_path, 0, f"127.0.0.1:{port}", args, **kwargs)
     agents = [alone]
     try:
@@ -264,9 +286,8 @@ def test_an_agent_leaves_a_deterministically_emulated_job_and_the_survivor_repla
     alone (the SCALE of a one-device job) and re-plans for it. The survivor is the A2-2 (64 GB): the
     emulated model does not fit one A2-4's 32 GB."""
     owns = OWN[::-1]
-    agents = launch(tmp_path, [EMULATED, EMULATED], owns=owns, torchrun=["--max-restarts", "1", "--rdzv-id", "emulated-leave",
-                                                            *LAST_CALL],
-                    env={"POSEIDON_INJECT_FAULT": "hand-over:1:stop:0"})
+    agents = launch_joined(tmp_path, [EMULATED, EMULATED], "emulated-leave", torchrun=["--max-restarts", "1"], owns=owns,
+                           env={"POSEIDON_INJECT_FAULT": "hand-over:1:stop:0"})
     try:
         agents[1].wait_for(r"^poseidon\[rank 1\]: now global rank")
         agents[1].kill()

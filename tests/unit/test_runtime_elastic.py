@@ -259,3 +259,45 @@ def test_the_failing_store_host_waits_for_each_rank_to_leave_or_be_lost_with_a_b
     assert now[0] == 0.0                                           # no poll needed
     store.broken = True
     assert not elastic.wait_for_peers_to_leave(store, 0, 4, lambda: set(), 5.0, clock=lambda: now[0], sleep=sleep)
+
+
+def test_stopping_the_workers_kills_a_stopped_worker_at_once_and_leaves_the_others_to_torchrun():
+    """torchrun stops its workers with SIGTERM and waits 30 s for them before SIGKILL; a stopped worker holds
+    the SIGTERM pending all that time. The agent's close now kills a stopped worker (its process group) first;
+    a running worker is left to torchrun's own close."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    def worker():
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+
+    stopped, running = worker(), worker()
+    try:
+        stopped.send_signal(signal.SIGSTOP)
+        for _ in range(500):               # the kernel stops it asynchronously
+            if elastic.process_stopped(stopped.pid):
+                break
+            time.sleep(0.01)
+        assert elastic.process_stopped(stopped.pid) and not elastic.process_stopped(running.pid)
+        closed = []
+
+        class PContext:                    # the part of torchrun's process context the agent uses
+            def pids(self):
+                return {0: stopped.pid, 1: running.pid}
+
+            def close(self, death_sig=None, timeout=30):
+                # the stopped worker is gone before torchrun's close; the running one is still there
+                closed.append((death_sig, timeout, stopped.wait(10), running.poll()))
+
+        pcontext = PContext()
+        elastic._kill_stopped_on_close(pcontext)
+        pcontext.close(signal.SIGTERM, 30)
+        assert closed == [(signal.SIGTERM, 30, -signal.SIGKILL, None)]
+        assert not elastic.process_stopped(running.pid) and not elastic.process_stopped(10 ** 9)
+    finally:
+        for proc in (stopped, running):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
