@@ -204,8 +204,9 @@ def test_a_llama_style_gpu_command_trains_on_cpu_ranks(tmp_path, cache):
     the clipping's fp32 check) and in Megatron-LM's optimizer (its CUDA tensor-type check), the fused bf16 softmax
     (a CUDA extension), --sequence-parallel (the local spec's norms have no sequence-parallel form), activation
     recomputation (it saved the CUDA generator's state); and recomputation was not priced."""
+    # one micro-batch size: the flags are the point here, and each size is profiled on 4 ranks of 2 cores
     code, out = poseidon_run(["--nproc-per-node", "4", SCRIPT, *JOB, *LLAMA_STYLE, *EMULATE,
-                              "--poseidon-profile-cache", cache], tmp_path)
+                              "--poseidon-micro-batch-sizes", "1", "--poseidon-profile-cache", cache], tmp_path)
     assert code == 0, out[-6000:]
     assert "built layers" in out and "NOT as planned" not in out
     losses = lm_losses(out)
