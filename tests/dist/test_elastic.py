@@ -100,10 +100,10 @@ def finish_all(agents: list[Agent]) -> list[tuple[int, str]]:
 
 def launch_joined(tmp_path, agents_args: list[list[str]], rdzv_id: str, torchrun: list[str] = (), owns: list[str] = OWN,
                   **kwargs) -> list[Agent]:
-    """Agents of ``--nnodes 1:N`` that all join the first round: started together, agent 0 hosting the
-    rendezvous store (``is_host=true``; it is started first, so torchrun ranks it first) and the others its
-    clients (``is_host=false``: each waits for the store), so they join as agent 0 does, well within its
-    round's last call."""
+    """Agents of ``--nnodes 1:N`` that all join the first round: started together (agent 0 first: torchrun
+    ranks one host's agents by process id), agent 0 hosting the rendezvous store (``is_host=true``) and the
+    others its clients (``is_host=false``: each waits for the store), so they join as agent 0 does, well
+    within its round's last call."""
     port = free_port()
     agents = []
     try:

@@ -229,6 +229,7 @@ def test_a_node_budget_with_the_local_search(improve_early, seed, budget, pure_p
 
 
 def _setting_6_96_run(pure_python: bool) -> SearchRun:
+    """The exact search of paper Setting 6 at 96 NPUs (Llama-3 70B, micro-batch 1) up to PP 8, both schedules."""
     from poseidon_plugin.costmodel import CostModel
     from poseidon_plugin.search import SearchOptions
     from poseidon_plugin.specs import load_cluster, load_model
@@ -237,34 +238,10 @@ def _setting_6_96_run(pure_python: bool) -> SearchRun:
                                        schedules=("1f1b", "interleaved-1f1b"), pure_python=pure_python))
 
 
-@functools.lru_cache(maxsize=None)
-def _setting_6_96_picks(top: int) -> frozenset:
-    """``(group index, counts)`` of the trees :func:`_setting_6_96_trees` yields, picked by the compiled walk
-    (the backends walk the same nodes: tests/unit/test_search_backends.py); None without the compiled core."""
-    try:
-        import poseidon_plugin._core._search  # noqa: F401
-    except ImportError:
-        return None
-    if os.environ.get("POSEIDON_PURE_PYTHON", "") not in ("", "0"):
-        return None
-    r = _setting_6_96_run(False)
-    picks = set()
-    for i, sg in enumerate(r.space.shape_groups()):
-        sp = r.splitter(sg, alternate=False)
-        for vec in r.space.count_vectors(sg):
-            full = sp.run(vec, math.inf, max_nodes=top + 1)
-            if 50 <= full.counters[0] <= top and not full.aborted:
-                picks.add((i, tuple(vec)))
-    return frozenset(picks)
-
-
-def _setting_6_96_trees(pure_python: bool, top: int = 3000, want=lambda sg: True):
-    """``(run, group, splitter, counts, full run at tau = inf)`` of paper Setting 6 at 96 NPUs up to PP 8
-    (one-chunk and interleaved shapes; the groups ``want`` accepts) whose whole tree takes 50 to ``top``
-    nodes, walked in pipeline order (one-chunk: from the end). The pure-Python twin walks only the trees
-    the compiled one picked (where it is built): walking every tree to ``top`` nodes took it ~20 s."""
+def _setting_6_96_walk(pure_python: bool, top: int, want, picks):
+    """``(group index, run, group, splitter, counts, full run)`` of :func:`_setting_6_96_trees`; with
+    ``picks``, only the trees it names are walked."""
     r = _setting_6_96_run(pure_python)
-    picks = _setting_6_96_picks(top) if pure_python else None
     for i, sg in enumerate(r.space.shape_groups()):
         sp = r.splitter(sg, alternate=False)
         for vec in r.space.count_vectors(sg):
@@ -274,7 +251,32 @@ def _setting_6_96_trees(pure_python: bool, top: int = 3000, want=lambda sg: True
                 continue
             full = sp.run(vec, math.inf, max_nodes=top + 1)
             if 50 <= full.counters[0] <= top and not full.aborted:
-                yield r, sg, sp, vec, full
+                yield i, r, sg, sp, vec, full
+
+
+@functools.lru_cache(maxsize=None)
+def _setting_6_96_picks(top: int) -> frozenset | None:
+    """``(group index, counts)`` of the trees :func:`_setting_6_96_trees` yields, as the compiled walk finds
+    them (both backends walk the same nodes: tests/unit/test_search_backends.py); None without it."""
+    try:
+        import poseidon_plugin._core._search  # noqa: F401
+    except ImportError:
+        return None
+    if os.environ.get("POSEIDON_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    return frozenset((i, tuple(vec)) for i, _r, _sg, _sp, vec, _full in
+                     _setting_6_96_walk(False, top, lambda sg: True, None))
+
+
+def _setting_6_96_trees(pure_python: bool, top: int = 3000, want=lambda sg: True):
+    """``(run, group, splitter, counts, full run at tau = inf)`` of paper Setting 6 at 96 NPUs up to PP 8
+    (one-chunk and interleaved shapes; the groups ``want`` accepts) whose whole tree takes 50 to ``top``
+    nodes, walked in pipeline order (one-chunk: from the end). The pure-Python twin walks only the trees
+    the compiled walk picked, where it is built: walking every tree up to ``top`` nodes was most of its
+    time."""
+    picks = _setting_6_96_picks(top) if pure_python else None
+    for _i, *tree in _setting_6_96_walk(pure_python, top, want, picks):
+        yield tuple(tree)
 
 
 def test_a_stopped_tree_resumes_where_it_stopped(pure_python):
