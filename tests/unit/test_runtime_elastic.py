@@ -1,4 +1,5 @@
-"""runtime/elastic.py without processes: attempt scoping, agreement across agents, the end of an attempt."""
+"""runtime/elastic.py without torchrun: attempt scoping, agreement across agents, the end of an attempt, the
+agent stopping its workers."""
 
 from __future__ import annotations
 
