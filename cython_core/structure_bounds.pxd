@@ -59,7 +59,7 @@ cdef class StructureBounds:
     # scratch: the gain and the assignments
     cdef int[::1] path_counts, type_gain_ranks, gain_room, assign_owner, assign_used
     cdef int[::1] assign_via_type, assign_via_rank, assign_capacity
-    cdef double[::1] lb_gain, type_mean_gain, gain_slope, gain_mu, assign_value, assign_gain
+    cdef double[::1] lb_gain, type_mean_gain, gain_slope, gain_mu, assign_value, assign_gain, boundary_least
     cdef int gain_slack
 
     cdef inline void _unknown_mins(self) noexcept nogil
@@ -104,6 +104,8 @@ cdef class StructureBounds:
     cdef inline int _stage_caps(self, int r, int[::1] lb, int[::1] cap, int[::1] capt, int n_left) noexcept nogil
     cdef inline double _count_gain(self, int a, int b, int[::1] lb, int[::1] cap, int[::1] capt, int extra,
                             double need) noexcept nogil
+    @cython.locals(p='double[::1]', cross='double', x='double', g='double')
+    cdef inline double _boundary_gain(self, int a, int b, int[::1] cnt) noexcept nogil
     cdef inline double _joint_gain(self, int a, int b, int[::1] lb, int[::1] cap, int[::1] capt, int extra,
                             double need) noexcept nogil
     cdef inline double _joint_at(self, int a, int b, double mu, int extra) noexcept nogil

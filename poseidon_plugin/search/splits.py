@@ -188,6 +188,7 @@ class SplitSearch(RelaxationBound):
         self.gain_slack = 0
         self.gain_path = False      # path_counts holds a path of the DAG (the last gain's)
         self.assign_value = float_buffer(nt * pp)
+        self.boundary_least = float_buffer(nt)
         self.assign_capacity = int_buffer(nt * pp)
         self.assign_owner = int_buffer(pp)
         self.assign_used = int_buffer(nt)

@@ -975,7 +975,47 @@ class StructureBounds:
             x = self._joint_gain(a, b, lb, cap, capt, extra, need)
             if x > ll:
                 ll = x
-        return ll if ll > 0.0 else 0.0   # (the extra part alone is >= 0)
+        if ll < 0.0:
+            ll = 0.0                     # (the extra part alone is >= 0)
+        if ll < need:
+            ll += self._boundary_gain(a, b, cnt)
+        return ll
+
+    def _boundary_gain(self, a: int, b: int, cnt) -> float:
+        """One-chunk trees, exact counts: what the links between two undecided ranks of ``[a, b)`` add along
+        the path of ``cnt`` (apart from the ranks' own costs and their links to decided ranks, which the
+        gain prices): the ``m + 1`` remaining types hold these ranks, so at least ``m`` of those links join
+        two types, each at least the cheapest cross-type send of a remaining type; the ``m`` links the
+        path weighs least carry them."""
+        pp, nv = self.pp, self.nv
+        p = self.params
+        if self.v > 1 or not self.exact_counts:
+            return 0.0
+        m = -1
+        cross = INF
+        for t in range(self.nt):
+            if self.remaining[t] > 0:
+                m += 1
+                if self.send_cross_ms[t] < cross:
+                    cross = self.send_cross_ms[t]
+        if m <= 0 or b - a < 2:
+            return 0.0
+        for i in range(m):
+            self.boundary_least[i] = INF
+        for r in range(a, b - 1):
+            e = 1 + 2 * nv + r
+            x = cnt[e] * (cross - p[e]) if cross > p[e] else 0.0
+            i = m - 1                   # insertion into the m least, ascending
+            if x >= self.boundary_least[i]:
+                continue
+            while i > 0 and self.boundary_least[i - 1] > x:
+                self.boundary_least[i] = self.boundary_least[i - 1]
+                i -= 1
+            self.boundary_least[i] = x
+        g = 0.0
+        for i in range(m):
+            g += self.boundary_least[i]
+        return g
 
     def _joint_gain(self, a: int, b: int, lb, cap, capt, extra: int, need: float) -> float:
         """The gain's second bound (docs/SEARCH.md, "the joint gain"): per rank and type its

@@ -957,6 +957,47 @@ def test_links_to_decided_ranks_cut_nodes_the_plain_link_bound_keeps():
         assert on < without, (method, on, without)
 
 
+def test_type_boundaries_cut_nodes_the_gain_keeps():
+    """The links between two undecided ranks carry at least one type boundary fewer than the remaining
+    types (``_boundary_gain``, one-chunk trees): with it the searches of random structures visit fewer
+    nodes than without it, and find the same optimum."""
+    on, without = _nodes_with_and_without("_boundary_gain", lambda a, b, cnt: 0.0, range(200))
+    assert on < without, (on, without)
+
+
+def test_type_boundaries_never_exceed_a_completion():
+    """Ranks decided from the end at random depths of random one-chunk structures, random counts on the
+    links between undecided ranks: what ``_boundary_gain`` adds is at most what every completion's own
+    links there add over the fill's lower bounds along those counts; and it adds something in some cases."""
+    positive = 0
+    for seed in range(40):
+        case = _searched_structure(seed)
+        if case is None or case[3] != 1 or case[2] < 3:
+            continue                                # no plan, interleaved, or no link between two undecided ranks
+        plans, counts, pp, _v, nt, rng, ss = case
+        for _ in range(6):
+            _t, types, layers = rng.choice(plans)
+            b = rng.randrange(2, pp + 1)            # ranks b.. decided, [0, b) undecided
+            _decide_from_end(ss, counts, types, layers, b, pp, 1)
+            lb = [1] * pp
+            ss._fill(lb, [ss.num_layers] * (pp * nt))
+            fill = list(ss.params)
+            cnt = array("i", [0]) * len(ss.params)
+            for r in range(b - 1):
+                cnt[1 + 2 * pp + r] = rng.randint(0, 40)
+            gain = ss._boundary_gain(0, b, cnt)
+            positive += gain > 0.0
+            completions = [p for p in plans
+                           if all(p[1][r] == types[r] and p[2][r] == layers[r] for r in range(b, pp))]
+            for _time, ctypes, clayers in completions:
+                exact = ss.bound_params(counts, ctypes, clayers, lb)
+                paid = sum(cnt[1 + 2 * pp + r] * (exact[1 + 2 * pp + r] - fill[1 + 2 * pp + r])
+                           for r in range(b - 1))
+                assert gain <= paid + 1e-9, (seed, gain, paid, ctypes)
+                _decide_from_end(ss, counts, types, layers, b, pp, 1)
+    assert positive > 0
+
+
 def slow_type_structure(seed: int, pp: int):
     """A 1F1B pipeline of ``pp`` ranks over a fast, a middling and a slow type (one or two slow ranks,
     about four times slower: they hold one layer each and set the steady state), 16-32 micro-batches,
