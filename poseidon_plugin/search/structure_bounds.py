@@ -909,8 +909,9 @@ class StructureBounds:
         below tau costs than the fill priced the undecided ranks ``[a, b)`` (docs/SEARCH.md, "gain along
         the bound's longest path"): the larger of two lower bounds, (1) apart (a Lagrangian
         bound of the type assignment, multipliers the per-type mean costs, plus the ``extra`` layers
-        above the lower bounds at each stage's least slope) and (2) joint (:meth:`_joint_gain`). Once a
-        bound reaches ``need`` (what cuts the child) it is returned as it stands."""
+        above the lower bounds at each stage's least slope) and (2) joint (:meth:`_joint_gain`), plus the
+        type boundaries among the undecided ranks (:meth:`_boundary_gain`). Once a bound reaches ``need``
+        (what cuts the child) it is returned as it stands."""
         pp, v, nt, nv = self.pp, self.v, self.nt, self.nv
         cnt = self.path_counts
         tm = self.type_mins
