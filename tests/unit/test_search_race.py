@@ -37,9 +37,10 @@ def races(monkeypatch):
 
 def test_raced_searches_equal_the_exhaustive_one(races, pure_python):
     """Tiny random problems with one-chunk schedules, every large-enough tree raced: ``--exact`` still
-    equals ``--exhaustive`` (best time and runner-up), and both orders end races (non-vacuity)."""
+    equals ``--exhaustive`` (best time and runner-up), and both orders end races (non-vacuity). The pure
+    backend runs every third seed (its time), a sample that holds races of both endings."""
     done = 0
-    for seed in range(0, 60, 5 if pure_python else 1):
+    for seed in range(1, 60, 3) if pure_python else range(60):
         cm, schedules = random_problem(seed)
         if "interleaved-1f1b" in schedules:
             continue
