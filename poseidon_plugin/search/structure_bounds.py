@@ -988,7 +988,7 @@ class StructureBounds:
         gain prices): the ``m + 1`` remaining types hold these ranks, so at least ``m`` of those links join
         two types, each at least the cheapest cross-type send of a remaining type; the ``m`` links the
         path weighs least carry them."""
-        pp, nv = self.pp, self.nv
+        nv = self.nv
         p = self.params
         if self.v > 1 or not self.exact_counts:
             return 0.0
