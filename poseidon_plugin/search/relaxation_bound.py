@@ -108,7 +108,7 @@ class RelaxationBound(StructureBounds):
             for q in range(n_paths):
                 self.lp_lam[q] /= total
             n_lam = n_paths
-            mu = -self.lp_obj[self.lp_art0 + self.lp_layer_row] * scale
+            mu = -self.lp_obj[self.lp_art0] * scale
             # the Lagrangian value is at most the program's (equal at its duals, up to rounding): it is
             # priced where the program reaches what cuts, and at the last duals (for _lp_fix)
             priced = False
@@ -283,7 +283,11 @@ class RelaxationBound(StructureBounds):
         """The program of the node, solved (two phases): ``min T`` over ``theta[r, t, l] >= 0`` (rank ``r`` on
         type ``t`` with ``l`` layers; per rank summing to 1, per type to its remaining ranks, their layers
         to ``left``) with ``T >= cost_P(theta)`` for the first ``n_paths`` paths. Columns: the options, T,
-        a slack per path row (room for LP_MAX), an artificial per first row, the right-hand side. The
+        a slack per path row (room for LP_MAX), the layer row's artificial, the right-hand side. Every first
+        row has an artificial (phase 1 starts from them: ``lp_basis`` holds ``lp_art0 + i`` for row ``i``'s),
+        but only the layer row's has a column: an artificial never enters, so no other artificial column
+        is ever read, and a pivot updates each column from itself and the pivot column only, so dropping
+        them changes no other entry (the layer row's gives ``mu``, its reduced cost). The
         options of a rank and type are the least and the greatest count of each residue mod ``V``: a count
         between two of one residue is their mix (every parameter is affine in the layers within a residue,
         ``chunk_layers``), so the program's value is the one over every count, with fewer columns."""
@@ -311,7 +315,7 @@ class RelaxationBound(StructureBounds):
         col_t = n_opt
         self.lp_slack0 = n_opt + 1
         self.lp_art0 = self.lp_slack0 + LP_MAX
-        w = self.lp_art0 + m + 1
+        w = self.lp_art0 + 2
         self.lp_w = w
         self.lp_layer_row = (b - a) + n_types
         rhs = w - 1
@@ -339,8 +343,8 @@ class RelaxationBound(StructureBounds):
         for q in range(n_paths):
             row = self.lp_layer_row + 1 + q
             self._lp_path_row(q, row * w, scale)      # T - sum cost theta - s = const (>= 0)
+        tab[self.lp_layer_row * w + self.lp_art0] = 1.0
         for i in range(m):
-            tab[i * w + self.lp_art0 + i] = 1.0
             self.lp_basis[i] = self.lp_art0 + i
         self.lp_m = m
         # phase 1: minimise the artificials
@@ -405,7 +409,10 @@ class RelaxationBound(StructureBounds):
         for j in range(w):
             tab[off + j] = -tab[off + j]
         for i in range(m):
-            f = tab[off + self.lp_basis[i]]
+            j = self.lp_basis[i]
+            if j >= self.lp_art0:       # an artificial still basic: its unit column is 0 in the new row
+                continue                # (and only the layer row's has a column)
+            f = tab[off + j]
             if f != 0.0:
                 for j in range(w):
                     tab[off + j] -= f * tab[i * w + j]

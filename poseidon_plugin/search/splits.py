@@ -269,7 +269,7 @@ class SplitSearch(RelaxationBound):
         self.lp_opt_t = int_buffer(LP_MAX_OPTIONS)
         self.lp_opt_l = int_buffer(LP_MAX_OPTIONS)
         rows = pp + nt + 1 + LP_MAX
-        width = LP_MAX_OPTIONS + 1 + LP_MAX + rows + 1
+        width = LP_MAX_OPTIONS + 1 + LP_MAX + 2
         self.lp_tab = float_buffer(rows * width)
         self.lp_obj = float_buffer(width)
         self.lp_nz = int_buffer(width)

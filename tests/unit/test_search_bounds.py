@@ -1465,6 +1465,56 @@ def test_the_programs_leave_counts_out_somewhere():
     assert sum(_options_case(seed) for seed in range(8)) > 0
 
 
+def _layer_dual_case(seed: int) -> int:
+    """The layer row's dual ``mu`` (``_relaxation_bound``) is read from the one artificial column the
+    tableau keeps (``_lp_build``: the others are never read, so they are not carried): at the programs of
+    a search of an interleaved structure, solved again with ``left`` moved by -1e-4 and +1e-4, ``mu`` lies
+    between the two slopes of the program's value (convex in ``left``: its duals are its subgradients),
+    one side where the other is infeasible. Returns how many programs had both sides and a nonzero
+    ``mu``."""
+    table, shape, counts, num_layers, best = _interleaved_structure(9000 + 200 * seed)
+    checked = []
+
+    class Watched(PySplitSearch):
+        probing = False
+
+        def _lp_build(self, a, b, left, n_paths, scale):
+            ok = PySplitSearch._lp_build(self, a, b, left, n_paths, scale)
+            if not ok or self.probing:
+                return ok
+            mu, value = -self.lp_obj[self.lp_art0] * scale, self._lp_value() * scale
+            self.probing = True
+            slopes = []
+            for d in (-1e-4, 1e-4):
+                moved = PySplitSearch._lp_build(self, a, b, left + d, n_paths, scale)
+                slopes.append((self._lp_value() * scale - value) / d if moved else None)
+            assert PySplitSearch._lp_build(self, a, b, left, n_paths, scale)      # the program as it was
+            assert self._lp_value() * scale == value and -self.lp_obj[self.lp_art0] * scale == mu
+            self.probing = False
+            tol = 1e-6 * scale
+            down, up = slopes
+            assert down is None or mu >= down - tol, (mu, down, up)
+            assert up is None or mu <= up + tol, (mu, down, up)
+            if None not in slopes and abs(mu) > tol:
+                checked.append(mu)
+            return ok
+
+    ss = Watched(table, shape, num_layers, ridge=False, blocks=False, type_class=array("i", range(len(counts))))
+    res = ss.run(counts, best * (1 + 1e-7))
+    assert res.time_ms == best
+    return len(checked)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_layer_rows_dual_is_a_slope_of_the_programs_value(seed):
+    _layer_dual_case(seed)
+
+
+def test_the_layer_rows_dual_is_checked_somewhere():
+    """Not vacuous: programs of those searches are feasible on both sides, with a nonzero ``mu``."""
+    assert sum(_layer_dual_case(seed) for seed in range(12)) > 0
+
+
 def test_the_primal_simplex_enters_the_most_negative_column_then_falls_back_to_blands_rule(monkeypatch):
     """``min -x0 - 3 x1`` with ``x0 + x1 + s = 4``: the most negative reduced cost (x1) enters and one pivot
     is optimal; past half of LP_PIVOTS (here from the first pivot) the first negative column (x0)
