@@ -1317,6 +1317,14 @@ def _interleaved_structure(first_seed: int):
     raise AssertionError(f"no interleaved structure with a plan from seed {first_seed}")
 
 
+def _search_at_its_optimum(watched, table, shape, counts, num_layers, best, **options) -> None:
+    """Search the structure with the pure ``SplitSearch`` subclass ``watched`` just above its optimum
+    ``best``: it finds it."""
+    ss = watched(table, shape, num_layers, ridge=False, blocks=False, type_class=array("i", range(len(counts))),
+                 **options)
+    assert ss.run(counts, best * (1 + 1e-7)).time_ms == best
+
+
 def _inheritance_case(seed: int) -> int:
     """A node's program takes the rows that bound its parent's program (``lambda > 0``, docs/SEARCH.md)
     where its point violates them, before running the DAG: searching an interleaved structure at its
@@ -1342,11 +1350,7 @@ def _inheritance_case(seed: int) -> int:
                 taken.append(flipped[0])
             return took
 
-    ss = Watched(table, shape, num_layers, ridge=False, blocks=False, type_class=array("i", range(len(counts))),
-                 backward=rng.random() < 0.5)
-    res = ss.run(counts, best * (1 + 1e-7))
-    assert res.time_ms == best
-    assert res.time_ms < math.inf
+    _search_at_its_optimum(Watched, table, shape, counts, num_layers, best, backward=rng.random() < 0.5)
     return len(taken)
 
 
@@ -1449,9 +1453,7 @@ def _options_case(seed: int) -> int:
                         left_out.append((r, t, l))
             return ok
 
-    ss = Watched(table, shape, num_layers, ridge=False, blocks=False, type_class=array("i", range(len(counts))))
-    res = ss.run(counts, best * (1 + 1e-7))
-    assert res.time_ms == best
+    _search_at_its_optimum(Watched, table, shape, counts, num_layers, best)
     return len(left_out)
 
 
@@ -1499,9 +1501,7 @@ def _layer_dual_case(seed: int) -> int:
                 checked.append(mu)
             return ok
 
-    ss = Watched(table, shape, num_layers, ridge=False, blocks=False, type_class=array("i", range(len(counts))))
-    res = ss.run(counts, best * (1 + 1e-7))
-    assert res.time_ms == best
+    _search_at_its_optimum(Watched, table, shape, counts, num_layers, best)
     return len(checked)
 
 
