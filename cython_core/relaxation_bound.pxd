@@ -31,7 +31,7 @@ cdef class RelaxationBound(StructureBounds):
     cdef inline void _lp_path_row(self, int q, int off, double scale) noexcept nogil
     @cython.locals(x=cython.double)
     cdef inline double _lp_option_cost(self, int q, int j) noexcept nogil
-    @cython.locals(tab='double[::1]', f=cython.double)
+    @cython.locals(tab='double[::1]', f=cython.double, basic=cython.int)
     cdef inline bint _lp_cut(self, int q, double scale) noexcept nogil
     @cython.locals(x=cython.double)
     cdef inline void _lp_objective(self) noexcept nogil

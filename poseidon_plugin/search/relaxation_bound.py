@@ -409,10 +409,10 @@ class RelaxationBound(StructureBounds):
         for j in range(w):
             tab[off + j] = -tab[off + j]
         for i in range(m):
-            j = self.lp_basis[i]
-            if j >= self.lp_art0:       # an artificial still basic: its unit column is 0 in the new row
+            basic = self.lp_basis[i]
+            if basic >= self.lp_art0:   # an artificial still basic: its unit column is 0 in the new row
                 continue                # (and only the layer row's has a column)
-            f = tab[off + j]
+            f = tab[off + basic]
             if f != 0.0:
                 for j in range(w):
                     tab[off + j] -= f * tab[i * w + j]
