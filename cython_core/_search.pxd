@@ -4,7 +4,7 @@ cimport cython
 from poseidon_plugin._core.relaxation_bound cimport RelaxationBound
 from poseidon_plugin._core.structure_bounds cimport chunk_layers
 
-cdef double INF, PATH_SLACK
+cdef double INF, PATH_SLACK, SHARE_TIE
 cdef int CLOCK_EVERY, N_MINS, N_TYPE_MINS, N_COUNTERS, LP_KEEP, LP_MAX, LP_MAX_OPTIONS, LP_MIN_UNDECIDED, FRONT_FIRST
 cdef int LP_TRIAL, LP_MIN_CUTS, LP_ONE_CHUNK_CUTS, LP_SAMPLE
 cdef int NODES, BOUND_EVALS, SIM_CALLS, PRUNED_BOUND, PRUNED_PATH, PRUNED_MEMORY, PRUNED_RIDGE
@@ -12,6 +12,12 @@ cdef int PRUNED_ORDER, IMPROVED
 
 cdef class SplitSearch(RelaxationBound):
     cdef long long[::1] lp_depth_calls, lp_depth_cuts, lp_depth_skips
+    # a walk shared among processes (share)
+    cdef int share_count, share_index, share_depth
+    cdef double[::1] share_tau
+    cdef int[::1] best_path_t, best_path_l
+    @cython.locals(h=cython.longlong, j=cython.int)
+    cdef inline int _share_owner(self, int k) noexcept nogil
     cdef void _lp_alloc(self)
     cdef void _load_paths(self, object paths)
     cdef inline double _memory_need(self, int t, int r, int layers) noexcept nogil

@@ -204,9 +204,10 @@ def print_row(i: int, n: int, row: dict, limit_s: float) -> None:
 
 
 def sweep(limit_s: float, folder: str, *, frontier: bool = False, only: str | None = None,
-          other: bool = False) -> list[dict]:
+          other: bool = False, workers: str | None = None) -> list[dict]:
     """Run the sweep (``other``: the other values instead, without the target rows), one row per instance
-    as it finishes, then the summary and the targets."""
+    as it finishes, then the summary and the targets. ``workers``: every command's ``--workers`` (None: its
+    default)."""
     if other:
         instances, targets = other_instances(folder), []
     else:
@@ -216,12 +217,16 @@ def sweep(limit_s: float, folder: str, *, frontier: bool = False, only: str | No
         instances = [x for x in instances if only in x.label]
         targets = [x for x in targets if only in x.label]
     n = len(instances) + len(targets)
+    extra = () if workers is None else ("--workers", workers)
+    from poseidon_plugin.search.shared_walk import auto_workers
     print(f"sweep: {len(instances)} instances + {len(targets)} target rows, `poseidon plan --exact` "
-          f"(defaults), killed after {limit_s:g} s each")
+          f"({'defaults' if workers is None else f'--workers {workers}'}), killed after {limit_s:g} s each; "
+          f"search processes: {workers or f'auto = {auto_workers()}'} (cores this process may run on: "
+          f"{len(os.sched_getaffinity(0))})")
     print(f"{'':>8} {'instance':<46} {'wall s':>7} {'cpu s':>7} {'nodes':>10} {'complete':>8} {'gap':>8}  plan")
     rows = []
     for i, inst in enumerate(instances + targets, 1):
-        row = run_instance(inst, limit_s)
+        row = run_instance(inst, limit_s, extra)
         row["target_row"] = inst in targets
         print_row(i, n, row, limit_s)
         rows.append(row)

@@ -209,6 +209,9 @@ def main(argv=None) -> int:
                          "of another seed; no target rows), to check a change on values it was not measured on")
     ap.add_argument("--sweep-only", default=None, metavar="TEXT",
                     help="only the sweep instances whose label contains TEXT (e.g. setting-6)")
+    ap.add_argument("--sweep-workers", default=None, metavar="N|auto",
+                    help="with --sweep: pass `--workers N` to every command (default: the command's own default, "
+                         "auto: the cores it may run on, at most 8)")
     args = ap.parse_args(argv)
     if args.sweep_other and not args.sweep:
         ap.error("--sweep-other selects the sweep's values: give it with --sweep")
@@ -220,7 +223,7 @@ def main(argv=None) -> int:
             ap.error(f"--sweep-limit {args.sweep_limit:g} is invalid: give seconds > 0, e.g. 60")
         with tempfile.TemporaryDirectory() as tmp:
             _search_sweep.sweep(args.sweep_limit, tmp, frontier=args.sweep_frontier, only=args.sweep_only,
-                                other=args.sweep_other)
+                                other=args.sweep_other, workers=args.sweep_workers)
         return 0
     only = None if args.scale_rows is None else {x.strip() for x in args.scale_rows.split(",")}
     if args.scale_only:

@@ -472,7 +472,8 @@ def _plan(job: _Job, phases: Phases, world: World, devices: _Devices, log: Log) 
 
     def search() -> Plan:
         found = planning.plan_on_rank0(CostModel(cluster, model, outcome.profile), job.target,
-                                       keep=job.flags if opts.keep else None, time_limit_s=opts.search_budget_s)
+                                       keep=job.flags if opts.keep else None, time_limit_s=opts.search_budget_s,
+                                       workers=opts.search_workers)
         precheck.check_plan_fits(found, world, job.flags, job.global_batch, "the searched plan",
                                  script_args=job.script_args)
         return found

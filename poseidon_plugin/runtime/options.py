@@ -67,6 +67,9 @@ class RuntimeOptions:
     """Seconds rank 0 may search while every device of the job waits (default 30; at most half of
     ``timeout``). Past it the best plan so far is applied and the plan table says it is not proven optimal,
     with its gap to the proven lower bound; raise it to prove more."""
+    search_workers: int = 0
+    """Processes rank 0's search may walk a large tree with (``poseidon plan --workers``); 0 (default): the
+    cores rank 0 may run on, at most 8. The plan is the same with any number."""
     emulate: str | None = None
     """Emulated heterogeneous cluster on CPU, e.g. ``A2-2:2,A2-4:2`` (see ``emulation/harness.py``)."""
     emulate_model: str | None = None
@@ -126,6 +129,7 @@ _SPECS: tuple[_Spec, ...] = (
     _Spec(field="keep", kind="bool"),
     _Spec(field="search_mode", kind="str", choices=("exact", "default")),
     _Spec(field="search_time_limit", kind="float", minimum=0.1, example="30"),
+    _Spec(field="search_workers", kind="int", minimum=0, example="8"),
     _Spec(field="emulate", kind="str", example="A2-2:2,A2-4:2"),
     _Spec(field="emulate_model", kind="str", example="llama3-8b"),
     _Spec(field="micro_batch_sizes", kind="int_list", minimum=1),

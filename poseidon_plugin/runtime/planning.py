@@ -21,19 +21,22 @@ from poseidon_plugin.target import TargetRuntime, search_plan
 
 
 def plan_on_rank0(cost_model: CostModel, target: TargetRuntime, *, keep: JobFlags | None,
-                  time_limit_s: float) -> Plan:
+                  time_limit_s: float, workers: int = 0) -> Plan:
     """The one call into the search: best plan for the cost model on the target runtime (NoFeasiblePlanError
     when none fits); the same function ``poseidon plan`` calls (``poseidon_plugin.target.search_plan``).
 
     ``keep`` (``--poseidon-keep``) pins TP, PP, mbs and (MoE) EP to the job's: only placement, layer split, DP,
     schedule, p2p overlap and the expert TP are searched. ``time_limit_s`` keeps the search shorter than the other ranks'
-    wait for it.
+    wait for it. ``workers`` (``--poseidon-search-workers``): the processes it may walk a large tree with; 0: the
+    cores this process may run on (``search.shared_walk.auto_workers``).
     """
     from poseidon_plugin.search import SearchOptions
+    from poseidon_plugin.search.shared_walk import auto_workers
 
+    workers = workers or auto_workers()
     if keep is None:
-        return search_plan(cost_model, target, SearchOptions(time_limit_s=time_limit_s)).plan
-    options = SearchOptions(time_limit_s=time_limit_s, tp_degrees=(keep.tensor_parallel,),
+        return search_plan(cost_model, target, SearchOptions(time_limit_s=time_limit_s, workers=workers)).plan
+    options = SearchOptions(time_limit_s=time_limit_s, workers=workers, tp_degrees=(keep.tensor_parallel,),
                             micro_batch_sizes=(keep.micro_batch_size,), min_pipeline_stages=keep.pipeline_parallel,
                             max_pipeline_stages=keep.pipeline_parallel,
                             expert_parallel=(keep.expert_parallel,) if keep.num_experts else None)

@@ -3,7 +3,8 @@
     poseidon plan --cluster PRESET|FILE --model PRESET|FILE [--global-batch-size N] [--seq-length N]
                   [--profile FILE] [--schedules 1f1b,interleaved-1f1b] [--search-mode exact|default|exhaustive]
                   [--comm-model megatron|megatron-overlap|dag] [--overlap-p2p-comm auto|on|off]
-                  [--flag-style megatron|mindspeed|patch] [--json] [--trace OUT.json] [--output PLAN.json]
+                  [--flag-style megatron|mindspeed|patch] [--workers N|auto] [--json] [--trace OUT.json]
+                  [--output PLAN.json]
 
 Plans for the same target runtime as ``poseidon-run`` (``poseidon_plugin/target.py``: Megatron's comm
 model, its schedules, planned p2p overlap, micro-batch sizes 1,2,4, the proven optimum), so both give the
@@ -36,6 +37,21 @@ def _int_list(flag: str):
             raise argparse.ArgumentTypeError(f"{flag}: give at least one value")
         return values
     return parse
+
+
+def _workers(text: str) -> int:
+    """``--workers``: ``auto`` (the cores this process may run on, at most MAX_AUTO_WORKERS) or N >= 1."""
+    from .shared_walk import MAX_AUTO_WORKERS, auto_workers
+    if text.strip() == "auto":
+        return auto_workers()
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of processes: give N >= 1, or auto (the "
+                                         f"cores this process may run on, at most {MAX_AUTO_WORKERS})")
+    return n
 
 
 def _str_list(text: str) -> tuple[str, ...]:
@@ -106,6 +122,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the warm-up sampler")
     parser.add_argument("--time-limit", type=float, metavar="SECONDS",
                         help="stop after this long and print the best plan so far (marked not proven)")
+    parser.add_argument("--workers", type=_workers, default="auto", metavar="N|auto",
+                        help="processes a large search tree is walked by (the same plan with any number); "
+                             "default auto: the cores this process may run on, at most 8")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--output", metavar="PLAN.json", help="also write the plan JSON to this file")
     parser.add_argument("--trace", metavar="OUT.json",
@@ -147,7 +166,7 @@ def options_from_args(args) -> SearchOptions:
         expert_parallel=args.ep, max_pipeline_stages=args.max_pp, min_pipeline_stages=args.min_pp,
         top_k=args.top_k, warmup_samples=args.warmup_samples, seed=args.seed,
         time_limit_s=args.time_limit, gap=args.gap, type_blocks=not args.any_type_order,
-        exact_alternatives=args.exact_alternatives)
+        exact_alternatives=args.exact_alternatives, workers=args.workers)
 
 
 def build_cost_model(args, target: TargetRuntime | None = None):

@@ -37,6 +37,9 @@ STAGE_MIN_CUTS = 64
 # paths hold every other rank's layers twice and its own on every micro-batch (docs/SEARCH.md)
 FRONT_FIRST = 1
 CLOCK_EVERY = 1024          # nodes between two looks at the clock (time limit)
+# a walk shared among processes (SplitSearch.share) publishes its threshold this much above its best plan,
+# so that another process still finds a plan as fast (of equal plans, the walk alone keeps the first)
+SHARE_TIE = 1e-12
 
 # StructureBounds.mins: the smallest cost of each kind over the types an undecided rank may take
 MIN_NAMES = ("forward_ms", "backward_ms", "embedding_forward_ms", "embedding_backward_ms",
@@ -53,5 +56,5 @@ __all__ = ["CLOCK_EVERY", "FIT_SLACK", "FRONT_FIRST", "INHERITED_ROUNDS", "LP_DU
            "LP_PRICE_SLACK", "LP_SAMPLE", "LP_TRIAL",
            "MIN_ALLREDUCE", "MIN_BACKWARD", "MIN_EMBEDDING_ALLREDUCE", "MIN_EMBEDDING_BACKWARD",
            "MIN_EMBEDDING_FORWARD", "MIN_FORWARD", "MIN_HEAD_ALLREDUCE", "MIN_HEAD_BACKWARD", "MIN_HEAD_FORWARD",
-           "MIN_NAMES", "MIN_SEND", "N_MINS", "N_TYPE_MINS", "PATH_SLACK", "PROPAGATION_ROUNDS", "STAGE_MIN_CUTS",
-           "STAGE_TRIAL"]
+           "MIN_NAMES", "MIN_SEND", "N_MINS", "N_TYPE_MINS", "PATH_SLACK", "PROPAGATION_ROUNDS", "SHARE_TIE",
+           "STAGE_MIN_CUTS", "STAGE_TRIAL"]

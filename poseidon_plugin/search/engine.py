@@ -34,6 +34,7 @@ from .leaderboard import Leaderboard
 from .options import SearchOptions, SearchResult, SearchStats, TimeLimitError
 from .seeds import assignment_seeds, relaxation_split
 from .shapes import ShapeCache, ShapeData
+from .shared_walk import raced_run, shared_run
 from .space import SearchSpace, ShapeGroup
 from .split_result import SplitResult
 
@@ -120,6 +121,7 @@ class SearchRun:
         self.at = 0
         self.node_budget = node_budget
         self.pure = use_pure_python(options)
+        self.workers = options.workers       # processes a large tree's walk is shared among
         # the positional bound's assignment solver: the compiled one unless the search is pure
         self.assign = None
         # the whole-group bounds: compiled from the same source unless the search is pure
@@ -615,10 +617,49 @@ class SearchRun:
             budget = cap
         if (sg is None or sg.virtual_stages > 1 or self.ridge or self.blocks
                 or (budget and budget <= RACE_AT)):
-            res = splitter.run(vec, tau, deadline=self.split_deadline, max_nodes=budget, resume=resume)
+            if self.workers > 1 and not budget:
+                # a walk past SHARE_AT nodes goes on in several processes (search/shared_walk.py)
+                res = shared_run(splitter, vec, tau, workers=self.workers, shrink=self.shrink,
+                                 deadline=self.split_deadline, resume=resume)
+            else:
+                res = splitter.run(vec, tau, deadline=self.split_deadline, max_nodes=budget, resume=resume)
             self.add(res.counters)
             return res
+        if self.workers > 1 and not budget:
+            return self.parallel_race(sg, splitter, vec, tau, resume)
         return self.race(sg, splitter, vec, tau, budget, resume)
+
+    def parallel_race(self, sg: ShapeGroup, splitter, vec, tau: float, resume: bool):
+        """:meth:`race` in two processes (``search/shared_walk.raced_run``): the leading walk goes alone for
+        RACE_AT nodes, as in the race; then the other walk runs in a forked child beside it, both to their
+        end below the best plan either found, and the first to end closes the structure (the next race
+        leads with its order). The clock stops both; the leading walk resumes where it stopped."""
+        key = sg.key
+        self._races.pop(key, None)          # a race in one process left for this one: its legs are not kept
+        twin = self._twins.get(key)
+        if twin is None:
+            twin = self._twins[key] = self.splitter(sg, backward=False)
+        walks = (splitter, twin)
+        lead = self.race_leader
+        first = walks[lead].run(vec, tau, deadline=self.split_deadline, max_nodes=RACE_AT,
+                                resume=resume if lead == 0 else True)
+        self.add(first.counters)
+        if not first.aborted or first.counters[NODES] < RACE_AT:
+            return first                    # ended alone, or the clock
+        limit = min(tau, first.time_ms * self.shrink)
+        res, ended = raced_run(walks[lead], walks[1 - lead], vec, limit, shrink=self.shrink,
+                               deadline=self.split_deadline, resume_lead=True,
+                               resume_other=resume if lead == 1 else True)
+        self.add(res.counters)
+        self.races += 1
+        if not res.aborted:
+            winner = lead if ended == 0 else 1 - lead
+            self.twin_wins += winner
+            self.race_leader = winner
+        best = min((res.time_ms, res.types, res.layers), (first.time_ms, first.types, first.layers))
+        return SplitResult(time_ms=best[0], types=best[1], layers=best[2],
+                           counters=tuple(a + b for a, b in zip(first.counters, res.counters)),
+                           aborted=res.aborted, resumed=first.resumed)
 
     def race(self, sg: ShapeGroup, splitter, vec, tau: float, budget: int, resume: bool):
         """:meth:`split` of a one-chunk tree, decided from the end, raced against its twin in pipeline

@@ -99,6 +99,11 @@ class SearchOptions:
     model's extra parameters take the cost model's values (``CostModel.comm_extras``: the profile's
     ``p2p_call_ms``) or their defaults. The bounds stay valid for all (docs/SEARCH.md)."""
 
+    workers: int = 1
+    """Processes a structure's tree is walked by, once it passes ``SHARE_AT`` nodes (``search/shared_walk.py``:
+    each takes some of its subtrees; the plan is the one a single process finds). 1: one process. The CLI
+    and ``poseidon-run`` default to the cores the process may run on (``shared_walk.auto_workers``)."""
+
     pure_python: bool | None = None
     """Force (``True``) or forbid (``False``) the pure-Python search loop; ``None``: the environment
     (``POSEIDON_PURE_PYTHON=1``) decides."""
@@ -182,6 +187,9 @@ def validate_options(o: SearchOptions) -> None:
                          f"(megatron when the plan runs on Megatron-LM)")
     if isinstance(o.dp_multiple, bool) or not isinstance(o.dp_multiple, int) or o.dp_multiple < 1:
         raise InputError(f"dp_multiple = {o.dp_multiple!r} is invalid: must be an integer >= 1")
+    if isinstance(o.workers, bool) or not isinstance(o.workers, int) or o.workers < 1:
+        raise InputError(f"--workers {o.workers!r} is invalid: must be an integer >= 1 (processes the search "
+                         f"may use), or auto")
     if o.pure_python is not None and not isinstance(o.pure_python, bool):
         raise InputError(f"pure_python = {o.pure_python!r} is invalid: must be true, false or None")
 

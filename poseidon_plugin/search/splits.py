@@ -36,7 +36,7 @@ from array import array
 
 from poseidon_plugin.search.constants import (CLOCK_EVERY, FRONT_FIRST, LP_KEEP, LP_MAX, LP_MAX_OPTIONS, LP_MIN_CUTS,
                                               LP_MIN_UNDECIDED, LP_ONE_CHUNK_CUTS, LP_SAMPLE, LP_TRIAL,
-                                              N_MINS, N_TYPE_MINS, PATH_SLACK)
+                                              N_MINS, N_TYPE_MINS, PATH_SLACK, SHARE_TIE)
 from poseidon_plugin.search.counters import (BOUND_EVALS, COUNTER_NAMES, IMPROVED, N_COUNTERS, NODES,
                                              PRUNED_BOUND, PRUNED_MEMORY, PRUNED_ORDER, PRUNED_PATH,
                                              PRUNED_RIDGE, SIM_CALLS)
@@ -131,6 +131,14 @@ class SplitSearch(RelaxationBound):
         self.resume_depth = -1
         self.resume_tau = 0.0
         self.resuming = False
+        # a walk shared among processes (:meth:`share`): each subtree at depth share_depth belongs to one
+        # process, by its path, and each searches below the best plan any of them has found (share_tau)
+        self.share_count = 1
+        self.share_index = 0
+        self.share_depth = -1
+        self.share_tau = float_buffer(1)
+        self.best_path_t = int_buffer(pp)    # the best plan's decisions in the walk's order (best_path)
+        self.best_path_l = int_buffer(pp)
         # the fill's scratch (StructureBounds._fill)
         self.mins = float_buffer(N_MINS)
         self.type_mins = float_buffer(nt * N_TYPE_MINS)
@@ -401,6 +409,35 @@ class SplitSearch(RelaxationBound):
                            counters=tuple([self.ctr[i] for i in range(N_COUNTERS)]), aborted=self.aborted,
                            resumed=resumed)
 
+    def share(self, count: int, index: int, depth: int, tau_buffer=None) -> None:
+        """Share the next walks among ``count`` processes, this one ``index``: a node of depth ``depth``
+        belongs to one process, by its path (the decisions above it: the same in every process that
+        reaches it, whatever its threshold), and the others skip it. The processes read and lower
+        ``tau_buffer[0]`` (a double in memory they share), the least threshold any of them has reached,
+        so a node one of them never reaches is cut for all. ``depth = -1``: each process walks the whole
+        tree (two walks raced, ``shared_walk.raced_run``), the threshold still shared. ``share(1, 0, -1)``:
+        one process again."""
+        self.share_count = count
+        self.share_index = index
+        self.share_depth = depth
+        if tau_buffer is None:
+            tau_buffer = float_buffer(1)
+            tau_buffer[0] = INF
+        self.share_tau = tau_buffer
+
+    def best_path(self) -> tuple:
+        """The last run's best plan as the walk decided it: ``(type, layers)`` per depth. Of two plans, the
+        walk alone meets first the one whose path is the lesser (each depth tries its types, then its
+        counts, in increasing order): of equal plans from several processes, that one is the walk's."""
+        if not self.have_best:
+            return ()
+        return tuple([(self.best_path_t[k], self.best_path_l[k]) for k in range(self.pp)])
+
+    def forget(self) -> None:
+        """Drop the stopped walk's path: the next run searches its tree from the root (a shared walk that
+        stopped early: the other processes' parts of the tree before the path are not all searched)."""
+        self.resume_depth = -1
+
     def can_resume(self, counts, tau: float) -> bool:
         """Whether the last run stopped early on ``counts`` at a threshold ``>= tau``: every plan below
         ``tau`` in the tree before its path was found (and the better ones lowered the threshold) or cut."""
@@ -477,6 +514,14 @@ class SplitSearch(RelaxationBound):
         self.lp_depth_skips[k] += 1
         return self.lp_depth_skips[k] % LP_SAMPLE == 0
 
+    def _share_owner(self, k: int) -> int:
+        """The process (of ``share_count``) that searches the node of depth ``k`` on the walk's path: by
+        the path's decisions alone, mixed so that the siblings of a node go to the processes in turn."""
+        h = 0
+        for j in range(k):
+            h = (h * 40503 + self.path_t[j] * 257 + self.path_l[j]) % 1000000007
+        return h % self.share_count
+
     def _type_allowed(self, r: int, t: int) -> int:
         """0 if rank ``r`` may take type ``t`` now; else the counter that rejects it (-1: none)."""
         if self.remaining[t] <= 0:
@@ -501,6 +546,10 @@ class SplitSearch(RelaxationBound):
         nv, nt = self.nv, self.nt
         if self.aborted:
             return
+        if k == self.share_depth and self._share_owner(k) != self.share_index:
+            return                          # a shared walk: another process searches this subtree (share)
+        if self.share_count > 1 and self.share_tau[0] < self.tau:
+            self.tau = self.share_tau[0]
         self.ctr[NODES] += 1
         self.depth_nodes[k] += 1
         if (self.ctr[NODES] % CLOCK_EVERY == 0 and time.monotonic() > self.deadline) or \
@@ -707,6 +756,15 @@ class SplitSearch(RelaxationBound):
                 self.best = val
                 self.tau = val * self.shrink
                 self.have_best = True
+                for y in range(k):
+                    self.best_path_t[y] = self.path_t[y]
+                    self.best_path_l[y] = self.path_l[y]
+                self.best_path_t[k] = t
+                self.best_path_l[k] = l
+                if self.share_count > 1 and self.tau * (1.0 + SHARE_TIE) < self.share_tau[0]:
+                    # the other processes search below it; SHARE_TIE lets them find a plan as fast whose
+                    # path is the lesser (best_path), as the walk alone would
+                    self.share_tau[0] = self.tau * (1.0 + SHARE_TIE)
                 for y in range(pp):
                     self.best_types[y] = self.types[y]
                 for y in range(nv):

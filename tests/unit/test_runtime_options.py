@@ -51,11 +51,12 @@ def test_defaults():
         False, False, None, None, None, False)
     assert (opts.profile_cache, opts.schedules, opts.micro_batch_sizes, opts.emulate, opts.emulate_model) == (
         "", (), (), None, None)
-    assert (opts.search_mode, opts.flag_style, opts.search_time_limit) == ("exact", "auto", 30.0)
+    assert (opts.search_mode, opts.flag_style, opts.search_time_limit, opts.search_workers) == (
+        "exact", "auto", 30.0, 0)
     assert (opts.timeout, opts.profile_iters, opts.profile_warmup, opts.watch_iterations) == (600.0, 5, 2, 3)
     assert set(RuntimeOptions.__dataclass_fields__) == {
         "disable", "dry_run", "plan", "save_plan", "cluster", "profile_cache", "schedules", "keep", "search_mode",
-        "search_time_limit", "emulate", "emulate_model", "micro_batch_sizes", "timeout", "profile_iters", "profile_warmup", "watch_iterations",
+        "search_time_limit", "search_workers", "emulate", "emulate_model", "micro_batch_sizes", "timeout", "profile_iters", "profile_warmup", "watch_iterations",
         "flag_style"}, "a new option needs its default checked here"
 
 
@@ -152,6 +153,14 @@ def test_torch_free_modules_do_not_import_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_search_workers_flag_and_env():
+    """--poseidon-search-workers N (0: the cores rank 0 may run on) by flag or env; below 0 is refused."""
+    assert resolve({"--poseidon-search-workers": "4"}, {}).search_workers == 4
+    assert resolve({}, {"POSEIDON_SEARCH_WORKERS": "1"}).search_workers == 1
+    with pytest.raises(PoseidonError, match=r"--poseidon-search-workers='-1' is too small"):
+        resolve({"--poseidon-search-workers": "-1"}, {})
 
 
 def test_search_time_limit_default_flag_env_and_cap():

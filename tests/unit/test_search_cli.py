@@ -28,6 +28,7 @@ from poseidon_plugin.specs.model import parse_model
     ({"warmup_samples": -1}, r"--warmup-samples -1 is invalid: must be an integer >= 0"),
     ({"time_limit_s": 0}, r"--time-limit 0 is invalid: must be a number of seconds > 0"),
     ({"max_pipeline_stages": 0}, r"--max-pp = \(0,\) is invalid"),
+    ({"workers": 0}, r"--workers 0 is invalid: must be an integer >= 1"),
 ])
 def test_option_validation_messages(kwargs, match):
     with pytest.raises(InputError, match=match):
@@ -131,6 +132,28 @@ def test_cli_user_errors_exit_2_with_one_line(argv, match, capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert match in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "many"])
+def test_cli_refuses_a_bad_worker_count(value, capsys):
+    """``--workers`` takes N >= 1 or auto: anything else is argparse's usage error naming the flag, exit 2."""
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--cluster", "paper-setting-1", "--model", "llama3-8b", "--workers", value, "--no-progress"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert f"argument --workers: {value!r} is not a number of processes: give N >= 1, or auto" in err
+
+
+def test_cli_workers_give_the_same_plan(capsys):
+    """``--workers 1``, ``2`` and ``auto`` (the default): the same plan document but for the search's statistics."""
+    docs = []
+    for workers in ("1", "2", "auto"):
+        assert main(["plan", "--cluster", "paper-setting-1", "--model", "llama3-8b", "--exact", "--json",
+                     "--no-progress", "--workers", workers]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        doc.pop("search_stats")
+        docs.append(doc)
+    assert docs[0] == docs[1] == docs[2]
 
 
 def test_planning_core_imports_no_torch():

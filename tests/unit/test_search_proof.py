@@ -136,7 +136,7 @@ def test_split_searches_below_tau_once_within_its_cap(best, budget, cap, nodes):
     from types import SimpleNamespace
 
     from poseidon_plugin.search.counters import N_COUNTERS
-    run = SimpleNamespace(node_budget=budget, split_deadline=math.inf, ctr=[0] * N_COUNTERS)
+    run = SimpleNamespace(node_budget=budget, split_deadline=math.inf, ctr=[0] * N_COUNTERS, workers=1)
     run.add = lambda counters: SearchRun.add(run, counters)
     sp = _Splitter(best)
     res = SearchRun.split(run, sp, [1], 200.0, cap=cap, resume=True)
