@@ -74,6 +74,7 @@ def shared_run(splitter, vec, tau: float, *, workers: int, shrink: float, deadli
     counters = list(first.counters)
     aborted = False
     failed = False
+    _find_prctl()
     shared = mmap.mmap(-1, 8)           # anonymous, shared with the children across fork
     children: list[tuple[int, int]] = []
     try:
@@ -142,6 +143,7 @@ def raced_run(lead, other, vec, tau: float, *, shrink: float, deadline: float, r
     (0: ``lead``, 1: ``other``). The clock stops both: the result is then aborted, ``lead`` may resume
     where it stopped (it searched the whole tree before its path), ``other``'s walk (the child's) is lost.
     A child that fails without a result: ``lead`` searches the tree again alone."""
+    _find_prctl()
     shared = mmap.mmap(-1, 16)          # [the least threshold, the stop flag], shared across fork
     reaped: dict[int, int] = {}         # the child's exit status, once a look between legs found it gone
     pid = None
@@ -232,30 +234,77 @@ def _race_child(walk, vec, tau: float, shrink: float, deadline: float, resume: b
                 write_end: int) -> None:
     """A forked child of :func:`raced_run`: the other walk, to its end or until asked to stop; its result to
     ``write_end`` as JSON; exit (never returns)."""
+    def body() -> dict:
+        walk.share(2, 1, -1, buffer)
+        res, ended = _legs(walk, vec, tau, shrink, deadline, resume, buffer, lambda: buffer[1] != 0.0)
+        return {**_result_doc(res), "ended": ended}
+    _run_child(body, write_end)
+
+
+def _collect_race(pid: int, read_end: int, reaped: dict[int, int]):
+    """The race child's ``(result, whether its walk ended)``, or None where it failed."""
+    got = _read_child(pid, read_end, reaped)
+    if got is None:
+        return None
+    doc, res = got
+    ended = bool(doc.get("ended"))
+    return dataclasses.replace(res, aborted=not ended), ended
+
+
+def _child(splitter, vec, limit: float, deadline: float, workers: int, index: int, depth: int, tau_buffer,
+           write_end: int) -> None:
+    """A forked child of :func:`shared_run`: walk its part of the tree, write the result to ``write_end``
+    as JSON, exit (never returns)."""
+    def body() -> dict:
+        splitter.share(workers, index, depth, tau_buffer)
+        res = splitter.run(vec, limit, deadline=deadline, resume=True)
+        return {**_result_doc(res), "path": splitter.best_path()}
+    _run_child(body, write_end)
+
+
+def _collect(pid: int, read_end: int):
+    """A child's result (as :func:`shared_run` keeps them), or None where it failed."""
+    got = _read_child(pid, read_end, {})
+    if got is None:
+        return None
+    doc, res = got
+    try:
+        path = tuple((int(t), int(l)) for t, l in doc["path"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return res.time_ms, path, res.types, res.layers, res.counters, res.aborted
+
+
+def _result_doc(res: SplitResult) -> dict:
+    """A walk's result as JSON data (what :func:`_read_child` reads back)."""
+    return {"time_ms": None if res.time_ms == INF else res.time_ms, "types": list(res.types),
+            "layers": list(res.layers), "counters": list(res.counters), "aborted": res.aborted}
+
+
+def _run_child(body, write_end: int) -> None:
+    """The forked child's life: it ends with the search (Ctrl-C signals the whole process group; the kernel
+    kills it when its parent dies), runs ``body`` and writes what it returns to ``write_end`` as JSON, then
+    exits: status 0 with a result, 1 without (never returns, never runs the parent's exit handlers)."""
     status = 1
     try:
         parent = os.getppid()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _die_with_parent()
-        if os.getppid() != parent:
-            return
-        walk.share(2, 1, -1, buffer)
-        res, ended = _legs(walk, vec, tau, shrink, deadline, resume, buffer, lambda: buffer[1] != 0.0)
-        doc = {"time_ms": None if res.time_ms == INF else res.time_ms, "types": list(res.types),
-               "layers": list(res.layers), "counters": list(res.counters), "ended": ended}
-        data = json.dumps(doc).encode()
-        while data:
-            data = data[os.write(write_end, data):]
-        status = 0
+        if os.getppid() == parent:      # else the parent died before the kernel was asked
+            data = json.dumps(body()).encode()
+            while data:
+                data = data[os.write(write_end, data):]
+            status = 0
     except BaseException:
         pass
     finally:
         os._exit(status)
 
 
-def _collect_race(pid: int, read_end: int, reaped: dict[int, int]):
-    """The race child's ``(result, whether its walk ended)``, or None where it failed."""
+def _read_child(pid: int, read_end: int, reaped: dict[int, int]):
+    """Read a child's pipe to its end, reap it (unless ``reaped`` holds its status) and parse its result:
+    ``(the JSON document, the walk's SplitResult)``, or None where it failed (exit status, data)."""
     chunks = []
     try:
         while True:
@@ -270,45 +319,15 @@ def _collect_race(pid: int, read_end: int, reaped: dict[int, int]):
         return None
     try:
         doc = json.loads(b"".join(chunks))
-        ms = INF if doc["time_ms"] is None else float(doc["time_ms"])
         counters = tuple(int(x) for x in doc["counters"])
         if len(counters) != N_COUNTERS:
             return None
-        res = SplitResult(time_ms=ms, types=tuple(int(x) for x in doc["types"]),
-                          layers=tuple(int(x) for x in doc["layers"]), counters=counters,
-                          aborted=not doc["ended"])
-        return res, bool(doc["ended"])
+        res = SplitResult(time_ms=INF if doc["time_ms"] is None else float(doc["time_ms"]),
+                          types=tuple(int(x) for x in doc["types"]), layers=tuple(int(x) for x in doc["layers"]),
+                          counters=counters, aborted=bool(doc["aborted"]))
+        return doc, res
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def _child(splitter, vec, limit: float, deadline: float, workers: int, index: int, depth: int, tau_buffer,
-           write_end: int) -> None:
-    """A forked child: walk its part of the tree, write the result to ``write_end`` as JSON, exit (never
-    returns; exit status 1 without a result)."""
-    status = 1
-    try:
-        parent = os.getppid()
-        # the child ends with the search: on Ctrl-C (the terminal signals the whole group) and when the
-        # parent dies (killed by torchrun, say)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        _die_with_parent()
-        if os.getppid() != parent:
-            return
-        splitter.share(workers, index, depth, tau_buffer)
-        res = splitter.run(vec, limit, deadline=deadline, resume=True)
-        doc = {"time_ms": None if res.time_ms == INF else res.time_ms, "path": splitter.best_path(),
-               "types": list(res.types), "layers": list(res.layers), "counters": list(res.counters),
-               "aborted": res.aborted}
-        data = json.dumps(doc).encode()
-        while data:
-            data = data[os.write(write_end, data):]
-        status = 0
-    except BaseException:
-        pass
-    finally:
-        os._exit(status)
 
 
 def _stop_child(pid: int, read_end: int, reaped: dict[int, int]) -> None:
@@ -321,42 +340,25 @@ def _stop_child(pid: int, read_end: int, reaped: dict[int, int]) -> None:
             pass
 
 
+_PRCTL: list = []      # libc's prctl, looked up in the parent (a child of a threaded process must not dlopen)
+
+
+def _find_prctl() -> None:
+    """Look up libc's ``prctl`` once, before the first fork (Linux; elsewhere none)."""
+    if _PRCTL:
+        return
+    try:
+        import ctypes
+        _PRCTL.append(ctypes.CDLL(None, use_errno=True).prctl)
+    except (OSError, AttributeError):
+        _PRCTL.append(None)
+
+
 def _die_with_parent() -> None:
     """Linux: this process is killed when its parent dies (``prctl(PR_SET_PDEATHSIG, SIGKILL)``); elsewhere
     nothing (the parent's ``finally`` stops its children)."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)        # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _collect(pid: int, read_end: int):
-    """A child's result (as :func:`shared_run` keeps them), or None where it failed."""
-    chunks = []
-    try:
-        while True:
-            chunk = os.read(read_end, 1 << 16)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(read_end)
-        _pid, status = os.waitpid(pid, 0)
-    if not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
-        return None
-    try:
-        doc = json.loads(b"".join(chunks))
-        ms = INF if doc["time_ms"] is None else float(doc["time_ms"])
-        counters = [int(x) for x in doc["counters"]]
-        if len(counters) != N_COUNTERS:
-            return None
-        path = tuple((int(t), int(l)) for t, l in doc["path"])
-        return (ms, path, tuple(int(x) for x in doc["types"]), tuple(int(x) for x in doc["layers"]),
-                counters, bool(doc["aborted"]))
-    except (ValueError, KeyError, TypeError):
-        return None
+    if _PRCTL and _PRCTL[0] is not None:
+        _PRCTL[0](1, signal.SIGKILL, 0, 0, 0)         # PR_SET_PDEATHSIG
 
 
 __all__ = ["MAX_AUTO_WORKERS", "RACE_LEG", "SHARE_AT", "SHARE_MIN", "auto_workers", "raced_run", "shared_run"]

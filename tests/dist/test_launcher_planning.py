@@ -175,3 +175,49 @@ def test_launcher_plans_as_poseidon_plan(capsys):
     launched = plan_on_rank0(cm, target, keep=None, time_limit_s=300.0)
     assert launched.plan_hash() == offline.plan_hash()
     assert launched.overlap_p2p_comm and launched.schedule == "interleaved-1f1b"
+
+
+def test_search_forks_its_walks_inside_rank_0(tmp_path, monkeypatch):
+    """Rank 0 searches inside a process with torch, a gloo group and busy threads: with two workers (the
+    sharing lowered to the first nodes, the forks counted) its walks fork, and the plan is one process's."""
+    import os
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from poseidon_plugin.search import engine, shared_walk
+
+    monkeypatch.setattr(shared_walk, "SHARE_AT", 2)
+    monkeypatch.setattr(engine, "IMPROVE_AT", 4)
+    monkeypatch.setattr(engine, "LOOKAHEAD_AT", (4, 4))
+    monkeypatch.setattr(engine, "RACE_AT", 4)
+    forks = []
+    real = os.fork
+
+    def fork():
+        forks.append(1)
+        return real()
+    monkeypatch.setattr(os, "fork", fork)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    stop = threading.Event()
+
+    def busy():
+        x = torch.ones(64, 64)
+        while not stop.is_set():
+            x = (x @ x).clamp(max=1.0)
+    thread = threading.Thread(target=busy, daemon=True)
+    thread.start()
+    try:
+        job = read_job("pretrain_gpt.py", ["--num-layers", "24", *JOB_ARGS[2:], "--global-batch-size", "8"])
+        world = _world([("h", "A2-2", 4), ("h", "A2-4", 4), ("h", "A2-3", 4)])
+        cm = CostModel(cluster_from_world(world, link_specs(LINKS), None), model_spec(job, global_batch_size=8, name="m"))
+        target = TargetRuntime(schedules=("1f1b", "interleaved-1f1b"))
+        alone = plan_on_rank0(cm, target, keep=None, time_limit_s=120, workers=1)
+        shared = plan_on_rank0(cm, target, keep=None, time_limit_s=120, workers=2)
+    finally:
+        stop.set()
+        thread.join()
+        dist.destroy_process_group()
+    assert forks
+    assert shared.plan_hash() == alone.plan_hash()

@@ -126,19 +126,27 @@ def test_the_processes_split_the_tree(seed, forks):
     assert totals[depth:] == profile[depth:]
 
 
-def test_a_failed_child_has_its_part_searched_again(forks, monkeypatch):
-    """A child that exits without a result: the parent searches the tree again, alone, and finds the plan."""
-    def fail(*_args):
-        os._exit(1)
-    monkeypatch.setattr(shared_walk, "_child", fail)
+def _fail(*_args):
+    os._exit(1)
+
+
+@pytest.mark.parametrize("raced", [False, True])
+def test_a_failed_child_leaves_the_tree_to_the_parent(raced, forks, monkeypatch):
+    """A child that exits without a result (a shared walk's, a race's): the parent searches the tree again,
+    alone, and finds the walk alone's plan."""
+    monkeypatch.setattr(shared_walk, "_race_child" if raced else "_child", _fail)
     for seed in range(6):
-        table, shape, counts, num_layers, best = _case(seed)
-        alone = _splitter(table, shape, counts, num_layers, True, False).run(counts, INF)
-        got = shared_walk.shared_run(_splitter(table, shape, counts, num_layers, True, False), counts, INF,
-                                     workers=2, shrink=1.0, deadline=INF, resume=False)
-        assert (got.time_ms, got.types, got.layers) == (alone.time_ms, alone.types, alone.layers)
-        assert not got.aborted
-    assert forks
+        table, shape, counts, num_layers = (_one_chunk_case if raced else _case)(seed)[:4]
+        alone = _splitter(table, shape, counts, num_layers, True, raced).run(counts, INF)
+        walk = _splitter(table, shape, counts, num_layers, True, raced)
+        if raced:
+            got, ended = shared_walk.raced_run(walk, _splitter(table, shape, counts, num_layers, True, False), counts,
+                                               INF, shrink=1.0, deadline=INF, resume_lead=False, resume_other=False)
+            assert ended == 0
+        else:
+            got = shared_walk.shared_run(walk, counts, INF, workers=2, shrink=1.0, deadline=INF, resume=False)
+        assert (got.time_ms, got.types, got.layers, got.aborted) == (alone.time_ms, alone.types, alone.layers, False)
+    assert len(forks) == 6 if raced else forks
 
 
 def test_a_child_stopped_early_leaves_the_walk_not_resumable(forks, monkeypatch):
@@ -220,32 +228,3 @@ def test_a_raced_pair_finds_the_plan_of_the_walk_alone(seed, pure_python, forks)
         assert got.time_ms == alone.time_ms
         if sum(p[0] == best for p in plans) == 1 or tau <= best:
             assert (got.types, got.layers) == (alone.types, alone.layers)
-
-
-def test_a_failed_race_child_leaves_the_tree_to_the_lead(forks, monkeypatch):
-    """A race child that exits without a result: the leading walk searches the tree again, alone."""
-    def fail(*_args):
-        os._exit(1)
-    monkeypatch.setattr(shared_walk, "_race_child", fail)
-    for seed in range(6):
-        table, shape, counts, num_layers, plans = _one_chunk_case(seed)
-        alone = _splitter(table, shape, counts, num_layers, True, True).run(counts, INF)
-        got, ended = shared_walk.raced_run(_splitter(table, shape, counts, num_layers, True, True),
-                                           _splitter(table, shape, counts, num_layers, True, False), counts, INF,
-                                           shrink=1.0, deadline=INF, resume_lead=False, resume_other=False)
-        assert (got.time_ms, got.types, got.layers, got.aborted, ended) == (
-            alone.time_ms, alone.types, alone.layers, False, 0)
-    assert len(forks) == 6
-
-
-@pytest.mark.parametrize("workers", [0, -1, True, 1.5, "2"])
-def test_bad_worker_counts_are_refused(workers):
-    with pytest.raises(InputError, match="--workers"):
-        SearchOptions(workers=workers)
-
-
-def test_auto_workers_are_the_cores_this_process_may_use(monkeypatch):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2})
-    assert shared_walk.auto_workers() == 3
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(64)))
-    assert shared_walk.auto_workers() == shared_walk.MAX_AUTO_WORKERS
