@@ -116,22 +116,26 @@ def _recording_search(monkeypatch):
 
 
 def test_time_limit_left_by_one_variant_goes_to_the_next(monkeypatch):
-    """The limit is shared by what is left: the first variant gets half, the second the rest."""
+    """The limit is shared by what is left: the first (narrow) variant gets NARROW_SHARE of it, the second
+    the rest."""
+    from poseidon_plugin.target import NARROW_SHARE
     cm = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"), micro_batch_sizes=(1,))
     limits = _recording_search(monkeypatch)
     clock = _TickClock()
     res = search_plan(cm, TargetRuntime(micro_batch_sizes=(1,)), SearchOptions(time_limit_s=1e6), clock=clock)
     assert len(limits) == 2
-    assert limits[0] == pytest.approx((1e6 - 1) / 2)
+    assert limits[0] == pytest.approx((1e6 - 1) * NARROW_SHARE)
     # the first search completed after a few reads: the second gets all the rest, not a half
     assert limits[0] < limits[1] < 1e6
     assert res.plan.search_stats["complete"] is True
 
 
 def test_narrow_variant_searches_first_and_leaves_its_time_to_the_broad_one(monkeypatch):
-    """Interleaved without overlap (one schedule) runs before the broad search, which then gets all the
-    time left, and the result is the same plan as in the target's order."""
+    """Interleaved without overlap (one schedule) runs before the broad search, with NARROW_SHARE of the
+    limit; the broad one then gets all the time left, and the result is the same plan as in the target's
+    order."""
     import poseidon_plugin.search as search_pkg
+    from poseidon_plugin.target import NARROW_SHARE
     cm = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"), micro_batch_sizes=(1,))
     real, seen = search_pkg.search, []
 
@@ -141,10 +145,47 @@ def test_narrow_variant_searches_first_and_leaves_its_time_to_the_broad_one(monk
     monkeypatch.setattr(search_pkg, "search", recording)
     res = search_plan(cm, TargetRuntime(micro_batch_sizes=(1,)), SearchOptions(time_limit_s=1e6), clock=_TickClock())
     assert [s for s, _ in seen] == [("interleaved-1f1b",), ("1f1b", "interleaved-1f1b")]
-    assert seen[0][1] == pytest.approx((1e6 - 1) / 2) and seen[0][1] < seen[1][1] < 1e6
+    assert seen[0][1] == pytest.approx((1e6 - 1) * NARROW_SHARE) and seen[0][1] < seen[1][1] < 1e6
     monkeypatch.setattr(search_pkg, "search", real)
     each = [search_plan(cm, TargetRuntime(micro_batch_sizes=(1,), p2p_overlap=o)).plan for o in ("on", "off")]
     assert res.plan.predicted_iteration_ms == min(p.predicted_iteration_ms for p in each)
+
+
+def test_a_narrow_variant_the_clock_stopped_searches_again_below_the_broad_plan(monkeypatch):
+    """Under a limit the narrow variant runs first; where the clock stops it (here: it reports itself
+    incomplete, with a low bound), the broad one searches, then the narrow one again, below the broad
+    one's plan, with the time left. Its second bound replaces the first where higher (the plan is then
+    proven), else the first is kept."""
+    import dataclasses
+
+    import poseidon_plugin.search as search_pkg
+    cm = CostModel(load_cluster("paper-setting-1"), load_model("llama3-8b"), micro_batch_sizes=(1,))
+    real = search_pkg.search
+    for stand_ins in ({1: 3.0}, {1: 3.0, 3: 2.0}):        # search number -> the bound it reports, incomplete
+        seen = []
+
+        def recording(cm_, opts, **kw):
+            res = real(cm_, opts, **kw)
+            seen.append((opts.schedules, opts.cutoff_ms, opts.time_limit_s, res.plan.predicted_iteration_ms))
+            bound = stand_ins.get(len(seen))
+            if bound is not None:           # the clock stopped it: incomplete, its bound far below its plan
+                stats = dataclasses.replace(res.stats, complete=False, lower_bound_ms=bound, gap=1.0,
+                                            unproven="the time limit")
+                res = dataclasses.replace(res, stats=stats,
+                                          plan=dataclasses.replace(res.plan, search_stats=stats.to_dict()))
+            return res
+        monkeypatch.setattr(search_pkg, "search", recording)
+        res = search_plan(cm, TargetRuntime(micro_batch_sizes=(1,)), SearchOptions(time_limit_s=1e6),
+                          clock=_TickClock())
+        assert [x[0] for x in seen] == [("interleaved-1f1b",), ("1f1b", "interleaved-1f1b"), ("interleaved-1f1b",)]
+        assert seen[0][1] is None and seen[1][1] == seen[0][3]
+        assert seen[2][1] == min(seen[0][3], seen[1][3])         # below the best plan so far
+        assert seen[0][2] < seen[1][2] and 0 < seen[2][2] < seen[1][2]
+        stats = res.plan.search_stats
+        if len(stand_ins) == 1:
+            assert stats["complete"] is True and stats["gap"] == 0.0
+        else:
+            assert stats["complete"] is False and stats["lower_bound_ms"] == 3.0     # the first, higher bound
 
 
 def test_without_a_limit_later_variants_search_below_the_best_plan_so_far(monkeypatch):
