@@ -180,25 +180,14 @@ def test_launcher_plans_as_poseidon_plan(capsys):
 def test_search_forks_its_walks_inside_rank_0(tmp_path, monkeypatch):
     """Rank 0 searches inside a process with torch, a gloo group and busy threads: with two workers (the
     sharing lowered to the first nodes, the forks counted) its walks fork, and the plan is one process's."""
-    import os
     import threading
 
     import torch
     import torch.distributed as dist
 
-    from poseidon_plugin.search import engine, shared_walk
+    from ..unit.test_search_shared import share_early
 
-    monkeypatch.setattr(shared_walk, "SHARE_AT", 2)
-    monkeypatch.setattr(engine, "IMPROVE_AT", 4)
-    monkeypatch.setattr(engine, "LOOKAHEAD_AT", (4, 4))
-    monkeypatch.setattr(engine, "RACE_AT", 4)
-    forks = []
-    real = os.fork
-
-    def fork():
-        forks.append(1)
-        return real()
-    monkeypatch.setattr(os, "fork", fork)
+    forks = share_early(monkeypatch)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     stop = threading.Event()
 

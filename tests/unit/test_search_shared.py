@@ -31,10 +31,9 @@ from .test_search_bounds import brute_force, random_structure
 INF = math.inf
 
 
-@pytest.fixture
-def forks(monkeypatch):
+def share_early(monkeypatch) -> list:
     """Sharing and racing from the first nodes on (SHARE_AT 2, any depth; exact mode's look-ahead, local
-    search and race after 4 nodes, raced walks in legs of 2), and the forks counted."""
+    search and race after 4 nodes, raced walks in legs of 2); returns the list the forks are counted in."""
     monkeypatch.setattr(shared_walk, "SHARE_AT", 2)
     monkeypatch.setattr(shared_walk, "SHARE_MIN", 1)
     monkeypatch.setattr(engine, "IMPROVE_AT", 4)
@@ -49,6 +48,12 @@ def forks(monkeypatch):
         return real()
     monkeypatch.setattr(os, "fork", fork)
     return count
+
+
+@pytest.fixture
+def forks(monkeypatch):
+    """:func:`share_early`'s fork count."""
+    return share_early(monkeypatch)
 
 
 def _splitter(table, shape, counts, num_layers, pure: bool, backward: bool):
