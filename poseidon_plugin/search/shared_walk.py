@@ -74,20 +74,11 @@ def shared_run(splitter, vec, tau: float, *, workers: int, shrink: float, deadli
     counters = list(first.counters)
     aborted = False
     failed = False
-    _find_prctl()
-    shared = mmap.mmap(-1, 8)           # anonymous, shared with the children across fork
+    shared, tau_buffer = _shared_doubles(INF)      # the least threshold
     children: list[tuple[int, int]] = []
     try:
-        tau_buffer = memoryview(shared).cast("d")
-        tau_buffer[0] = INF
         for index in range(1, workers):
-            read_end, write_end = os.pipe()
-            pid = os.fork()
-            if pid == 0:                 # the child: its part of the tree, its result, and out
-                os.close(read_end)
-                _child(splitter, vec, limit, deadline, workers, index, depth, tau_buffer, write_end)
-            os.close(write_end)
-            children.append((pid, read_end))
+            children.append(_fork(_child, splitter, vec, limit, deadline, workers, index, depth, tau_buffer))
         splitter.share(workers, 0, depth, tau_buffer)
         try:
             mine = splitter.run(vec, limit, deadline=deadline, resume=True)
@@ -110,10 +101,7 @@ def shared_run(splitter, vec, tau: float, *, workers: int, shrink: float, deadli
         for pid, read_end in children:   # the parent stopped before it read them: stop them too
             _stop_child(pid, read_end, {})
         tau_buffer = None
-        try:
-            shared.close()
-        except BufferError:              # a view of it still held somewhere: the collector frees it
-            pass
+        _release(shared)
     if failed:
         # a child's part is not searched: the whole tree again, alone, below the best plan found
         splitter.forget()
@@ -143,21 +131,12 @@ def raced_run(lead, other, vec, tau: float, *, shrink: float, deadline: float, r
     (0: ``lead``, 1: ``other``). The clock stops both: the result is then aborted, ``lead`` may resume
     where it stopped (it searched the whole tree before its path), ``other``'s walk (the child's) is lost.
     A child that fails without a result: ``lead`` searches the tree again alone."""
-    _find_prctl()
-    shared = mmap.mmap(-1, 16)          # [the least threshold, the stop flag], shared across fork
+    shared, buffer = _shared_doubles(INF, 0.0)    # the least threshold, the stop flag
     reaped: dict[int, int] = {}         # the child's exit status, once a look between legs found it gone
     pid = None
     read_end = -1
     try:
-        buffer = memoryview(shared).cast("d")
-        buffer[0] = INF
-        buffer[1] = 0.0
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read_end)
-            _race_child(other, vec, tau, shrink, deadline, resume_other, buffer, write_end)
-        os.close(write_end)
+        pid, read_end = _fork(_race_child, other, vec, tau, shrink, deadline, resume_other, buffer)
         lead.share(2, 0, -1, buffer)
         try:
             mine = _legs(lead, vec, tau, shrink, deadline, resume_lead, buffer, lambda: _exited(pid, reaped))
@@ -166,14 +145,11 @@ def raced_run(lead, other, vec, tau: float, *, shrink: float, deadline: float, r
         buffer[1] = 1.0                 # the child stops at its next leg, if it runs still
         got = _collect_race(pid, read_end, reaped)
         pid = None
-        buffer = None
     finally:
         if pid is not None:             # stopped before it read the child: stop it too
             _stop_child(pid, read_end, reaped)
-        try:
-            shared.close()
-        except BufferError:
-            pass
+        buffer = None
+        _release(shared)
     if got is None:
         # no result from the child, whose plans may have cut this walk: the tree again, alone
         lead.forget()
@@ -328,6 +304,37 @@ def _read_child(pid: int, read_end: int, reaped: dict[int, int]):
         return doc, res
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _shared_doubles(*values: float) -> tuple:
+    """Anonymous memory that forked children share with this process, holding ``values`` as doubles:
+    ``(the mapping, a double view of it)``."""
+    shared = mmap.mmap(-1, 8 * len(values))
+    view = memoryview(shared).cast("d")
+    for i, x in enumerate(values):
+        view[i] = x
+    return shared, view
+
+
+def _release(shared: mmap.mmap) -> None:
+    """Unmap :func:`_shared_doubles`' memory (left to the collector where a view of it is still held)."""
+    try:
+        shared.close()
+    except BufferError:
+        pass
+
+
+def _fork(child, *args) -> tuple[int, int]:
+    """Fork a child that runs ``child(*args, write_end)`` (it never returns: it writes its result to the
+    pipe and exits); ``(its pid, the pipe's read end)``."""
+    _find_prctl()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        child(*args, write_end)
+    os.close(write_end)
+    return pid, read_end
 
 
 def _stop_child(pid: int, read_end: int, reaped: dict[int, int]) -> None:
