@@ -8,15 +8,33 @@ rank freezes, as a hung host would).
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
+from tests.dist.conftest import free_port  # noqa: E402
 from tests.dist.test_launcher import JOB, SCRIPT, emulated_plan, poseidon_run  # noqa: E402
 
 TWO = ["--nproc-per-node", "2", SCRIPT, *JOB, "--poseidon-emulate", "A2-2:1,A2-4:1"]
+FROZEN_TEST = "test_frozen_rank_is_named_while_waiting_and_at_the_timeout"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def frozen_launch(request, tmp_path_factory):
+    """The launch of :func:`test_frozen_rank_is_named_while_waiting_and_at_the_timeout`, started with the
+    module's first test: it spends most of its time idle (rank 1 stopped, rank 0 waiting out the 25 s
+    timeout), so it runs beside the module's other launches instead of after them. It gets a rendezvous port
+    of its own (``--master-port``; the others use torchrun's default). None when that test is not selected."""
+    if not any(item.name == FROZEN_TEST and item.module is request.module for item in request.session.items):
+        yield None
+        return
+    tmp = tmp_path_factory.mktemp("frozen")
+    with ThreadPoolExecutor(1) as pool:  # leaving waits for the launch (bounded by its subprocess timeout)
+        yield pool.submit(poseidon_run, ["--master-port", str(free_port()), *TWO, "--poseidon-timeout", "25"], tmp,
+                          env={"POSEIDON_INJECT_FAULT": "profiling:1:stop"})
 
 
 def _error_lines(out: str) -> dict[str, str]:
@@ -53,20 +71,6 @@ def test_killed_rank_is_named_by_the_others_and_the_launcher(tmp_path):
     assert re.fullmatch(r"(profiling: lost contact with|stopped by the launcher: lost) rank 1 \(pid \d+ on \S+\): "
                         r"its process is gone(, during Poseidon's start-up)?", errors["0"]), errors["0"]
     assert re.search(r"^poseidon-run: rank 1 \(pid \d+ on \S+\) was killed by SIGKILL first", out, re.M), out[-2000:]
-
-
-def test_frozen_rank_is_named_while_waiting_and_at_the_timeout(tmp_path):
-    code, out = poseidon_run([*TWO, "--poseidon-timeout", "25"], tmp_path,
-                             env={"POSEIDON_INJECT_FAULT": "profiling:1:stop"})
-    assert code != 0
-    assert re.search(r"^poseidon\[rank 0\]: profiling is waiting for rank 1 \(pid \d+ on \S+\): silent for \d+ s "
-                     r"\(stopped, hung or dead\); it fails when the timeout \(--poseidon-timeout\) runs out$",
-                     out, re.M), out[-4000:]
-    errors = _error_lines(out)
-    assert re.fullmatch(r"profiling: lost contact with rank 1 \(pid \d+ on \S+\): silent for \d+ s "
-                        r"\(stopped, hung or dead\)", errors.get("0", "")), out[-4000:]
-    # the stopped rank is killed at once, not after torchrun's 30 s wait on its SIGTERM
-    assert "Unable to shutdown process" not in out, out[-4000:]
 
 
 def test_an_unexpected_error_names_where_it_was_raised():
@@ -110,3 +114,17 @@ def test_a_failure_on_the_rank_hosting_the_store_reaches_every_rank(tmp_path, ph
     for message in errors.values():
         assert message.startswith(f"{phase} failed on rank 0: RuntimeError: injected fault in {phase}"), message
     assert "no rank recorded a failure" not in out and "frame #0" not in out, out[-4000:]
+
+
+# last: its launch (fixture frozen_launch) has then had the other launches' time to reach its timeout
+def test_frozen_rank_is_named_while_waiting_and_at_the_timeout(frozen_launch):
+    code, out = frozen_launch.result()
+    assert code != 0
+    assert re.search(r"^poseidon\[rank 0\]: profiling is waiting for rank 1 \(pid \d+ on \S+\): silent for \d+ s "
+                     r"\(stopped, hung or dead\); it fails when the timeout \(--poseidon-timeout\) runs out$",
+                     out, re.M), out[-4000:]
+    errors = _error_lines(out)
+    assert re.fullmatch(r"profiling: lost contact with rank 1 \(pid \d+ on \S+\): silent for \d+ s "
+                        r"\(stopped, hung or dead\)", errors.get("0", "")), out[-4000:]
+    # the stopped rank is killed at once, not after torchrun's 30 s wait on its SIGTERM
+    assert "Unable to shutdown process" not in out, out[-4000:]
