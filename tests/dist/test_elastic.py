@@ -40,6 +40,10 @@ OWN = ["A2-4:1", "A2-2:1"]
 # (torchrun's c10d rendezvous): a survivor's next round, an agent that starts alone on purpose (a round
 # with --nnodes' maximum completes at once)
 LAST_CALL = "last_call_timeout=5"
+# an agent that leaves (killed as a node that dies) stays in the rendezvous until its heartbeat is missed
+# keep_alive_max_attempt times, keep_alive_interval seconds apart (torchrun's defaults 5 s x 3: 15 s of every
+# survivor's restart); 1 s x 5 finds it gone within 5 s and still lets a live agent's heartbeat be late for 4 s
+KEEP_ALIVE = "keep_alive_interval=1,keep_alive_max_attempt=5"
 # a global batch of 64: enough micro-batches that plans on both devices compete with one on the faster one
 # (which wins depends on the probed links; the tests hold either way)
 TRAIN = [*_with(JOB, train_iters="6", global_batch_size="64"), "--poseidon-timeout", "90"]
@@ -110,7 +114,7 @@ def launch_joined(tmp_path, agents_args: list[list[str]], rdzv_id: str, torchrun
         for i, args in enumerate(agents_args):
             agents.append(Agent(tmp_path, i, f"127.0.0.1:{port}", args, own=owns[i],
                                 torchrun=["--rdzv-id", rdzv_id, *torchrun,
-                                          "--rdzv-conf", f"is_host={str(i == 0).lower()},{LAST_CALL}"], **kwargs))
+                                          "--rdzv-conf", f"is_host={str(i == 0).lower()},{LAST_CALL},{KEEP_ALIVE}"], **kwargs))
     except BaseException:
         for agent in agents:
             agent.kill()
