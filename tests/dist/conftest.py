@@ -16,6 +16,7 @@ hangs past ``timeout_s`` gets the whole pool killed (the next ``gloo_pool(n)`` s
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -23,6 +24,7 @@ import queue
 import socket
 import traceback
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -173,3 +175,22 @@ def run_gloo(target: Callable[..., Any], world_size: int, *args: Any, timeout_s:
         return pool.run(target, *args, timeout_s=timeout_s)
     finally:
         pool.close()
+
+
+def selected(request: pytest.FixtureRequest, name: str) -> bool:
+    """Whether this session runs test ``name`` (any of its parametrizations) of the requesting module."""
+    return any(getattr(item, "originalname", item.name) == name and item.module is request.module
+               for item in request.session.items)
+
+
+@contextlib.contextmanager
+def in_background(calls: dict[Any, Callable[[], Any]]) -> Iterator[dict[Any, Future]]:
+    """Start every call at once, each in a thread of its own; yield their futures by key; leave once all of
+    them have ended (each launch is bounded by its subprocess timeout).
+
+    For launches that spend most of their time idle (waiting out a timeout, sleeping to emulated deadlines):
+    a module-scoped fixture starts them with the module's first test and the tests read their results, so
+    they run beside each other and the module's other tests instead of one after another. Single-node
+    launches running at once each need a rendezvous port of their own (``--master-port``, :func:`free_port`)."""
+    with ThreadPoolExecutor(max(1, len(calls))) as pool:
+        yield {key: pool.submit(call) for key, call in calls.items()}

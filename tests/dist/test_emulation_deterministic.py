@@ -335,6 +335,7 @@ from poseidon_plugin.emulation import harness as emulation  # noqa: E402
 from poseidon_plugin.runtime.job_flags import read_job  # noqa: E402
 from poseidon_plugin.runtime.job_spec import job_name, model_spec  # noqa: E402
 from poseidon_plugin.specs import ProfileEntry, ProfileSpec  # noqa: E402
+from tests.dist.conftest import free_port, in_background, selected  # noqa: E402
 from tests.dist.test_launcher import JOB, SCRIPT, poseidon_run  # noqa: E402
 
 EMULATE = "A2-2:1,A2-4:1"
@@ -359,12 +360,43 @@ def _plan_file(path, stage_types, layers) -> tuple[str, float]:
     return str(path), plan.predicted_iteration_ms
 
 
-@pytest.mark.parametrize("stage_types, layers", [(("A2-2", "A2-4"), (5, 3)), (("A2-4", "A2-2"), (3, 5))])
-def test_saved_plan_runs_as_planned_near_its_prediction(tmp_path, stage_types, layers):
-    plan, predicted = _plan_file(tmp_path / "plan.json", stage_types, layers)
-    code, out = poseidon_run(["--nproc-per-node", "2", SCRIPT, *E2E_JOB, "--poseidon-emulate", EMULATE,
-                              "--poseidon-emulate-model", MODEL, "--poseidon-plan", plan,
-                              "--poseidon-watch-iterations", str(ITERS)], tmp_path)
+SAVED_PLANS = [(("A2-2", "A2-4"), (5, 3)), (("A2-4", "A2-2"), (3, 5))]
+SAVED_PLAN_TEST = "test_saved_plan_runs_as_planned_near_its_prediction"
+PROFILED_TEST = "test_profiled_plan_predicts_the_watched_iteration"
+
+
+def _emulated_launch(tmp_path, *extra: str) -> tuple[int, str]:
+    """A launch of the end-to-end job on the deterministic emulation (its own rendezvous port: they run at once)."""
+    return poseidon_run(["--nproc-per-node", "2", "--master-port", str(free_port()), SCRIPT, *E2E_JOB,
+                         "--poseidon-emulate", EMULATE, "--poseidon-emulate-model", MODEL, *extra,
+                         "--poseidon-watch-iterations", str(ITERS)], tmp_path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def emulated_launches(request, tmp_path_factory):
+    """The end-to-end launches below, started together with the module's first test: they spend most of their
+    time sleeping to emulated deadlines (an emulated deadline is never met early, so what they check does not
+    depend on the load of the others). Keyed by the saved plan's ``(stage_types, layers)``, or ``"profiled"``:
+    ``(exit code, output, predicted ms of the saved plan / the profile cache folder)``."""
+    calls = {}
+    if selected(request, SAVED_PLAN_TEST):
+        for stage_types, layers in SAVED_PLANS:
+            tmp = tmp_path_factory.mktemp("saved-plan")
+            plan, predicted = _plan_file(tmp / "plan.json", stage_types, layers)
+            calls[stage_types, layers] = (lambda tmp=tmp, plan=plan, predicted=predicted:
+                                          (*_emulated_launch(tmp, "--poseidon-plan", plan), predicted))
+    if selected(request, PROFILED_TEST):
+        tmp = tmp_path_factory.mktemp("profiled")
+        cache = str(tmp / "profiles")
+        calls["profiled"] = lambda: (*_emulated_launch(tmp, "--poseidon-profile-cache", cache,
+                                                       "--poseidon-micro-batch-sizes", "1"), cache)
+    with in_background(calls) as launches:
+        yield launches
+
+
+@pytest.mark.parametrize("stage_types, layers", SAVED_PLANS)
+def test_saved_plan_runs_as_planned_near_its_prediction(emulated_launches, stage_types, layers):
+    code, out, predicted = emulated_launches[stage_types, layers].result()
     assert code == 0, out[-3000:]
     assert "deterministic emulation of llama3-8b" in out
     assert len(re.findall(r"built layers \S+ as planned", out)) == 2, out[-3000:]
@@ -376,7 +408,7 @@ def test_saved_plan_runs_as_planned_near_its_prediction(tmp_path, stage_types, l
     assert measured >= 0.8 * predicted, out[-3000:]  # held deadlines: load can only lengthen an iteration
 
 
-def test_profiled_plan_predicts_the_watched_iteration(tmp_path):
+def test_profiled_plan_predicts_the_watched_iteration(emulated_launches):
     """The whole flow on the deterministic emulation: the profile measures the framework around the layer
     (per-step cost, p2p call, optimizer step), the plan's prediction includes it, and the watch times the same
     span (step start to next step start). How close: scripts/bench_e2e.py."""
@@ -384,11 +416,7 @@ def test_profiled_plan_predicts_the_watched_iteration(tmp_path):
 
     from poseidon_plugin.specs import load_profile
 
-    cache = str(tmp_path / "profiles")
-    code, out = poseidon_run(["--nproc-per-node", "2", SCRIPT, *E2E_JOB, "--poseidon-emulate", EMULATE,
-                              "--poseidon-emulate-model", MODEL, "--poseidon-profile-cache", cache,
-                              "--poseidon-micro-batch-sizes", "1", "--poseidon-watch-iterations", str(ITERS)],
-                             tmp_path)
+    code, out, cache = emulated_launches["profiled"].result()
     assert code == 0, out[-3000:]
     entries = [e for path in glob.glob(f"{cache}/*-tp*-mbs*-*.json") for e in load_profile(path).entries]
     assert entries and all(e.step_forward_ms > 0 and e.step_backward_ms > 0 and e.p2p_call_ms > 0

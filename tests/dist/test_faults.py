@@ -8,14 +8,13 @@ rank freezes, as a hung host would).
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from tests.dist.conftest import free_port  # noqa: E402
+from tests.dist.conftest import free_port, in_background, selected  # noqa: E402
 from tests.dist.test_launcher import JOB, SCRIPT, emulated_plan, poseidon_run  # noqa: E402
 
 TWO = ["--nproc-per-node", "2", SCRIPT, *JOB, "--poseidon-emulate", "A2-2:1,A2-4:1"]
@@ -28,13 +27,14 @@ def frozen_launch(request, tmp_path_factory):
     module's first test: it spends most of its time idle (rank 1 stopped, rank 0 waiting out the 25 s
     timeout), so it runs beside the module's other launches instead of after them. It gets a rendezvous port
     of its own (``--master-port``; the others use torchrun's default). None when that test is not selected."""
-    if not any(item.name == FROZEN_TEST and item.module is request.module for item in request.session.items):
+    if not selected(request, FROZEN_TEST):
         yield None
         return
     tmp = tmp_path_factory.mktemp("frozen")
-    with ThreadPoolExecutor(1) as pool:  # leaving waits for the launch (bounded by its subprocess timeout)
-        yield pool.submit(poseidon_run, ["--master-port", str(free_port()), *TWO, "--poseidon-timeout", "25"], tmp,
-                          env={"POSEIDON_INJECT_FAULT": "profiling:1:stop"})
+    args = ["--master-port", str(free_port()), *TWO, "--poseidon-timeout", "25"]
+    with in_background({FROZEN_TEST: lambda: poseidon_run(args, tmp, env={"POSEIDON_INJECT_FAULT": "profiling:1:stop"})}
+                       ) as launches:
+        yield launches[FROZEN_TEST]
 
 
 def _error_lines(out: str) -> dict[str, str]:
