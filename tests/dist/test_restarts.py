@@ -18,11 +18,12 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from tests.dist.conftest import REFERENCE_HOST, free_port  # noqa: E402
+from tests.dist.conftest import REFERENCE_HOST, free_port, in_background, selected  # noqa: E402
 from tests.dist.test_launcher import JOB, REPO, SCRIPT, emulated_plan, losses  # noqa: E402
 
 AGENTS_TIMEOUT_S = 300
 EMULATE = ["--poseidon-emulate", "A2-2:1,A2-4:1", "--poseidon-timeout", "90"]
+SHARED_STAMPS_TEST = "test_ranks_of_two_agents_share_the_emulated_links_posting_times"
 
 
 def two_agents(tmp_path, rendezvous: list[str], script_args: list[list[str]], env: dict[str, str] | None = None,
@@ -64,6 +65,29 @@ def c10d() -> list[str]:
     return ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
 
 
+def _shared_stamps_launch(tmp_path) -> list[tuple[int, str]]:
+    from tests.dist.test_emulation_deterministic import E2E_JOB, EMULATE as FULL, MODEL, _plan_file
+
+    plan, _ = _plan_file(tmp_path / "plan.json", ("A2-2", "A2-4"), (5, 3))
+    job = [*E2E_JOB, "--poseidon-emulate", FULL, "--poseidon-emulate-model", MODEL, "--poseidon-plan", plan,
+           "--poseidon-timeout", "90"]
+    return two_agents(tmp_path, c10d(), [job, job])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def background_launches(request, tmp_path_factory):
+    """The launch of the shared-stamps test, started with the module's first test and run beside the module's
+    next launches (on a rendezvous port of its own): it sleeps to emulated deadlines most of its time, checks
+    no timing, and reads both agents' output together (whichever joined first). Its test waits for it before
+    the launches whose agents must join in the order they start and the exit-barrier tests (which time
+    torchrun's barrier): those run alone, as before."""
+    calls = {}
+    if selected(request, SHARED_STAMPS_TEST):
+        calls[SHARED_STAMPS_TEST] = lambda tmp=tmp_path_factory.mktemp("stamps"): _shared_stamps_launch(tmp)
+    with in_background(calls) as launches:
+        yield launches
+
+
 def test_worker_killed_restarts_replans_from_the_cache_and_trains(tmp_path):
     """Defect 1: a restart on c10d used to fail in init_process_group (connectFullMesh ... Connection refused)."""
     job = [*JOB, *EMULATE]
@@ -97,6 +121,20 @@ def test_static_rendezvous_restart_does_not_wait_for_attempt_0(tmp_path):
     assert (c0, c1) == (0, 0), both[-6000:]
     assert "its process is gone" not in both.split("restart")[-1], both[-6000:]
     assert len(losses(both)) == 3, both[-6000:]
+
+
+# here, before the launches whose agents must join in the order they start (their ranks are named) and the
+# exit-barrier tests: the launch it waits for (fixture background_launches) ran beside the two above
+def test_ranks_of_two_agents_share_the_emulated_links_posting_times(background_launches):
+    """Defect 7: each agent's launcher made its own stamp file and ranks of two agents (GROUP_WORLD_SIZE 2)
+    shared none: the links fell back to the one-sided timing (+17.6 % watch error against +6-9 % with one
+    agent). Now planned rank 0's file is every planned rank's."""
+    (c0, out0), (c1, out1) = background_launches[SHARED_STAMPS_TEST].result()
+    both = out0 + out1
+    assert (c0, c1) == (0, 0), both[-6000:]
+    assert re.search(r"^poseidon: emulation: p2p posting times shared by the 2 planned ranks through one file$",
+                     both, re.M), both[-6000:]
+    assert len(losses(both)) == len(re.findall(r"^iteration ", both, re.M)) > 0, both[-6000:]
 
 
 def test_agents_told_different_options_stop_with_the_agent_and_field(tmp_path):
@@ -137,23 +175,6 @@ def test_a_node_is_one_agent_on_one_host(monkeypatch):
     world = inventory.gather_world(infos[0], None)
     assert world.nodes == ((0, 1), (2, 3))
     assert inventory.probe_pairs(world) == {"intra_node": (0, 1), "inter_node": (0, 2)}
-
-
-def test_ranks_of_two_agents_share_the_emulated_links_posting_times(tmp_path):
-    """Defect 7: each agent's launcher made its own stamp file and ranks of two agents (GROUP_WORLD_SIZE 2)
-    shared none: the links fell back to the one-sided timing (+17.6 % watch error against +6-9 % with one
-    agent). Now planned rank 0's file is every planned rank's."""
-    from tests.dist.test_emulation_deterministic import E2E_JOB, EMULATE as FULL, MODEL, _plan_file
-
-    plan, _ = _plan_file(tmp_path / "plan.json", ("A2-2", "A2-4"), (5, 3))
-    job = [*E2E_JOB, "--poseidon-emulate", FULL, "--poseidon-emulate-model", MODEL, "--poseidon-plan", plan,
-           "--poseidon-timeout", "90"]
-    (c0, out0), (c1, out1) = two_agents(tmp_path, c10d(), [job, job])
-    both = out0 + out1
-    assert (c0, c1) == (0, 0), both[-6000:]
-    assert re.search(r"^poseidon: emulation: p2p posting times shared by the 2 planned ranks through one file$",
-                     both, re.M), both[-6000:]
-    assert len(losses(both)) == len(re.findall(r"^iteration ", both, re.M)) > 0, both[-6000:]
 
 
 EXIT_BARRIER_S = 5
