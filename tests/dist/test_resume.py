@@ -19,9 +19,11 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
+from tests.dist.conftest import free_port, in_background, selected  # noqa: E402
 from tests.dist.test_launcher import JOB, SCRIPT, emulated_plan, poseidon_run  # noqa: E402
 
 LOSS_TOLERANCE = 2e-4
+PADDING_TEST = "test_a_resume_whose_tp_pads_the_vocabulary_otherwise_warns_and_the_flag_avoids_it"
 
 
 def _with(args: list[str], **values: str) -> list[str]:
@@ -64,22 +66,46 @@ def test_a_checkpoint_resumes_under_another_plan_on_another_fleet(tmp_path):
         assert abs(loss - uninterrupted[iteration]) <= LOSS_TOLERANCE, (iteration, loss, uninterrupted)
 
 
-def test_a_resume_whose_tp_pads_the_vocabulary_otherwise_warns_and_the_flag_avoids_it(tmp_path):
+def _padding_launches(tmp_path) -> tuple[str, tuple[int, str], tuple[int, str], tuple[int, str]]:
+    """The padding test's three launches, one after another (each on a rendezvous port of its own: they run
+    beside the other test's): ``(checkpoint folder, TP 1 save, TP 2 resume, TP 2 resume with the flag)``."""
+    job = _with(JOB, train_iters="3")
+    ck = str(tmp_path / "ck")
+    one = emulated_plan(tmp_path / "tp1.json", [("A2-4", 1)], stage_types=["A2-4"], layers=[8], job_args=job)
+    two = emulated_plan(tmp_path / "tp2.json", [("A2-4", 2)], stage_types=["A2-4"], layers=[8], tp=2, job_args=job)
+    resume = [SCRIPT, *job, "--load", ck, "--ckpt-step", "2", "--poseidon-emulate", "A2-4:2", "--poseidon-plan", two]
+
+    def launch(nproc: int, args: list[str]) -> tuple[int, str]:
+        return poseidon_run(["--nproc-per-node", str(nproc), "--master-port", str(free_port()), *args], tmp_path)
+
+    saved = launch(1, [SCRIPT, *job, "--save", ck, "--save-interval", "2", "--poseidon-emulate", "A2-4:1",
+                       "--poseidon-plan", one])
+    if saved[0] != 0:
+        return ck, saved, (-1, ""), (-1, "")
+    warned = launch(2, resume)
+    return ck, saved, warned, launch(2, [*resume, "--make-vocab-size-divisible-by", "64"])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def padding_launches(request, tmp_path_factory):
+    """The padding test's launches, started with the module's first test: they run beside the other test's
+    launches (their losses do not depend on the load; neither test checks a timing)."""
+    calls = {}
+    if selected(request, PADDING_TEST):
+        calls[PADDING_TEST] = lambda tmp=tmp_path_factory.mktemp("padding"): _padding_launches(tmp)
+    with in_background(calls) as launches:
+        yield launches
+
+
+def test_a_resume_whose_tp_pads_the_vocabulary_otherwise_warns_and_the_flag_avoids_it(padding_launches):
     """--vocab-size 128 holds 128 rows at TP 1 and 256 at TP 2 (Megatron-LM pads to a multiple of
     --make-vocab-size-divisible-by 128 x TP): resumed under TP 2, rank 0 warns once, naming both sizes and the
     flag's value that pads TP 2 to the checkpoint's rows; with that value given there is no warning and the
     loss continues as the uninterrupted run's."""
-    job = _with(JOB, train_iters="3")
-    ck = str(tmp_path / "ck")
-    one = emulated_plan(tmp_path / "tp1.json", [("A2-4", 1)], stage_types=["A2-4"], layers=[8], job_args=job)
-    code, out = poseidon_run(["--nproc-per-node", "1", SCRIPT, *job, "--save", ck, "--save-interval", "2",
-                              "--poseidon-emulate", "A2-4:1", "--poseidon-plan", one], tmp_path)
+    ck, (code, out), warned, flagged = padding_launches[PADDING_TEST].result()
     assert code == 0, out[-4000:]
     uninterrupted = iteration_losses(out)
-    two = emulated_plan(tmp_path / "tp2.json", [("A2-4", 2)], stage_types=["A2-4"], layers=[8], tp=2, job_args=job)
-    resume = ["--nproc-per-node", "2", SCRIPT, *job, "--load", ck, "--ckpt-step", "2",
-              "--poseidon-emulate", "A2-4:2", "--poseidon-plan", two]
-    code, out = poseidon_run(resume, tmp_path)
+    code, out = warned
     assert code == 0, out[-4000:]
     warnings = re.findall(r"^poseidon: warning: --load .*$", out, re.M)
     assert warnings == [f"poseidon: warning: --load {ck}: the checkpoint's embedding has 128 vocabulary rows but this "
@@ -87,7 +113,7 @@ def test_a_resume_whose_tp_pads_the_vocabulary_otherwise_warns_and_the_flag_avoi
                         f"TP 2): rows 129-256 are not in the checkpoint: they start from their initialization and "
                         f"join the softmax, so the loss resumes above the uninterrupted run's; "
                         f"--make-vocab-size-divisible-by 64 pads TP 2 to the checkpoint's 128 rows"], out[-4000:]
-    code, out = poseidon_run([*resume, "--make-vocab-size-divisible-by", "64"], tmp_path)
+    code, out = flagged
     assert code == 0, out[-4000:]
     assert "poseidon: warning: --load" not in out, out[-4000:]
     resumed = iteration_losses(out)
