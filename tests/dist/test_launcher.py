@@ -25,7 +25,7 @@ from poseidon_plugin.runtime.placement import planned_layers  # noqa: E402
 from poseidon_plugin.runtime.job_spec import model_spec  # noqa: E402
 from poseidon_plugin.runtime.watch import ranges  # noqa: E402
 from poseidon_plugin.specs import load_profile, parse_cluster  # noqa: E402
-from tests.dist.conftest import REFERENCE_HOST  # noqa: E402
+from tests.dist.conftest import REFERENCE_HOST, free_port, in_background, selected  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = "scripts/pretrain_gpt.py"
@@ -33,6 +33,7 @@ JOB = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "2",
        "--vocab-size", "128", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "3",
        "--hidden-dropout", "0", "--attention-dropout", "0"]
 LAUNCH_TIMEOUT_S = 240
+CACHE_TEST = "test_search_trains_then_second_launch_reuses_cache"
 
 
 def poseidon_run(args: list[str], tmp_path, env: dict[str, str] | None = None) -> tuple[int, str]:
@@ -161,12 +162,36 @@ def test_emulated_training_applies_saved_plan(tmp_path):
                      r"torchrun run pays them too\)$", out, re.M), out[-3000:]
 
 
-def test_search_trains_then_second_launch_reuses_cache(tmp_path):
-    """The real flow: probe, profile, search on rank 0, apply, train; every rank does what the plan says."""
+def _cache_launches(tmp_path) -> tuple[str, str, tuple[int, str], tuple[int, str]]:
+    """The cache test's two launches, one after another, each on a rendezvous port of its own (they run beside
+    the module's other launches): ``(profile cache, saved plan, searched launch, dry run reusing the cache)``."""
     cache, saved = str(tmp_path / "profiles"), str(tmp_path / "plan.json")
-    args = ["--nproc-per-node", "4", SCRIPT, *JOB, "--poseidon-emulate", "A2-2:2,A2-4:2",
-            "--poseidon-profile-cache", cache, "--poseidon-micro-batch-sizes", "1,2"]
-    code, out = poseidon_run([*args, "--poseidon-save-plan", saved], tmp_path)
+    first = poseidon_run(["--nproc-per-node", "4", "--master-port", str(free_port()), SCRIPT, *JOB,
+                          "--poseidon-emulate", "A2-2:2,A2-4:2", "--poseidon-profile-cache", cache,
+                          "--poseidon-micro-batch-sizes", "1,2", "--poseidon-save-plan", saved], tmp_path)
+    if first[0] != 0:
+        return cache, saved, first, (-1, "")
+    # Same layer on the same device types: a smaller launch finds all its (TP 1) entries in the cache.
+    again = poseidon_run(["--nproc-per-node", "2", "--master-port", str(free_port()), SCRIPT, *JOB,
+                          "--poseidon-emulate", "A2-2:1,A2-4:1", "--poseidon-profile-cache", cache,
+                          "--poseidon-micro-batch-sizes", "1,2", "--poseidon-dry-run"], tmp_path)
+    return cache, saved, first, again
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache_launches(request, tmp_path_factory):
+    """The cache test's launches, started with the module's first test: they run beside the module's other
+    launches (what the test checks is read from their output and files, no timing)."""
+    calls = {}
+    if selected(request, CACHE_TEST):
+        calls[CACHE_TEST] = lambda tmp=tmp_path_factory.mktemp("cache"): _cache_launches(tmp)
+    with in_background(calls) as launches:
+        yield launches
+
+
+def test_search_trains_then_second_launch_reuses_cache(cache_launches):
+    """The real flow: probe, profile, search on rank 0, apply, train; every rank does what the plan says."""
+    cache, saved, (code, out), (again_code, again) = cache_launches[CACHE_TEST].result()
     assert code == 0, out[-6000:]
     found = losses(out)
     assert len(found) == 3 and all(math.isfinite(x) for x in found), out[-3000:]
@@ -191,11 +216,8 @@ def test_search_trains_then_second_launch_reuses_cache(tmp_path):
     assert re.search(r"poseidon: iteration 1: measured [\d.]+ ms, predicted [\d.]+ ms", out)
     assert re.search(r"poseidon: overhead: .*probing [\d.]+ s \| profiling [\d.]+ s .*\| search [\d.]+ s", out)
 
-    # Same layer on the same device types: a smaller launch finds all its (TP 1) entries in the cache.
-    code, again = poseidon_run(["--nproc-per-node", "2", SCRIPT, *JOB, "--poseidon-emulate", "A2-2:1,A2-4:1",
-                                "--poseidon-profile-cache", cache, "--poseidon-micro-batch-sizes", "1,2",
-                                "--poseidon-dry-run"], tmp_path)
-    assert code == 0, again[-6000:]
+    # Same layer on the same device types: a smaller launch found all its (TP 1) entries in the cache.
+    assert again_code == 0, again[-6000:]
     assert "profile: cache: reused 4 of 4 configurations" in again
     assert "dry run: stopping before training" in again and "poseidon: command: scripts/pretrain_gpt.py" in again
     assert losses(again) == []
