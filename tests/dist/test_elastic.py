@@ -25,7 +25,7 @@ pytest.importorskip("megatron.core")
 from poseidon_plugin.emulation.harness import HOST_FACTOR_ENV, slowdown_factors  # noqa: E402
 from poseidon_plugin.runtime.options import RuntimeOptions  # noqa: E402
 from poseidon_plugin.runtime.precheck import declared_cluster  # noqa: E402
-from tests.dist.conftest import REFERENCE_HOST, free_port  # noqa: E402
+from tests.dist.conftest import REFERENCE_HOST, free_port, in_background, selected  # noqa: E402
 from tests.dist.test_launcher import JOB, REPO, SCRIPT  # noqa: E402
 from tests.dist.test_resume import LOSS_TOLERANCE, _with, iteration_losses  # noqa: E402
 
@@ -169,6 +169,91 @@ def test_agents_declaring_their_own_devices_plan_for_the_union(reference):
     assert sorted(iteration_losses(both)) == [1, 2, 3, 4, 5, 6], both[-6000:]
 
 
+# --- the deterministic emulation with each agent's own devices ----------------------------------------
+
+MODEL = "llama3-8b"
+EMULATED = [*JOB, "--poseidon-emulate-model", MODEL, "--poseidon-micro-batch-sizes", "1", "--poseidon-timeout", "90"]
+
+
+def _emulation_scale(emulate: str, world_size: int, host_factor: float = 1.0) -> float:
+    """The automatic SCALE of the whole job's deterministic emulation (every rank must build this one) on a host
+    ``host_factor`` times slower than the reference."""
+    from poseidon_plugin.emulation.harness import deterministic_state
+    from poseidon_plugin.runtime.job_flags import effective_global_batch, read_job
+    from poseidon_plugin.runtime.job_spec import job_name, model_spec
+
+    flags = read_job(SCRIPT, JOB)
+    gbs = effective_global_batch(flags, world_size)
+    return deterministic_state(emulate=emulate, emulate_model=MODEL, rank=0, world_size=world_size,
+                               num_layers=flags.num_layers, global_batch=gbs, micro_batch_size=flags.micro_batch_size,
+                               job_model=model_spec(flags, global_batch_size=gbs, name=job_name(SCRIPT, flags)),
+                               host_factor=host_factor).scale
+
+
+def _emulation_lines(output: str) -> dict[int, tuple[str, str]]:
+    return {int(rank): (device, scale) for rank, device, scale in re.findall(
+        r"^poseidon\[rank (\d)\]: (A2-\d) \(emulated\) on \S+, local rank 0, deterministic emulation of "
+        rf"{MODEL} x(\S+) ", output, re.M)}
+
+
+SLOW_HOST = HOST_FACTOR_ENV
+
+
+DETERMINISTIC_TEST = "test_agents_declaring_their_own_devices_emulate_the_whole_job_deterministically"
+HOSTS_TEST = "test_agents_on_hosts_of_different_speed_agree_on_the_slowest"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def emulated_launches(request, tmp_path_factory):
+    """The launches of the two tests below, started with the module's first test: they run beside the
+    reference launch (fixture ``reference``), each with a profile cache of its own. Both start their agents
+    one after the other (:func:`launch`: agent 1 once agent 0 listens, so they join in that order), sleep to
+    emulated deadlines, and take each host's speed from the environment, not from a timing. The tests that
+    read them come before the agents that must join within one round's last call (:func:`launch_joined`)."""
+    whole = ",".join(OWN)
+    calls = {}
+    if selected(request, DETERMINISTIC_TEST):
+        tmp = tmp_path_factory.mktemp("emulated") / "agents"  # its own XDG cache: tmp.parent / "xdg"
+        tmp.mkdir()
+        calls[DETERMINISTIC_TEST] = lambda: finish_all(launch(
+            tmp, [EMULATED, EMULATED], nnodes="2", torchrun=["--rdzv-id", "emulated"], envs=[{}, {SLOW_HOST: "2"}]))
+    if selected(request, HOSTS_TEST):
+        hosts = tmp_path_factory.mktemp("emulated-hosts") / "agents"
+        hosts.mkdir()
+        calls[HOSTS_TEST] = lambda: finish_all(launch(
+            hosts, [[*EMULATED, "--poseidon-dry-run"]] * 2, owns=[whole, whole], nnodes="2",
+            torchrun=["--rdzv-id", "emulated-hosts"], envs=[{SLOW_HOST: "2"}, {}]))
+    with in_background(calls) as launches:
+        yield launches
+
+
+def test_agents_declaring_their_own_devices_emulate_the_whole_job_deterministically(emulated_launches):
+    """--poseidon-emulate-model with --poseidon-emulate given per agent failed before any process started (it
+    needed the whole job's devices before the ranks met): each agent's list is now gathered at inventory and
+    every rank builds the emulation of the union (one SCALE, one cluster), then the job plans and trains.
+    Agent 1's host runs 2x slower than agent 0's (poseidon-run's timing, pinned here): both emulate with it."""
+    results = emulated_launches[DETERMINISTIC_TEST].result()
+    both = results[0][1] + results[1][1]
+    assert [code for code, _ in results] == [0, 0], both[-6000:]
+    scale = f"{_emulation_scale(','.join(OWN), 2, host_factor=2.0):.4g}"
+    assert scale != f"{_emulation_scale(','.join(OWN), 2):.4g}"  # the slower host's, not agent 0's
+    assert _emulation_lines(both) == {0: ("A2-4", scale), 1: ("A2-2", scale)}, both[-6000:]
+    assert len(re.findall(r"^poseidon: Poseidon plan:", both, re.M)) == 1, both[-6000:]  # one plan, rank 0's
+    assert len(iteration_losses(both)) == 3, both[-6000:]
+
+
+def test_agents_on_hosts_of_different_speed_agree_on_the_slowest(emulated_launches):
+    """Every agent declares the whole job's devices; each built its emulation from its own host's factor at
+    start-up, and at inventory the ranks of the faster host rebuild theirs with the slower host's (one SCALE)."""
+    whole = ",".join(OWN)
+    results = emulated_launches[HOSTS_TEST].result()
+    both = results[0][1] + results[1][1]
+    assert [code for code, _ in results] == [0, 0], both[-6000:]
+    scale = f"{_emulation_scale(whole, 2, host_factor=2.0):.4g}"
+    assert _emulation_lines(both) == {0: ("A2-4", scale), 1: ("A2-2", scale)}, both[-6000:]
+    assert re.search(r"^poseidon: emulation: this host runs the ranks' CPU work 2x slower", both, re.M), both[-6000:]
+
+
 def test_an_agent_leaves_and_the_survivor_replans_and_resumes(reference, tmp_path):
     """Agent 1's processes are killed (its rank frozen at hand-over first, so it never trains): agent 0's
     next attempt plans for its own device and loads the checkpoint of iteration 2, saved under the plan
@@ -224,65 +309,6 @@ def test_an_agent_joins_and_the_job_replans_for_both_and_resumes(reference, tmp_
     assert sorted(resumed) == [5, 6], both[-6000:]
     for iteration, loss in resumed.items():
         assert abs(loss - uninterrupted[iteration]) <= LOSS_TOLERANCE, (iteration, loss, uninterrupted)
-
-
-# --- the deterministic emulation with each agent's own devices ----------------------------------------
-
-MODEL = "llama3-8b"
-EMULATED = [*JOB, "--poseidon-emulate-model", MODEL, "--poseidon-micro-batch-sizes", "1", "--poseidon-timeout", "90"]
-
-
-def _emulation_scale(emulate: str, world_size: int, host_factor: float = 1.0) -> float:
-    """The automatic SCALE of the whole job's deterministic emulation (every rank must build this one) on a host
-    ``host_factor`` times slower than the reference."""
-    from poseidon_plugin.emulation.harness import deterministic_state
-    from poseidon_plugin.runtime.job_flags import effective_global_batch, read_job
-    from poseidon_plugin.runtime.job_spec import job_name, model_spec
-
-    flags = read_job(SCRIPT, JOB)
-    gbs = effective_global_batch(flags, world_size)
-    return deterministic_state(emulate=emulate, emulate_model=MODEL, rank=0, world_size=world_size,
-                               num_layers=flags.num_layers, global_batch=gbs, micro_batch_size=flags.micro_batch_size,
-                               job_model=model_spec(flags, global_batch_size=gbs, name=job_name(SCRIPT, flags)),
-                               host_factor=host_factor).scale
-
-
-def _emulation_lines(output: str) -> dict[int, tuple[str, str]]:
-    return {int(rank): (device, scale) for rank, device, scale in re.findall(
-        r"^poseidon\[rank (\d)\]: (A2-\d) \(emulated\) on \S+, local rank 0, deterministic emulation of "
-        rf"{MODEL} x(\S+) ", output, re.M)}
-
-
-SLOW_HOST = HOST_FACTOR_ENV
-
-
-def test_agents_declaring_their_own_devices_emulate_the_whole_job_deterministically(tmp_path):
-    """--poseidon-emulate-model with --poseidon-emulate given per agent failed before any process started (it
-    needed the whole job's devices before the ranks met): each agent's list is now gathered at inventory and
-    every rank builds the emulation of the union (one SCALE, one cluster), then the job plans and trains.
-    Agent 1's host runs 2x slower than agent 0's (poseidon-run's timing, pinned here): both emulate with it."""
-    results = finish_all(launch(tmp_path, [EMULATED, EMULATED], nnodes="2", torchrun=["--rdzv-id", "emulated"],
-                                envs=[{}, {SLOW_HOST: "2"}]))
-    both = results[0][1] + results[1][1]
-    assert [code for code, _ in results] == [0, 0], both[-6000:]
-    scale = f"{_emulation_scale(','.join(OWN), 2, host_factor=2.0):.4g}"
-    assert scale != f"{_emulation_scale(','.join(OWN), 2):.4g}"  # the slower host's, not agent 0's
-    assert _emulation_lines(both) == {0: ("A2-4", scale), 1: ("A2-2", scale)}, both[-6000:]
-    assert len(re.findall(r"^poseidon: Poseidon plan:", both, re.M)) == 1, both[-6000:]  # one plan, rank 0's
-    assert len(iteration_losses(both)) == 3, both[-6000:]
-
-
-def test_agents_on_hosts_of_different_speed_agree_on_the_slowest(tmp_path):
-    """Every agent declares the whole job's devices; each built its emulation from its own host's factor at
-    start-up, and at inventory the ranks of the faster host rebuild theirs with the slower host's (one SCALE)."""
-    whole = ",".join(OWN)
-    results = finish_all(launch(tmp_path, [[*EMULATED, "--poseidon-dry-run"]] * 2, owns=[whole, whole], nnodes="2",
-                                torchrun=["--rdzv-id", "emulated-hosts"], envs=[{SLOW_HOST: "2"}, {}]))
-    both = results[0][1] + results[1][1]
-    assert [code for code, _ in results] == [0, 0], both[-6000:]
-    scale = f"{_emulation_scale(whole, 2, host_factor=2.0):.4g}"
-    assert _emulation_lines(both) == {0: ("A2-4", scale), 1: ("A2-2", scale)}, both[-6000:]
-    assert re.search(r"^poseidon: emulation: this host runs the ranks' CPU work 2x slower", both, re.M), both[-6000:]
 
 
 def test_an_agent_leaves_a_deterministically_emulated_job_and_the_survivor_replans(tmp_path):
