@@ -24,6 +24,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
+from tests.dist.conftest import in_background, selected  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MCORE012 = os.path.join(REPO, ".cache", "mcore012")
 STANDINS = os.path.join(REPO, "tests", "standins")
@@ -148,8 +150,25 @@ def _check(cases: list[dict], out: dict) -> None:
     assert unpatched["standin"]["1/0"] == [[3, "moe"]]
 
 
-def test_layer_identity_on_installed_core():
-    cases, out = _run(None)
+INSTALLED_TEST = "test_layer_identity_on_installed_core"
+CORE_012_TEST = "test_layer_identity_on_megatron_core_012"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def identity_runs(request):
+    """Both cores' interpreters, started together with the module's first test (they check no timing):
+    stack -> the future of :func:`_run`'s results."""
+    calls = {}
+    if selected(request, INSTALLED_TEST):
+        calls[None] = lambda: _run(None)
+    if selected(request, CORE_012_TEST) and os.path.isdir(MCORE012):
+        calls[MCORE012] = lambda: _run(MCORE012)
+    with in_background(calls) as runs:
+        yield runs
+
+
+def test_layer_identity_on_installed_core(identity_runs):
+    cases, out = identity_runs[None].result()
     assert not out["version"].startswith("0.12")
     _check(cases, out)
 
@@ -157,8 +176,8 @@ def test_layer_identity_on_installed_core():
 @pytest.mark.skipif(not os.path.isdir(MCORE012), reason=(
     "megatron-core 0.12.2 (MindSpeed-LLM's core) not provided; install it with: pip install --no-deps "
     "--target .cache/mcore012 megatron-core==0.12.2"))
-def test_layer_identity_on_megatron_core_012():
-    cases, out = _run(MCORE012)
+def test_layer_identity_on_megatron_core_012(identity_runs):
+    cases, out = identity_runs[MCORE012].result()
     assert out["version"].startswith("0.12"), out["version"]
     _check(cases, out)
 

@@ -21,6 +21,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
+from tests.dist.conftest import in_background, selected  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MCORE012 = os.path.join(REPO, ".cache", "mcore012")
 H, FFN = 32, 128
@@ -136,17 +138,33 @@ needs_012 = pytest.mark.skipif(not os.path.isdir(MCORE012), reason=(
     "--target .cache/mcore012 megatron-core==0.12.2"))
 
 
+INSTALLED_TEST = "test_builder_and_measure_on_installed_core"
+CORE_012_TEST = "test_builder_and_measure_on_megatron_core_012"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def builder_runs(request, tmp_path_factory):
+    """Every case's interpreter, all started with the module's first test (each on a port of its own; what
+    they check does not depend on the load): ``(stack, world)`` -> the future of :func:`_run`'s results."""
+    stacks = ([None] if selected(request, INSTALLED_TEST) else []) + (
+        [MCORE012] if selected(request, CORE_012_TEST) and os.path.isdir(MCORE012) else [])
+    calls = {(stack, world): (lambda stack=stack, world=world, tmp=tmp_path_factory.mktemp("case"): _run(tmp, stack, world))
+             for stack in stacks for world in (1, 2)}
+    with in_background(calls) as runs:
+        yield runs
+
+
 @pytest.mark.parametrize("world", [1, 2], ids=["tp1", "tp2"])
-def test_builder_and_measure_on_installed_core(tmp_path, world):
-    results = _run(tmp_path, None, world)
+def test_builder_and_measure_on_installed_core(builder_runs, world):
+    results = builder_runs[None, world].result()
     assert results[0]["features"]["gpt_pg_collection"] and results[0]["features"]["layout"]
     _check(results, world)
 
 
 @needs_012
 @pytest.mark.parametrize("world", [1, 2], ids=["tp1", "tp2"])
-def test_builder_and_measure_on_megatron_core_012(tmp_path, world):
-    results = _run(tmp_path, MCORE012, world)
+def test_builder_and_measure_on_megatron_core_012(builder_runs, world):
+    results = builder_runs[MCORE012, world].result()
     assert results[0]["version"].startswith("0.12"), results[0]["version"]
     features = results[0]["features"]
     # What the builder had to work around on this core, found by inspection.
