@@ -33,7 +33,7 @@ from poseidon_plugin.runtime.placement import planned_layers  # noqa: E402
 from poseidon_plugin.runtime.job_spec import model_spec  # noqa: E402
 from poseidon_plugin.runtime.watch import ranges  # noqa: E402
 from poseidon_plugin.specs import parse_cluster  # noqa: E402
-from tests.dist.conftest import REFERENCE_HOST  # noqa: E402
+from tests.dist.conftest import REFERENCE_HOST, free_port, in_background, selected  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MCORE012 = os.path.join(REPO, ".cache", "mcore012")
@@ -142,21 +142,44 @@ def repatch(config):
 '''
 
 
-def test_profiling_search_and_start_up_order_with_an_adaptor_on_core_012(tmp_path):
-    """The whole flow without a saved plan (probe, profile on 0.12.2, search, apply, train), with a recording
-    adaptor on the path so that ``auto`` picks the mindspeed style: the adaptor is imported before any megatron
-    module with the user's argv, then repatched with the planned argv before Poseidon's layer table."""
+ADAPTOR_TEST = "test_profiling_search_and_start_up_order_with_an_adaptor_on_core_012"
+
+
+def _adaptor_launch(tmp_path) -> tuple[int, str]:
+    """The adaptor test's launch (on a --master-port of its own: it runs beside the module's other launches)."""
     package = tmp_path / "adaptor" / "mindspeed_llm"
     (package / "tasks").mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "tasks" / "__init__.py").write_text("")
     (package / "tasks" / "megatron_adaptor_v2.py").write_text(_RECORDING_ADAPTOR)
-    saved = tmp_path / "plan.json"
     env = {"PYTHONPATH": os.pathsep.join([MCORE012, REPO, str(tmp_path / "adaptor")]),
            "ADAPTOR_LOG": str(tmp_path / "adaptor.log")}
-    code, out = poseidon_run(["--nproc-per-node", "2", SCRIPT, *JOB, "--poseidon-emulate", "A2-2:1,A2-4:1",
-                              "--poseidon-micro-batch-sizes", "1", "--poseidon-profile-iters", "2",
-                              "--poseidon-profile-warmup", "1", "--poseidon-save-plan", str(saved)], tmp_path, env=env)
+    return poseidon_run(["--nproc-per-node", "2", "--master-port", str(free_port()), SCRIPT, *JOB,
+                         "--poseidon-emulate", "A2-2:1,A2-4:1", "--poseidon-micro-batch-sizes", "1",
+                         "--poseidon-profile-iters", "2", "--poseidon-profile-warmup", "1",
+                         "--poseidon-save-plan", str(tmp_path / "plan.json")], tmp_path, env=env)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def adaptor_launch(request, tmp_path_factory):
+    """The adaptor test's launch, started with the module's first test (what it checks is read from its output
+    and the adaptor's records, no timing): ``(folder, future of (exit code, output))``."""
+    calls = {}
+    tmp = None
+    if selected(request, ADAPTOR_TEST) and os.path.isdir(MCORE012):
+        tmp = tmp_path_factory.mktemp("adaptor")
+        calls[ADAPTOR_TEST] = lambda: _adaptor_launch(tmp)
+    with in_background(calls) as launches:
+        yield tmp, launches.get(ADAPTOR_TEST)
+
+
+def test_profiling_search_and_start_up_order_with_an_adaptor_on_core_012(adaptor_launch):
+    """The whole flow without a saved plan (probe, profile on 0.12.2, search, apply, train), with a recording
+    adaptor on the path so that ``auto`` picks the mindspeed style: the adaptor is imported before any megatron
+    module with the user's argv, then repatched with the planned argv before Poseidon's layer table."""
+    tmp_path, launch = adaptor_launch
+    saved = tmp_path / "plan.json"
+    code, out = launch.result()
     assert code == 0, out[-6000:]
     measured = re.search(r"profile: cache: reused 0 of (\d+) configurations", out)
     assert measured and int(measured.group(1)) >= 2, out[-3000:]
