@@ -194,3 +194,15 @@ def in_background(calls: dict[Any, Callable[[], Any]]) -> Iterator[dict[Any, Fut
     launches running at once each need a rendezvous port of their own (``--master-port``, :func:`free_port`)."""
     with ThreadPoolExecutor(max(1, len(calls))) as pool:
         yield {key: pool.submit(call) for key, call in calls.items()}
+
+
+def module_launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                   launches: dict[str, Callable[[Any], Any]]):
+    """:func:`in_background` of ``launches[name](a fresh temporary folder)`` for each test ``name`` of the
+    requesting module that this session runs (keyed by the test's name)."""
+    calls = {}
+    for name, launch in launches.items():
+        if selected(request, name):
+            tmp = tmp_path_factory.mktemp(name[:40])
+            calls[name] = lambda launch=launch, tmp=tmp: launch(tmp)
+    return in_background(calls)

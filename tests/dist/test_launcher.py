@@ -25,7 +25,7 @@ from poseidon_plugin.runtime.placement import planned_layers  # noqa: E402
 from poseidon_plugin.runtime.job_spec import model_spec  # noqa: E402
 from poseidon_plugin.runtime.watch import ranges  # noqa: E402
 from poseidon_plugin.specs import load_profile, parse_cluster  # noqa: E402
-from tests.dist.conftest import REFERENCE_HOST, free_port, in_background, selected  # noqa: E402
+from tests.dist.conftest import REFERENCE_HOST, free_port, module_launches  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = "scripts/pretrain_gpt.py"
@@ -182,10 +182,7 @@ def _cache_launches(tmp_path) -> tuple[str, str, tuple[int, str], tuple[int, str
 def cache_launches(request, tmp_path_factory):
     """The cache test's launches, started with the module's first test: they run beside the module's other
     launches (what the test checks is read from their output and files, no timing)."""
-    calls = {}
-    if selected(request, CACHE_TEST):
-        calls[CACHE_TEST] = lambda tmp=tmp_path_factory.mktemp("cache"): _cache_launches(tmp)
-    with in_background(calls) as launches:
+    with module_launches(request, tmp_path_factory, {CACHE_TEST: _cache_launches}) as launches:
         yield launches
 
 

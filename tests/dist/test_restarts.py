@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from tests.dist.conftest import REFERENCE_HOST, free_port, in_background, selected  # noqa: E402
+from tests.dist.conftest import REFERENCE_HOST, free_port, module_launches  # noqa: E402
 from tests.dist.test_launcher import JOB, REPO, SCRIPT, emulated_plan, losses  # noqa: E402
 
 AGENTS_TIMEOUT_S = 300
@@ -81,10 +81,7 @@ def background_launches(request, tmp_path_factory):
     no timing, and reads both agents' output together (whichever joined first). Its test waits for it before
     the launches whose agents must join in the order they start and the exit-barrier tests (which time
     torchrun's barrier): those run alone, as before."""
-    calls = {}
-    if selected(request, SHARED_STAMPS_TEST):
-        calls[SHARED_STAMPS_TEST] = lambda tmp=tmp_path_factory.mktemp("stamps"): _shared_stamps_launch(tmp)
-    with in_background(calls) as launches:
+    with module_launches(request, tmp_path_factory, {SHARED_STAMPS_TEST: _shared_stamps_launch}) as launches:
         yield launches
 
 

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from tests.dist.conftest import free_port, in_background, selected  # noqa: E402
+from tests.dist.conftest import free_port, module_launches  # noqa: E402
 from tests.dist.test_launcher import JOB, SCRIPT, emulated_plan, poseidon_run  # noqa: E402
 
 LOSS_TOLERANCE = 2e-4
@@ -90,10 +90,7 @@ def _padding_launches(tmp_path) -> tuple[str, tuple[int, str], tuple[int, str], 
 def padding_launches(request, tmp_path_factory):
     """The padding test's launches, started with the module's first test: they run beside the other test's
     launches (their losses do not depend on the load; neither test checks a timing)."""
-    calls = {}
-    if selected(request, PADDING_TEST):
-        calls[PADDING_TEST] = lambda tmp=tmp_path_factory.mktemp("padding"): _padding_launches(tmp)
-    with in_background(calls) as launches:
+    with module_launches(request, tmp_path_factory, {PADDING_TEST: _padding_launches}) as launches:
         yield launches
 
 
