@@ -629,17 +629,20 @@ class SearchRun:
             return self.parallel_race(sg, splitter, vec, tau, resume)
         return self.race(sg, splitter, vec, tau, budget, resume)
 
+    def twin(self, sg: ShapeGroup):
+        """The group's walk in pipeline order, a race's other walk (kept per group: a race resumes it)."""
+        walk = self._twins.get(sg.key)
+        if walk is None:
+            walk = self._twins[sg.key] = self.splitter(sg, backward=False)
+        return walk
+
     def parallel_race(self, sg: ShapeGroup, splitter, vec, tau: float, resume: bool):
         """:meth:`race` in two processes (``search/shared_walk.raced_run``): the leading walk goes alone for
         RACE_AT nodes, as in the race; then the other walk runs in a forked child beside it, both to their
         end below the best plan either found, and the first to end closes the structure (the next race
         leads with its order). The clock stops both; the leading walk resumes where it stopped."""
-        key = sg.key
-        self._races.pop(key, None)          # a race in one process left for this one: its legs are not kept
-        twin = self._twins.get(key)
-        if twin is None:
-            twin = self._twins[key] = self.splitter(sg, backward=False)
-        walks = (splitter, twin)
+        self._races.pop(sg.key, None)       # a race in one process left for this one: its legs are not kept
+        walks = (splitter, self.twin(sg))
         lead = self.race_leader
         first = walks[lead].run(vec, tau, deadline=self.split_deadline, max_nodes=RACE_AT,
                                 resume=resume if lead == 0 else True)
@@ -694,9 +697,7 @@ class SearchRun:
                 leg = min(leg, left)
             limit = min(tau, best * self.shrink)
             if w == 1:
-                walk = self._twins.get(key)
-                if walk is None:
-                    walk = self._twins[key] = self.splitter(sg, backward=False)
+                walk = self.twin(sg)
                 again = walk.can_resume(vec, limit)
             else:
                 walk, again, ran = splitter, resume or ran, True

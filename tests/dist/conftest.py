@@ -197,7 +197,7 @@ def in_background(calls: dict[Any, Callable[[], Any]]) -> Iterator[dict[Any, Fut
 
 
 def module_launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-                   launches: dict[str, Callable[[Any], Any]]):
+                    launches: dict[str, Callable[[Any], Any]]):
     """:func:`in_background` of ``launches[name](a fresh temporary folder)`` for each test ``name`` of the
     requesting module that this session runs (keyed by the test's name)."""
     calls = {}

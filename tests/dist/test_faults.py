@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from tests.dist.conftest import free_port, in_background, selected  # noqa: E402
+from tests.dist.conftest import free_port, module_launches  # noqa: E402
 from tests.dist.test_launcher import JOB, SCRIPT, emulated_plan, poseidon_run  # noqa: E402
 
 TWO = ["--nproc-per-node", "2", SCRIPT, *JOB, "--poseidon-emulate", "A2-2:1,A2-4:1"]
@@ -26,15 +26,12 @@ def frozen_launch(request, tmp_path_factory):
     """The launch of :func:`test_frozen_rank_is_named_while_waiting_and_at_the_timeout`, started with the
     module's first test: it spends most of its time idle (rank 1 stopped, rank 0 waiting out the 25 s
     timeout), so it runs beside the module's other launches instead of after them. It gets a rendezvous port
-    of its own (``--master-port``; the others use torchrun's default). None when that test is not selected."""
-    if not selected(request, FROZEN_TEST):
-        yield None
-        return
-    tmp = tmp_path_factory.mktemp("frozen")
-    args = ["--master-port", str(free_port()), *TWO, "--poseidon-timeout", "25"]
-    with in_background({FROZEN_TEST: lambda: poseidon_run(args, tmp, env={"POSEIDON_INJECT_FAULT": "profiling:1:stop"})}
-                       ) as launches:
-        yield launches[FROZEN_TEST]
+    of its own (``--master-port``; the others use torchrun's default)."""
+    def launch(tmp):
+        return poseidon_run(["--master-port", str(free_port()), *TWO, "--poseidon-timeout", "25"], tmp,
+                            env={"POSEIDON_INJECT_FAULT": "profiling:1:stop"})
+    with module_launches(request, tmp_path_factory, {FROZEN_TEST: launch}) as launches:
+        yield launches
 
 
 def _error_lines(out: str) -> dict[str, str]:
@@ -118,7 +115,7 @@ def test_a_failure_on_the_rank_hosting_the_store_reaches_every_rank(tmp_path, ph
 
 # last: its launch (fixture frozen_launch) has then had the other launches' time to reach its timeout
 def test_frozen_rank_is_named_while_waiting_and_at_the_timeout(frozen_launch):
-    code, out = frozen_launch.result()
+    code, out = frozen_launch[FROZEN_TEST].result()
     assert code != 0
     assert re.search(r"^poseidon\[rank 0\]: profiling is waiting for rank 1 \(pid \d+ on \S+\): silent for \d+ s "
                      r"\(stopped, hung or dead\); it fails when the timeout \(--poseidon-timeout\) runs out$",
